@@ -1,0 +1,219 @@
+# Copyright 2026 The hf-mohd Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""MoHD (Mixture of Hidden Dimensions, arXiv 2412.05644) model configuration."""
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+from transformers.utils import auto_docstring
+from transformers.utils.type_validators import interval
+
+
+SPARSE_MODULES = ("attention", "ffn")
+ACTIVATION_SCALINGS = ("inverse_active", "none")
+ROUTED_GATES = ("softmax", "normalized")
+GROUP_FUSIONS = ("mix", "none")
+SPARSE_IMPLEMENTATIONS = ("masked", "gather")
+
+# DESIGN section 3, "Presets from a base LLaMA shape": (width multiplier, N, N_s, k).
+MOHD_PRESETS = {
+    "compression_50": (1, 16, 6, 2),
+    "compression_75": (1, 16, 9, 3),
+    "expansion_x2": (2, 16, 6, 2),
+    "expansion_x3": (3, 24, 6, 2),
+    "expansion_x4": (4, 32, 6, 2),
+}
+
+
+@auto_docstring(
+    checkpoint="hf-mohd/mohd-tiny",
+    custom_intro="""
+    Configuration of a MoHD decoder: a LLaMA model whose residual width `hidden_size` is split into `num_sub_dims`
+    equal sub-dimensions (blocks). Blocks `0 .. num_shared_sub_dims - 1` are shared (always active); a router per
+    sparsified sublayer activates `num_routed_sub_dims_per_tok` of the others per token (DESIGN section 3,
+    "Layer definition (v1, pinned)"). With every block shared the model is LLaMA.
+    """,
+)
+@strict
+class MoHDConfig(PreTrainedConfig):
+    r"""
+    num_sub_dims (`int`, *optional*, defaults to 16):
+        N, number of sub-dimensions; must divide `hidden_size` (the rebuttal's best: 16 blocks).
+    num_shared_sub_dims (`int`, *optional*, defaults to 6):
+        N_s, always-active blocks (the first N_s), 0 <= N_s <= N.
+    num_routed_sub_dims_per_tok (`int`, *optional*, defaults to 2):
+        k, routed blocks a token activates, 1 <= k <= N - N_s (0 only when N_s = N).
+    sparse_modules (`list[str]`, *optional*, defaults to `["attention", "ffn"]`):
+        Sublayers whose projections read/write only active blocks; others stay dense and have no router.
+    activation_scaling (`str`, *optional*, defaults to `"inverse_active"`):
+        "inverse_active" scales the active outputs by alpha = N / (N_s + k) (rebuttal Lemma 1), "none" by 1.
+    routed_gate (`str`, *optional*, defaults to `"softmax"`):
+        Input gate of a selected routed block: "softmax" = p_j, "normalized" = k p_j / sum of selected p.
+    group_fusion (`str`, *optional*, defaults to `"mix"`):
+        "mix": an N x N identity-initialised matrix mixes the output blocks; "none": no fusion.
+    router_aux_loss_coef (`float`, *optional*, defaults to 0.01):
+        Weight of the sub-dimension load-balance loss added to the LM loss when `output_router_logits`.
+    output_router_logits (`bool`, *optional*, defaults to `False`):
+        Whether to output the router logits and add the aux loss to the loss.
+    sparse_implementation (`str`, *optional*, defaults to `"gather"`):
+        "masked": dense matmuls with the mask (reference); "gather": only active blocks are computed.
+
+    Example:
+
+    ```python
+    >>> from hf_mohd import MoHDConfig, MoHDForCausalLM
+    >>> config = MoHDConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
+    >>> model = MoHDForCausalLM(config)
+    ```
+    """
+
+    model_type = "mohd"
+    keys_to_ignore_at_inference = ["cache"]
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = interval(min=0.0, max=1.0)(default=0.02)
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    attention_bias: bool = False
+    attention_dropout: int | float | None = 0.0
+    mlp_bias: bool = False
+    num_sub_dims: int = 16
+    num_shared_sub_dims: int = 6
+    num_routed_sub_dims_per_tok: int = 2
+    sparse_modules: list[str] | tuple[str, ...] | None = None
+    activation_scaling: str = "inverse_active"
+    routed_gate: str = "softmax"
+    group_fusion: str = "mix"
+    router_aux_loss_coef: float = 0.01
+    output_router_logits: bool = False
+    sparse_implementation: str = "gather"
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        self.sparse_modules = list(SPARSE_MODULES if self.sparse_modules is None else self.sparse_modules)
+        super().__post_init__(**kwargs)
+        # `@strict` wraps errors of `validate_*` in its own exception type; checking here first gives users the
+        # plain `ValueError` naming the field. The class validator below runs the same (cheap) checks again.
+        self.validate_architecture()
+
+    @property
+    def sub_dim_size(self) -> int:
+        """s = hidden_size / num_sub_dims, the width of one sub-dimension block."""
+        return self.hidden_size // self.num_sub_dims
+
+    @property
+    def num_routed_sub_dims(self) -> int:
+        """N_r = num_sub_dims - num_shared_sub_dims, blocks the router chooses from."""
+        return self.num_sub_dims - self.num_shared_sub_dims
+
+    @property
+    def num_active_sub_dims(self) -> int:
+        """n_a = N_s + k, blocks active per token."""
+        return self.num_shared_sub_dims + self.num_routed_sub_dims_per_tok
+
+    def validate_architecture(self):
+        """Cross-field rules; each `ValueError` names the field and the allowed values."""
+        for name in ("hidden_size", "num_sub_dims", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)!r}.")
+        if self.hidden_size % self.num_sub_dims != 0:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_sub_dims` ({self.num_sub_dims})."
+            )
+        if not 0 <= self.num_shared_sub_dims <= self.num_sub_dims:
+            raise ValueError(
+                f"`num_shared_sub_dims` must be in [0, num_sub_dims={self.num_sub_dims}], "
+                f"got {self.num_shared_sub_dims}."
+            )
+        routed = self.num_sub_dims - self.num_shared_sub_dims
+        low = 1 if routed > 0 else 0
+        if not low <= self.num_routed_sub_dims_per_tok <= routed:
+            raise ValueError(
+                f"`num_routed_sub_dims_per_tok` must be in [{low}, {routed}] (the routed count num_sub_dims - "
+                f"num_shared_sub_dims), got {self.num_routed_sub_dims_per_tok}."
+            )
+        unknown = [m for m in self.sparse_modules if m not in SPARSE_MODULES]
+        if unknown or len(set(self.sparse_modules)) != len(self.sparse_modules):
+            raise ValueError(
+                f"`sparse_modules` must be distinct names from {list(SPARSE_MODULES)}, got {self.sparse_modules}."
+            )
+        for name, allowed in (
+            ("activation_scaling", ACTIVATION_SCALINGS),
+            ("routed_gate", ROUTED_GATES),
+            ("group_fusion", GROUP_FUSIONS),
+            ("sparse_implementation", SPARSE_IMPLEMENTATIONS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"`{name}` must be one of {list(allowed)}, got {getattr(self, name)!r}.")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of `num_key_value_heads` "
+                f"({self.num_key_value_heads})."
+            )
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(f"`router_aux_loss_coef` must be >= 0, got {self.router_aux_loss_coef}.")
+
+    @classmethod
+    def from_llama_config(cls, base_config, preset: str, **overrides) -> "MoHDConfig":
+        """MoHD config of one of the paper's settings built from a base LLaMA shape (DESIGN section 3 presets).
+
+        Args:
+            base_config: a `LlamaConfig` (or any config with LLaMA fields) giving d, heads, head_dim, intermediate.
+            preset: one of "compression_50", "compression_75", "expansion_x2", "expansion_x3", "expansion_x4".
+            overrides: any other `MoHDConfig` field (they win over the preset).
+
+        Raises:
+            ValueError: unknown preset, or a base width the preset's `num_sub_dims` does not divide.
+        """
+        if preset not in MOHD_PRESETS:
+            raise ValueError(f"`preset` must be one of {list(MOHD_PRESETS)}, got {preset!r}.")
+        multiplier, num_sub_dims, num_shared, top_k = MOHD_PRESETS[preset]
+        base = base_config.to_dict()
+        fields = {name: base[name] for name in cls.__dataclass_fields__ if name in base and name != "model_type"}
+        for name in ("transformers_version", "architectures", "dtype"):
+            fields.pop(name, None)
+        fields.update(
+            hidden_size=multiplier * base_config.hidden_size,
+            head_dim=getattr(base_config, "head_dim", None)
+            or base_config.hidden_size // base_config.num_attention_heads,
+            num_sub_dims=num_sub_dims,
+            num_shared_sub_dims=num_shared,
+            num_routed_sub_dims_per_tok=top_k,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+
+__all__ = ["MoHDConfig"]

@@ -1,0 +1,345 @@
+# Copyright 2026 The hf-mohd Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Pieces shared by the MoHD and LatentMoE families: norm, rotary, attention, MLP, routing helpers.
+
+Shape legend used in this package: B batch, T tokens in this forward, S cached + new tokens, D hidden_size,
+M = B * T flattened tokens, N sub-dimensions (MoHD) or experts (LatentMoE), k routed picks per token.
+
+This file is copied next to the weights by `save_pretrained` (remote code), so it imports only `torch`,
+`transformers` and same-folder siblings.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.cache_utils import DynamicCache, StaticCache
+from transformers.integrations import moe as transformers_moe
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, logging
+
+from .routing_cache import RoutingCache
+
+
+logger = logging.get_logger(__name__)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm as in LLaMA (`LlamaRMSNorm`): x / rms(x) * weight, computed in fp32 at least."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoPE), identical to `LlamaRotaryEmbedding` (one instance per model)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.config = config
+        self.rope_type = config.rope_parameters["rope_type"]
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies 1 / theta^(2i / head_dim) of the original RoPE; returns (inv_freq, 1.0)."""
+        base = config.rope_parameters["rope_theta"]
+        dim = config.head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+
+    @dynamic_rope_update
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def rotate_half(x):
+    """Rotates half the hidden dims of the input."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """Applies RoPE to q and k of shape (B, heads, T, head_dim); cos/sin are (B, T, head_dim)."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, kv_heads, S, head_dim) -> (B, kv_heads * n_rep, S, head_dim), as `torch.repeat_interleave` on dim 1."""
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+):
+    """Reference attention (softmax(QK^T * scaling + mask) V), as in `modeling_llama.eager_attention_forward`."""
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+    attn_output = attn_output.transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+class Attention(nn.Module):
+    """LLaMA multi-head attention with GQA and RoPE; the core (`attend`) is shared with the sparse variants.
+
+    `q_proj` reads `hidden_size` columns and `o_proj` writes `hidden_size` rows; heads x head_dim is independent
+    of `hidden_size` (MoHD expansion keeps the base heads while widening the residual stream).
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        self.q_proj = nn.Linear(
+            config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
+        )
+
+    def attend(
+        self,
+        query_states: torch.Tensor,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None,
+        cache=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T, heads * head_dim) projections -> (B, T, heads * head_dim) attention output and weights.
+
+        Applies RoPE when `position_embeddings` is given (None means no positional embedding, as in Nemotron-H),
+        updates the key/value cache, then dispatches through `ALL_ATTENTION_FUNCTIONS`.
+        """
+        input_shape = query_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = query_states.view(hidden_shape).transpose(1, 2)
+        key_states = key_states.view(hidden_shape).transpose(1, 2)
+        value_states = value_states.view(hidden_shape).transpose(1, 2)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        return attn_output.reshape(*input_shape, -1).contiguous(), attn_weights
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attn_output, attn_weights = self.attend(
+            self.q_proj(hidden_states),
+            self.k_proj(hidden_states),
+            self.v_proj(hidden_states),
+            position_embeddings,
+            attention_mask,
+            cache=cache,
+            **kwargs,
+        )
+        return self.o_proj(attn_output), attn_weights
+
+
+class MLP(nn.Module):
+    """Feed-forward block: `down(act(gate(x)) * up(x))` when `mlp_gated` (SwiGLU with silu, as LLaMA), else
+    `down(act(up(x)))` (e.g. relu2, as Nemotron-H). The form is fixed once in `__init__`.
+
+    Args:
+        config: a config with `hidden_size`, `intermediate_size`, `hidden_act`, optionally `mlp_gated`
+            (default True) and `mlp_bias` (default False).
+        intermediate_size: overrides `config.intermediate_size` (shared experts, per-layer widths).
+    """
+
+    def __init__(self, config, intermediate_size: int | None = None):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        # CODEPATH: Nemotron-H style checkpoints use a non-gated MLP (relu2); LLaMA style uses SwiGLU.
+        self.gate_proj = (
+            nn.Linear(self.hidden_size, self.intermediate_size, bias=bias)
+            if getattr(config, "mlp_gated", True)
+            else None
+        )
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def activate(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up for the gated form, act(up) otherwise; shapes (..., intermediate_size)."""
+        if gate is None:
+            return self.act_fn(up)
+        return self.act_fn(gate) * up
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        gate = self.gate_proj(hidden_states) if self.gate_proj is not None else None
+        return self.down_proj(self.activate(gate, self.up_proj(hidden_states)))
+
+
+def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (..., k) of the k largest `scores` along the last dim; ties go to the lower index.
+
+    `torch.topk` does not promise an order among equal values; a stable descending sort does, which makes
+    routing deterministic across execution paths and devices (DESIGN section 3, step 2).
+    """
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def grouped_matmul(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Grouped matmul: rows `offsets[g-1]:offsets[g]` of `inputs` (R, K) times `weight[g]` (G, K, O) -> (R, O).
+
+    Uses `torch.nn.functional.grouped_mm` (CPU and CUDA kernels in torch >= 2.10, float32/bf16/fp16) and falls
+    back to transformers' registered loop operator for other dtypes (float64 in equivalence tests).
+    """
+    if inputs.dtype == torch.float64:
+        return torch.ops.transformers.grouped_mm_fallback(inputs, weight, offsets)
+    return transformers_moe._grouped_mm(inputs, weight, offsets)
+
+
+def load_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...] | None,
+    top_k: int,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    r"""Switch-Transformer load-balance loss, computed per router and averaged over routers.
+
+    For one router with E choices and top-k selection over the counted (non-padding) tokens:
+    f_j = (tokens selecting j) / (tokens * k), P_j = mean_t softmax(logits_t)_j, L = E * sum_j f_j P_j,
+    which is 1.0 under perfect balance (Fedus et al. 2021, eqs. 4-6; DESIGN section 3, step 7). Selection uses
+    `topk_lower_index`, the routers' own tie rule.
+
+    Args:
+        router_logits: one (B*T, E) tensor per router, as recorded by `OutputRecorder`.
+        top_k: routed picks per token (k).
+        attention_mask: (B, S) with 1 for real tokens; its last T columns select the counted tokens.
+
+    Returns:
+        A scalar tensor (fp32 or wider), or None when no router was recorded.
+    """
+    if not router_logits:
+        return None
+    losses = []
+    for logits in router_logits:
+        probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        num_choices = probs.shape[-1]
+        if attention_mask is None:
+            token_weight = torch.ones(probs.shape[0], dtype=probs.dtype, device=probs.device)
+        else:
+            tokens = probs.shape[0] // attention_mask.shape[0]
+            token_weight = attention_mask[:, -tokens:].reshape(-1).to(device=probs.device, dtype=probs.dtype)
+        selected = topk_lower_index(probs, top_k)
+        counts = torch.zeros(num_choices, dtype=probs.dtype, device=probs.device).scatter_add_(
+            0, selected.reshape(-1), token_weight.repeat_interleave(top_k)
+        )
+        num_tokens = token_weight.sum()
+        fraction_routed = counts / (num_tokens * top_k)
+        mean_prob = (probs * token_weight[:, None]).sum(0) / num_tokens
+        losses.append(num_choices * torch.sum(fraction_routed * mean_prob))
+    return torch.stack(losses).mean()
+
+
+class RoutingGenerationMixin:
+    """Makes `generate` use a `RoutingCache` (key/value cache plus routing record) by default.
+
+    `GenerationMixin._prepare_cache_for_generation` builds a plain `DynamicCache`; this swaps it for a
+    `RoutingCache` with the same layer structure (DESIGN section 5). A static cache keeps working, without a record.
+    """
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        user_cache = model_kwargs.get("cache")
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("cache")
+        if user_cache is None and type(cache) is DynamicCache and not cache.offloading:
+            model_kwargs["cache"] = RoutingCache(config=self.config.get_text_config(decoder=True))
+            if generation_config.is_assistant:
+                model_kwargs["cache"].activate_past_recording()
+        elif isinstance(cache, StaticCache):
+            logger.warning_once(
+                "A static cache keeps keys and values only: the routing record (indices and weights per token) is "
+                "not available with cache_implementation='static'. Use the default cache to read it."
+            )

@@ -1,0 +1,86 @@
+# Copyright 2026 The hf-mohd Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Key/value cache that also keeps the routing record of every cached position (DESIGN section 5)."""
+
+from typing import NamedTuple
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+
+class RoutingRecord(NamedTuple):
+    """Routing of one router for a span of tokens.
+
+    Attributes:
+        indices: (B, S, k) int64, absolute ids (MoHD: sub-dimension block 0..N-1; LatentMoE: expert 0..E-1).
+        weights: (B, S, k), the gates actually applied to those picks.
+    """
+
+    indices: torch.Tensor
+    weights: torch.Tensor
+
+
+class RoutingCache(DynamicCache):
+    """A `DynamicCache` that records, per (layer index, router name), the routing of every cached token.
+
+    Router names: "attn" and "mlp" for MoHD, "moe" for LatentMoE. The record follows the keys and values through
+    beam-search `reorder_cache`, `batch_repeat_interleave`, `batch_select_indices` and `crop` (assisted and
+    prompt-lookup decoding), so that `record[key].indices.shape[1] == get_seq_length()` at all times.
+
+    Read it with `cache.routing_record` (a dict) or `cache.get_routing(layer_idx, router)`. Pass the dict back as
+    `routing_replay=` to a forward to reuse the indices (routing replay, DESIGN section 3).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.routing_record: dict[tuple[int, str], RoutingRecord] = {}
+
+    def update_routing(self, layer_idx: int, router: str, indices: torch.Tensor, weights: torch.Tensor) -> None:
+        """Appends (B, T, k) `indices` and `weights` of the tokens of this forward to the record."""
+        key = (layer_idx, router)
+        previous = self.routing_record.get(key)
+        if previous is not None:
+            indices = torch.cat([previous.indices, indices], dim=1)
+            weights = torch.cat([previous.weights, weights.to(previous.weights.dtype)], dim=1)
+        self.routing_record[key] = RoutingRecord(indices, weights.detach())
+
+    def get_routing(self, layer_idx: int, router: str) -> RoutingRecord | None:
+        """The record of one router, or None if nothing was routed there yet."""
+        return self.routing_record.get((layer_idx, router))
+
+    def _map_record(self, fn) -> None:
+        self.routing_record = {
+            key: RoutingRecord(fn(rec.indices), fn(rec.weights)) for key, rec in self.routing_record.items()
+        }
+
+    def reset(self):
+        super().reset()
+        self.routing_record = {}
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        super().reorder_cache(beam_idx)
+        self._map_record(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if tokens_to_remove < 0:
+            self._map_record(lambda t: t[:, :tokens_to_remove])
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        self._map_record(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        super().batch_select_indices(indices)
+        self._map_record(lambda t: t[indices, ...])
