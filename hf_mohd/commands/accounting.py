@@ -1,0 +1,27 @@
+"""`hf-mohd accounting`: total / activated parameters and FLOPs per token of a saved config or a MoHD preset."""
+
+import json
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "accounting", help="Parameter and FLOP accounting of a config.json or a MoHD preset of a LLaMA config."
+    )
+    parser.add_argument("config", help="Path to a config.json (or a model folder) of MoHD or LLaMA.")
+    parser.add_argument("--preset", help="Apply a MoHD preset (e.g. compression_50) to a LLaMA config first.")
+    parser.add_argument("--context-length", type=int, default=2048, help="Context length for attention FLOPs.")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from transformers import AutoConfig
+
+    import hf_mohd  # noqa: F401  (registers model types)
+    from hf_mohd.accounting import mohd_accounting
+    from hf_mohd.models.configuration_mohd import MoHDConfig
+
+    config = AutoConfig.from_pretrained(args.config)
+    if args.preset:
+        config = MoHDConfig.from_llama_config(config, args.preset)
+    print(json.dumps(mohd_accounting(config, args.context_length).as_dict(), indent=2))
+    return 0
