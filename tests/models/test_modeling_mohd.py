@@ -1,0 +1,464 @@
+"""MoHD model tests (fast tier, tiny configs), each against an oracle: LlamaForCausalLM, the masked reference
+path, the uncached forward, a hand-computed loss, or the saved model itself."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import DynamicCache
+
+import hf_mohd  # noqa: F401  (registers the Auto classes)
+from hf_mohd import MoHDConfig, MoHDForCausalLM, RoutingCache
+from hf_mohd.accounting import mohd_accounting
+from hf_mohd.models.configuration_mohd import MOHD_PRESETS
+from hf_mohd.models.modeling_common import load_balancing_loss
+from tests.utils import run_python_without_hf_mohd
+
+
+VOCAB = 97
+LLAMA_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def mohd_config(**overrides) -> MoHDConfig:
+    fields = dict(LLAMA_SHAPE, num_sub_dims=8, num_shared_sub_dims=3, num_routed_sub_dims_per_tok=2)
+    fields.update(overrides)
+    return MoHDConfig(**fields)
+
+
+def make_model(seed: int = 0, dtype=torch.float64, **overrides) -> MoHDForCausalLM:
+    """A tiny MoHD model with perturbed (non-identity) fusion and non-zero biases, in float64 (no top-k ties)."""
+    torch.manual_seed(seed)
+    model = MoHDForCausalLM(mohd_config(**overrides)).to(dtype).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "group_fusion" in name:
+                param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.normal_(0, 0.02)
+            elif "router" in name:
+                param.normal_(0, 0.5)  # spread router probabilities so routing matters
+    return model
+
+
+def input_ids(batch=2, length=9, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+# --- LLaMA invariant -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_all_shared_equals_llama(tied, attn_implementation):
+    config = mohd_config(
+        num_shared_sub_dims=8,
+        num_routed_sub_dims_per_tok=0,
+        activation_scaling="none",
+        group_fusion="none",
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    model = MoHDForCausalLM._from_config(config, attn_implementation=attn_implementation).eval()
+    llama = LlamaForCausalLM._from_config(
+        LlamaConfig(**LLAMA_SHAPE, tie_word_embeddings=tied), attn_implementation=attn_implementation
+    ).eval()
+    missing, unexpected = llama.load_state_dict(model.state_dict(), strict=False)
+    assert not missing and not unexpected
+    ids = input_ids()
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    torch.testing.assert_close(
+        model(ids, attention_mask=mask).logits, llama(ids, attention_mask=mask).logits, atol=1e-5, rtol=0
+    )
+
+
+# --- execution paths -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"routed_gate": "normalized", "attention_bias": True, "mlp_bias": True},
+        {"group_fusion": "none", "activation_scaling": "none"},
+        {"num_shared_sub_dims": 0, "num_routed_sub_dims_per_tok": 3},
+        {"sparse_modules": ["ffn"]},
+        {"sparse_modules": ["attention"]},
+    ],
+)
+def test_masked_and_gather_agree_in_logits_and_gradients(overrides):
+    reference = make_model(sparse_implementation="masked", **overrides)
+    fast = make_model(sparse_implementation="gather", **overrides)
+    fast.load_state_dict(reference.state_dict())
+    ids = input_ids()
+    outputs = []
+    for model in (reference, fast):
+        model.zero_grad()
+        out = model(ids, labels=ids, output_router_logits=True)
+        out.loss.backward()
+        outputs.append((out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (ref_out, ref_grads), (fast_out, fast_grads) = outputs
+    torch.testing.assert_close(fast_out.logits, ref_out.logits, atol=1e-10, rtol=1e-10)
+    assert ref_grads.keys() == fast_grads.keys()
+    assert any("router" in name for name in ref_grads), "routers must receive gradient through the gates"
+    for name in ref_grads:
+        torch.testing.assert_close(fast_grads[name], ref_grads[name], atol=1e-10, rtol=1e-8, msg=name)
+
+
+def test_inactive_blocks_do_not_change_outputs():
+    """Perturbing a weight column of a block no token selected leaves the gather-path logits unchanged."""
+    model = make_model()
+    ids = input_ids(batch=1, length=3)
+    cache = RoutingCache(config=model.config)
+    logits = model(ids, cache=cache, use_cache=True).logits
+    used = set(cache.get_routing(0, "attn").indices.flatten().tolist())
+    unused = sorted(set(range(3, 8)) - used)[0]
+    s = model.config.sub_dim_size
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight[:, unused * s : (unused + 1) * s] += 1.0
+    torch.testing.assert_close(model(ids).logits, logits, atol=0, rtol=0)
+
+
+def test_activation_scaling_and_fusion_values():
+    model = make_model()
+    sub_dims = model.model.layers[0].mlp.sub_dims
+    assert sub_dims.activation_scale == 8 / 5  # N / (N_s + k)
+    assert make_model(activation_scaling="none").model.layers[0].mlp.sub_dims.activation_scale == 1.0
+    torch.manual_seed(0)
+    fresh = MoHDForCausalLM(mohd_config())
+    torch.testing.assert_close(fresh.model.layers[1].self_attn.sub_dims.group_fusion.weight, torch.eye(8))
+
+
+# --- load-balance loss --------------------------------------------------------------------------------------
+
+
+def test_load_balancing_loss_hand_computed():
+    # 3 tokens, 3 routed blocks, k = 1; token 2 is padding.
+    logits = torch.tensor([[0.0, math.log(3.0), 0.0], [math.log(2.0), 0.0, 0.0], [5.0, 0.0, 0.0]], dtype=torch.float64)
+    # softmax rows: [0.2, 0.6, 0.2], [0.5, 0.25, 0.25]; picks: block 1, block 0.
+    # f = [1/2, 1/2, 0], P = [0.35, 0.425, 0.225]; L = 3 * (0.175 + 0.2125) = 1.1625
+    loss = load_balancing_loss((logits,), top_k=1, attention_mask=torch.tensor([[1, 1, 0]]))
+    assert loss.item() == pytest.approx(1.1625, abs=1e-12)
+    # Two routers: the mean of the per-router losses. Uniform logits with tie-break to block 0: f = [1, 0, 0].
+    uniform = torch.zeros(2, 3, dtype=torch.float64)
+    loss2 = load_balancing_loss((logits[:2], uniform), top_k=1)
+    assert loss2.item() == pytest.approx((1.1625 + 3 * (1.0 * 1 / 3)) / 2, abs=1e-12)
+
+
+def test_model_aux_loss_enters_loss():
+    model = make_model(router_aux_loss_coef=0.5)
+    ids = input_ids()
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    out = model(ids, attention_mask=mask, labels=ids, output_router_logits=True)
+    assert len(out.router_logits) == 2 * model.config.num_hidden_layers
+    expected_aux = load_balancing_loss(out.router_logits, 2, mask)
+    torch.testing.assert_close(out.aux_loss, expected_aux)
+    plain = model(ids, attention_mask=mask, labels=ids)
+    assert plain.aux_loss is None
+    torch.testing.assert_close(out.loss, plain.loss + 0.5 * expected_aux.to(plain.loss.dtype))
+
+
+# --- generation and the routing cache ------------------------------------------------------------------------
+
+
+def greedy(model, ids, **kwargs):
+    return model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def test_cached_generation_equals_uncached_and_record_matches_full_forward():
+    model = make_model()
+    ids = input_ids(batch=2, length=5)
+    out = model.generate(
+        ids, max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True
+    )
+    assert isinstance(out.cache, RoutingCache)
+    no_cache = greedy(model, ids, use_cache=False)
+    torch.testing.assert_close(out.sequences, no_cache)
+    # The record equals the routing of one forward over the same tokens (every position except the last token).
+    full_cache = RoutingCache(config=model.config)
+    model(out.sequences[:, :-1], cache=full_cache, use_cache=True)
+    for key, record in full_cache.routing_record.items():
+        generated = out.cache.routing_record[key]
+        assert generated.indices.shape == (2, out.sequences.shape[1] - 1, 2)
+        torch.testing.assert_close(generated.indices, record.indices)
+        torch.testing.assert_close(generated.weights, record.weights)
+
+
+def test_sampling_cached_equals_uncached():
+    model = make_model()
+    ids = input_ids(batch=2, length=4)
+    sequences = []
+    for use_cache in (True, False):
+        torch.manual_seed(123)
+        sequences.append(
+            model.generate(ids, max_new_tokens=6, do_sample=True, top_k=10, pad_token_id=0, use_cache=use_cache)
+        )
+    torch.testing.assert_close(sequences[0], sequences[1])
+
+
+def test_beam_search_equals_no_cache():
+    model = make_model()
+    ids = input_ids(batch=2, length=4)
+    kwargs = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(model.generate(ids, **kwargs), model.generate(ids, use_cache=False, **kwargs))
+
+
+def test_assisted_and_prompt_lookup_decoding_equal_greedy():
+    model = make_model(seed=0)
+    assistant = make_model(seed=1, num_hidden_layers=1)
+    ids = input_ids(batch=1, length=8)
+    ids[0, 4:] = ids[0, :4]  # repeated n-grams give prompt lookup candidates
+    reference = greedy(model, ids, use_cache=False)
+    torch.testing.assert_close(greedy(model, ids, assistant_model=assistant), reference)
+    torch.testing.assert_close(greedy(model, ids, prompt_lookup_num_tokens=3), reference)
+
+
+def test_static_cache_generation_equals_dynamic():
+    model = make_model()
+    ids = input_ids(batch=2, length=4)
+    torch.testing.assert_close(greedy(model, ids, cache_implementation="static"), greedy(model, ids))
+
+
+def test_left_padded_batch_equals_each_sequence_alone():
+    model = make_model()
+    long, short = input_ids(batch=1, length=7, seed=1), input_ids(batch=1, length=4, seed=2)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(out[0, 7:], greedy(model, long)[0, 7:12])
+    torch.testing.assert_close(out[1, 7:], greedy(model, short)[0, 4:9])
+
+
+def test_routing_record_follows_crop_reorder_and_batch_ops():
+    model = make_model()
+    ids = input_ids(batch=3, length=6)
+    cache = RoutingCache(config=model.config)
+    model(ids, cache=cache, use_cache=True)
+    record = {key: value.indices.clone() for key, value in cache.routing_record.items()}
+    assert set(record) == {(layer, router) for layer in range(2) for router in ("attn", "mlp")}
+    cache.crop(-2)
+    assert cache.get_seq_length() == 4
+    for key, value in cache.routing_record.items():
+        torch.testing.assert_close(value.indices, record[key][:, :4])
+    beam_idx = torch.tensor([2, 0, 0])
+    cache.reorder_cache(beam_idx)
+    for key, value in cache.routing_record.items():
+        torch.testing.assert_close(value.indices, record[key][beam_idx, :4])
+    cache.batch_repeat_interleave(2)
+    cache.batch_select_indices(torch.tensor([0, 5]))
+    for key, value in cache.routing_record.items():
+        torch.testing.assert_close(value.indices, record[key][beam_idx][[0, 2], :4])
+    assert cache.layers[0].keys.shape[0] == 2
+    # Continuing after a crop appends to the record where the cache continues.
+    model(ids[[0, 1], 4:5], cache=cache, use_cache=True)
+    assert cache.get_routing(0, "mlp").indices.shape[1] == cache.get_seq_length() == 5
+
+
+def test_routing_replay_reproduces_logits_and_keeps_indices():
+    model = make_model()
+    ids = input_ids()
+    cache = RoutingCache(config=model.config)
+    logits = model(ids, cache=cache, use_cache=True).logits
+    replayed = model(ids, routing_replay=cache.routing_record)
+    torch.testing.assert_close(replayed.logits, logits, atol=0, rtol=0)
+    # Other router weights: replay still uses the recorded indices, weights come from the new routers.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.sub_dims.router.weight.mul_(-1)
+    new_cache = RoutingCache(config=model.config)
+    model(ids, routing_replay=cache.routing_record, cache=new_cache, use_cache=True).logits.sum().backward()
+    for key, record in cache.routing_record.items():
+        torch.testing.assert_close(new_cache.routing_record[key].indices, record.indices)
+    assert model.model.layers[0].mlp.sub_dims.router.weight.grad.abs().sum() > 0
+    own = RoutingCache(config=model.config)
+    model(ids, cache=own, use_cache=True)
+    assert not torch.equal(own.get_routing(0, "mlp").indices, cache.get_routing(0, "mlp").indices)
+
+
+def test_generate_uses_plain_dynamic_cache_only_when_asked():
+    model = make_model()
+    ids = input_ids(batch=1, length=4)
+    user_cache = DynamicCache(config=model.config)
+    out = model.generate(
+        ids, max_new_tokens=2, do_sample=False, pad_token_id=0, cache=user_cache, return_dict_in_generate=True
+    )
+    assert type(out.cache) is DynamicCache
+
+
+# --- Llama features ------------------------------------------------------------------------------------------
+
+
+def test_outputs_hidden_states_attentions_and_logits_to_keep():
+    model = make_model(attn_implementation="eager")
+    ids = input_ids()
+    out = model(ids, output_hidden_states=True, output_attentions=True)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    assert out.attentions[0].shape == (2, 4, 9, 9)
+    torch.testing.assert_close(out.attentions[0].sum(-1), torch.ones(2, 4, 9, dtype=torch.float64))
+    last = model(ids, logits_to_keep=1).logits
+    torch.testing.assert_close(last, out.logits[:, -1:])
+
+
+def test_sdpa_equals_eager():
+    # fp32 like LLaMA's own check: eager attention takes its softmax in fp32 whatever the model dtype.
+    eager = make_model(dtype=torch.float32, attn_implementation="eager")
+    sdpa = make_model(dtype=torch.float32, attn_implementation="sdpa")
+    ids = input_ids()
+    cache = RoutingCache(config=eager.config)
+    torch.testing.assert_close(sdpa(ids).logits, eager(ids, cache=cache, use_cache=True).logits, atol=1e-5, rtol=0)
+
+
+def test_gradient_checkpointing_same_gradients():
+    ids = input_ids()
+    grads = []
+    for checkpointing in (False, True):
+        model = make_model()
+        model.train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        model(ids, labels=ids, output_router_logits=True).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
+
+
+# --- save / load ---------------------------------------------------------------------------------------------
+
+
+def test_save_and_reload_exact(tmp_path):
+    model = make_model(dtype=torch.float32, tie_word_embeddings=True)
+    model.save_pretrained(tmp_path)
+    config_json = (tmp_path / "config.json").read_text()
+    assert '"auto_map"' in config_json and "modeling_mohd.MoHDForCausalLM" in config_json
+    for name in ("modeling_mohd.py", "configuration_mohd.py", "modeling_common.py", "routing_cache.py"):
+        assert (tmp_path / name).exists(), name
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is MoHDForCausalLM
+    ids = input_ids()
+    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+    for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_trust_remote_code_reload_in_fresh_process(tmp_path):
+    model = make_model(dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    ids = input_ids()
+    torch.save(ids, tmp_path / "ids.pt")
+    expected = model(ids).logits
+    result = run_python_without_hf_mohd(
+        f"""
+        import json, torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True).eval()
+        ids = torch.load({str(tmp_path / "ids.pt")!r})
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+        torch.save(model(ids).logits, {str(tmp_path / "logits.pt")!r})
+        print(json.dumps({{"module": type(model).__module__, "record": len(out.cache.routing_record)}}))
+        """,
+        cwd=str(tmp_path),
+    )
+    assert not result["module"].startswith("hf_mohd")
+    assert result["record"] == 4
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=0, rtol=0)
+
+
+# --- configuration, presets, accounting ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"num_sub_dims": 7}, "hidden_size"),
+        ({"num_shared_sub_dims": 9}, "num_shared_sub_dims"),
+        ({"num_shared_sub_dims": -1}, "num_shared_sub_dims"),
+        ({"num_routed_sub_dims_per_tok": 6}, "num_routed_sub_dims_per_tok"),
+        ({"num_routed_sub_dims_per_tok": 0}, "num_routed_sub_dims_per_tok"),
+        ({"sparse_modules": ["attention", "moe"]}, "sparse_modules"),
+        ({"sparse_modules": ["ffn", "ffn"]}, "sparse_modules"),
+        ({"activation_scaling": "sqrt"}, "activation_scaling"),
+        ({"routed_gate": "sigmoid"}, "routed_gate"),
+        ({"group_fusion": "dense"}, "group_fusion"),
+        ({"sparse_implementation": "triton"}, "sparse_implementation"),
+        ({"num_key_value_heads": 3}, "num_attention_heads"),
+        ({"router_aux_loss_coef": -0.1}, "router_aux_loss_coef"),
+    ],
+)
+def test_bad_config_raises_value_error_naming_field(overrides, field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        mohd_config(**overrides)
+
+
+def test_presets_match_design_table():
+    base = LlamaConfig(
+        hidden_size=512, intermediate_size=1376, num_hidden_layers=2, num_attention_heads=8, vocab_size=1000
+    )
+    expected = {
+        "compression_50": (512, 16, 6, 2),
+        "compression_75": (512, 16, 9, 3),
+        "expansion_x2": (1024, 16, 6, 2),
+        "expansion_x3": (1536, 24, 6, 2),
+        "expansion_x4": (2048, 32, 6, 2),
+    }
+    assert set(MOHD_PRESETS) == set(expected)
+    dense = mohd_accounting(base)
+    for preset, (width, n, n_shared, k) in expected.items():
+        config = MoHDConfig.from_llama_config(base, preset)
+        assert (
+            config.hidden_size,
+            config.num_sub_dims,
+            config.num_shared_sub_dims,
+            config.num_routed_sub_dims_per_tok,
+        ) == (width, n, n_shared, k)
+        assert (config.head_dim, config.num_attention_heads, config.intermediate_size) == (64, 8, 1376)
+        active_width = config.num_active_sub_dims * config.sub_dim_size
+        assert active_width == (512 if preset.startswith("expansion") else 512 * (n_shared + k) // n)
+        if preset.startswith("expansion"):
+            # constant activated attention + FFN parameters; only routers, fusion and the wider norms add
+            cost = mohd_accounting(config)
+            routers, fusion, norms = 2 * (n - n_shared) * width, 2 * n * n, 2 * (width - 512)
+            extra = 2 * (routers + fusion + norms) + (width - 512)
+            assert cost.activated_decoder_params - dense.activated_decoder_params == extra
+            assert cost.embedding_params == width * 1000
+    with pytest.raises(ValueError, match="`preset`"):
+        MoHDConfig.from_llama_config(base, "compression_10")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
+        {"sparse_modules": ["ffn"], "group_fusion": "none"},
+    ],
+)
+def test_accounting_matches_built_model(overrides):
+    config = mohd_config(**overrides)
+    model = MoHDForCausalLM(config)
+    cost = mohd_accounting(config, context_length=16)
+    assert cost.total_params == sum(p.numel() for p in model.parameters())
+    d, n_active, n = 64, 5, 8
+    # hand count, no biases case: q 64x64, k/v 64x32 each, o 64x64; mlp 3 x 64x96
+    if not overrides:
+        attn_in, attn_out, mlp = 64 * (64 + 32 + 32), 64 * 64, 3 * 64 * 96
+        routers, fusion, norms = 2 * 5 * 64, 2 * 64, 2 * d
+        per_layer = (attn_in + attn_out + mlp) * n_active // n + routers + fusion + norms
+        assert cost.activated_decoder_params == 2 * per_layer + d
+        flops = 2 * ((attn_in + attn_out + mlp) * n_active // n + routers + 2 * n * d) + 4 * 64 * 16
+        assert cost.decoder_flops_per_token == 2 * flops
