@@ -6,7 +6,9 @@ Importing this package registers the configurations and models with the Auto cla
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .models.configuration_latent_moe import LatentMoEConfig
 from .models.configuration_mohd import MoHDConfig
+from .models.modeling_latent_moe import LatentMoEForCausalLM, LatentMoEModel, LatentMoEPreTrainedModel
 from .models.modeling_mohd import MoHDForCausalLM, MoHDModel, MoHDPreTrainedModel
 from .models.routing_cache import RoutingCache, RoutingRecord
 
@@ -24,8 +26,13 @@ def _register(config_class, model_class, causal_lm_class) -> None:
 
 
 _register(MoHDConfig, MoHDModel, MoHDForCausalLM)
+_register(LatentMoEConfig, LatentMoEModel, LatentMoEForCausalLM)
 
 __all__ = [
+    "LatentMoEConfig",
+    "LatentMoEForCausalLM",
+    "LatentMoEModel",
+    "LatentMoEPreTrainedModel",
     "MoHDConfig",
     "MoHDForCausalLM",
     "MoHDModel",

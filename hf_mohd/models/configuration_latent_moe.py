@@ -1,0 +1,252 @@
+# Copyright 2026 The hf-mohd Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""LatentMoE (arXiv 2601.18089; expert shapes and layerwise capacity of arXiv 2610.14644) model configuration."""
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+from transformers.utils import auto_docstring
+from transformers.utils.type_validators import interval
+
+from .latent_moe_accounting import layer_accounting, model_accounting
+
+
+MIXER_TYPES = ("moe", "mlp")
+ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
+POSITION_EMBEDDING_TYPES = ("rope", "none")
+# Fields a `per_layer_config` entry may override (DESIGN section 4, item 7): the mixer of the layer and its shape.
+PER_LAYER_FIELDS = (
+    "mixer_type",
+    "intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "moe_latent_size",
+    "moe_shared_expert_intermediate_size",
+    "routed_scaling_factor",
+)
+
+
+@auto_docstring(
+    checkpoint="hf-mohd/latent-moe-tiny",
+    custom_intro="""
+    Configuration of a LatentMoE decoder: LLaMA-style pre-norm layers pairing attention with an FFN mixer that is
+    either a LatentMoE block or a dense MLP (DESIGN section 4). In a LatentMoE block the router reads the full width
+    `hidden_size`, `fc1_latent_proj` maps each token to `moe_latent_size` once, the routed experts run and are combined
+    at that latent width, and `fc2_latent_proj` maps back; a shared expert works at full width (as Nemotron 3 /
+    transformers' `NemotronHMoE`). `moe_latent_size=None` is the standard fine-grained MoE baseline.
+    Any layer may override the fields in `PER_LAYER_FIELDS` through transformers' native `per_layer_config`
+    (a sparse map {layer index: {field: value}}), e.g. `per_layer_config={0: {"mixer_type": "mlp"}}`.
+    """,
+)
+@strict
+class LatentMoEConfig(PreTrainedConfig):
+    r"""
+    mlp_gated (`bool`, *optional*, defaults to `True`):
+        MLP form of routed experts, shared expert and dense layers: `act(gate) * up` (3 matrices, SwiGLU with silu)
+        when True, `act(up)` (2 matrices, e.g. relu2 as in Nemotron 3) when False.
+    position_embedding_type (`str`, *optional*, defaults to `"rope"`):
+        "rope" (rotary embedding in attention) or "none" (no positional embedding, as Nemotron-H attention).
+    mixer_type (`str`, *optional*, defaults to `"moe"`):
+        FFN mixer of each layer: "moe" (LatentMoE block) or "mlp" (dense MLP of width `intermediate_size`).
+        Override per layer with `per_layer_config`; deliberately not `layer_types` (caches read that field).
+    num_experts (`int`, *optional*, defaults to 64):
+        N, routed experts per MoE layer.
+    num_experts_per_tok (`int`, *optional*, defaults to 6):
+        K, routed experts a token activates, 1 <= K <= N.
+    moe_intermediate_size (`int`, *optional*, defaults to 1024):
+        m, hidden width of one routed expert.
+    moe_latent_size (`int`, *optional*):
+        l, width at which routed experts read and write (`fc1_latent_proj`: hidden_size -> l, `fc2_latent_proj`:
+        l -> hidden_size). None gives a standard fine-grained MoE with experts at `hidden_size`.
+    moe_shared_expert_intermediate_size (`int`, *optional*, defaults to 0):
+        m_s, width of the full-width shared expert added to the routed output; 0 means no shared expert.
+    router_score_func (`str`, *optional*, defaults to `"softmax"`):
+        "softmax": top-K of softmax scores, balanced by the Switch aux loss. "sigmoid": top-K of sigmoid scores plus
+        the fp32 buffer `e_score_correction_bias` (selection only), balanced by the aux-loss-free bias update
+        (DeepSeek-V3, arXiv 2412.19437 section 2.1.2; `LatentMoEForCausalLM.update_router_biases`).
+    norm_topk_prob (`bool`, *optional*, defaults to `True`):
+        Renormalise the K selected scores to sum to 1 before `routed_scaling_factor`.
+    routed_scaling_factor (`float`, *optional*, defaults to 1.0):
+        Multiplier of the routed gates (after any renormalisation).
+    router_aux_loss_coef (`float`, *optional*, defaults to 0.01):
+        Weight of the load-balance loss added to the LM loss when `output_router_logits` (softmax routing only).
+    output_router_logits (`bool`, *optional*, defaults to `False`):
+        Whether to output the router logits and add the aux loss to the loss.
+    router_bias_update_rate (`float`, *optional*, defaults to 0.001):
+        gamma of the aux-loss-free update b_i <- b_i + gamma * sign(mean load - load_i) (sigmoid routing).
+
+    Example:
+
+    ```python
+    >>> from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM
+    >>> config = LatentMoEConfig(
+    ...     hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_experts=16, num_experts_per_tok=4,
+    ...     moe_intermediate_size=128, moe_latent_size=64, per_layer_config={0: {"mixer_type": "mlp"}},
+    ... )
+    >>> model = LatentMoEForCausalLM(config)
+    ```
+    """
+
+    model_type = "latent_moe"
+    keys_to_ignore_at_inference = ["cache"]
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    vocab_size: int = 32000
+    hidden_size: int = 2048
+    intermediate_size: int = 5632
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    mlp_gated: bool = True
+    mlp_bias: bool = False
+    max_position_embeddings: int = 4096
+    rope_parameters: RopeParameters | dict | None = None
+    position_embedding_type: str = "rope"
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = interval(min=0.0, max=1.0)(default=0.02)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    attention_dropout: int | float | None = 0.0
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    mixer_type: str = "moe"
+    num_experts: int = 64
+    num_experts_per_tok: int = 6
+    moe_intermediate_size: int = 1024
+    moe_latent_size: int | None = None
+    moe_shared_expert_intermediate_size: int = 0
+    router_score_func: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float | int = 1.0
+    router_aux_loss_coef: float = 0.01
+    output_router_logits: bool = False
+    router_bias_update_rate: float = 1e-3
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        super().__post_init__(**kwargs)
+        # `@strict` wraps errors of `validate_*` in its own exception type; checking here first gives users the
+        # plain `ValueError` naming the field (and the layer). The class validator runs the same checks again.
+        self.validate_architecture()
+
+    def validate_architecture(self):
+        """Cross-field rules; each `ValueError` names the field, the allowed values and, per layer, the layer index."""
+        spec = self.__dict__.get("_heterogeneity_spec")
+        for layer_idx, overrides in (spec.per_layer_overrides if spec is not None else {}).items():
+            unknown = sorted(set(overrides) - set(PER_LAYER_FIELDS))
+            if unknown:
+                raise ValueError(
+                    f"`per_layer_config[{layer_idx}]` overrides {unknown}, which cannot vary per layer; "
+                    f"allowed fields: {list(PER_LAYER_FIELDS)}."
+                )
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)!r}.")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of `num_key_value_heads` "
+                f"({self.num_key_value_heads})."
+            )
+        for name, allowed in (
+            ("router_score_func", ROUTER_SCORE_FUNCS),
+            ("position_embedding_type", POSITION_EMBEDDING_TYPES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"`{name}` must be one of {list(allowed)}, got {getattr(self, name)!r}.")
+        for name in ("router_aux_loss_coef", "router_bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"`{name}` must be >= 0, got {getattr(self, name)}.")
+        if not self.is_heterogeneous:
+            _validate_layer_fields(self, where="")
+            return
+        for layer_idx, layer_config in enumerate(self.per_layer_config):
+            _validate_layer_fields(layer_config, where=f"layer {layer_idx}: ")
+
+    # Parameter accounting (DESIGN section 4, "Accounting per layer"): the formulas of arXiv 2610.14644 B.2 live in
+    # `latent_moe_accounting.py` (weights only); the biases `mlp_bias` adds to the built modules are counted here.
+
+    def _layer_bias_parameters(self, layer_idx: int) -> int:
+        """Biases of layer `layer_idx` when `mlp_bias` (dense MLP, shared expert, latent projections; experts have none)."""
+        layer = self.per_layer_config[layer_idx]
+        if not self.mlp_bias:
+            return 0
+        up_biases = 2 if self.mlp_gated else 1
+        if layer.mixer_type == "mlp":
+            return up_biases * layer.intermediate_size + self.hidden_size
+        shared = layer.moe_shared_expert_intermediate_size
+        latent = layer.moe_latent_size
+        return (up_biases * shared + self.hidden_size if shared else 0) + (
+            latent + self.hidden_size if latent is not None else 0
+        )
+
+    def layer_num_parameters(self, layer_idx: int) -> int:
+        """Parameters of decoder layer `layer_idx` (attention, mixer, both norms), as the model builds them."""
+        return layer_accounting(self, layer_idx).total_params + self._layer_bias_parameters(layer_idx)
+
+    def layer_num_active_parameters(self, layer_idx: int) -> int:
+        """Parameters of decoder layer `layer_idx` that one token reads (K of its N routed experts)."""
+        return layer_accounting(self, layer_idx).activated_params + self._layer_bias_parameters(layer_idx)
+
+    def num_parameters(self) -> int:
+        """All parameters of `LatentMoEForCausalLM` (a tied LM head counted once; buffers excluded)."""
+        biases = sum(self._layer_bias_parameters(i) for i in range(self.num_hidden_layers))
+        return model_accounting(self).total_params + biases
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token reads in `LatentMoEForCausalLM`: decoder (K experts per layer) plus the LM head."""
+        biases = sum(self._layer_bias_parameters(i) for i in range(self.num_hidden_layers))
+        return model_accounting(self).activated_params + biases
+
+
+def _validate_layer_fields(config, where: str) -> None:
+    """Checks the fields that may vary per layer on one (layer) config; `where` prefixes the message."""
+    if config.mixer_type not in MIXER_TYPES:
+        raise ValueError(f"{where}`mixer_type` must be one of {list(MIXER_TYPES)}, got {config.mixer_type!r}.")
+    positive = ["intermediate_size"] if config.mixer_type == "mlp" else []
+    if config.mixer_type == "moe":
+        positive += ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
+    for name in positive:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{where}`{name}` must be a positive integer, got {value!r}.")
+    if config.mixer_type != "moe":
+        return
+    if config.num_experts_per_tok > config.num_experts:
+        raise ValueError(
+            f"{where}`num_experts_per_tok` must be in [1, num_experts={config.num_experts}], "
+            f"got {config.num_experts_per_tok}."
+        )
+    latent = config.moe_latent_size
+    if latent is not None and (not isinstance(latent, int) or isinstance(latent, bool) or latent < 1):
+        raise ValueError(f"{where}`moe_latent_size` must be None or a positive integer, got {latent!r}.")
+    shared = config.moe_shared_expert_intermediate_size
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise ValueError(f"{where}`moe_shared_expert_intermediate_size` must be an integer >= 0, got {shared!r}.")
+    if config.routed_scaling_factor <= 0:
+        raise ValueError(f"{where}`routed_scaling_factor` must be > 0, got {config.routed_scaling_factor}.")
+
+
+__all__ = ["LatentMoEConfig"]
