@@ -157,6 +157,9 @@ class MoHDGatherDispatch:
     Shared blocks are one dense GEMM over the first N_s * s columns (input side) or rows (output side); routed
     blocks are dispatched like experts: (token, block) pairs sorted by block, one grouped matmul over views of the
     `nn.Linear` weights (no copy), scatter-add back (DESIGN section 3, "Execution paths").
+    A projection that is not a plain `nn.Linear` (a PEFT LoRA layer, a quantised linear) computes something other
+    than its `.weight`, so it is called as a module on the gated dense input, or its dense output is masked: exact,
+    the masked path's computation for that projection only.
     """
 
     def __init__(self, config: MoHDConfig):
@@ -185,6 +188,11 @@ class MoHDGatherDispatch:
         routed = routed * plan.gates
         outputs = []
         for linear in linears:
+            if type(linear) is not nn.Linear:
+                blocks = routed.new_zeros(m * self.num_routed, self.block)
+                blocks = blocks.index_add(0, plan.token_index * self.num_routed + plan.block_index, routed)
+                outputs.append(linear(torch.cat([shared, blocks.view(m, -1).to(shared.dtype)], dim=1)))
+                continue
             weight = linear.weight
             out = F.linear(shared, weight[:, : self.shared_width], linear.bias)
             routed_weight = weight[:, self.shared_width :].view(weight.shape[0], self.num_routed, self.block)
@@ -195,14 +203,21 @@ class MoHDGatherDispatch:
     def project_out(self, hidden_states: torch.Tensor, plan: GatherPlan, linear: nn.Linear) -> torch.Tensor:
         """(M, in) -> (M, N, s): shared rows dense, each token's routed rows grouped, other blocks zero."""
         m = hidden_states.shape[0]
-        weight, bias = linear.weight, linear.bias
-        shared = F.linear(
-            hidden_states, weight[: self.shared_width], None if bias is None else bias[: self.shared_width]
-        )
-        routed_weight = weight[self.shared_width :].view(self.num_routed, self.block, weight.shape[1])
-        routed = grouped_matmul(hidden_states[plan.token_index], routed_weight.transpose(1, 2), plan.offsets)
-        if bias is not None:
-            routed = routed + bias[self.shared_width :].view(self.num_routed, self.block)[plan.block_index]
+        if type(linear) is not nn.Linear:
+            dense = linear(hidden_states).view(m, self.num_sub_dims, self.block)
+            shared, routed = (
+                dense[:, : self.num_shared],
+                dense[:, self.num_shared :][plan.token_index, plan.block_index],
+            )
+        else:
+            weight, bias = linear.weight, linear.bias
+            shared = F.linear(
+                hidden_states, weight[: self.shared_width], None if bias is None else bias[: self.shared_width]
+            )
+            routed_weight = weight[self.shared_width :].view(self.num_routed, self.block, weight.shape[1])
+            routed = grouped_matmul(hidden_states[plan.token_index], routed_weight.transpose(1, 2), plan.offsets)
+            if bias is not None:
+                routed = routed + bias[self.shared_width :].view(self.num_routed, self.block)[plan.block_index]
         routed_blocks = hidden_states.new_zeros(m * self.num_routed, self.block).index_add(
             0, plan.token_index * self.num_routed + plan.block_index, routed.to(hidden_states.dtype)
         )

@@ -1,0 +1,95 @@
+"""PEFT LoRA on both families: adapters change the outputs on every execution path, and save -> reload ->
+merge_and_unload keep them (DESIGN section 7b, PEFT). Float64, so top-k routing cannot flip on rounding."""
+
+import pytest
+import torch
+
+
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+from hf_mohd import MoHDConfig, MoHDForCausalLM  # noqa: E402
+from hf_mohd.model_card import lora_targets  # noqa: E402
+from hf_mohd.models.modeling_mohd import MoHDMaskedDispatch  # noqa: E402
+
+
+def tiny_mohd(**kw) -> MoHDForCausalLM:
+    torch.manual_seed(0)
+    config = MoHDConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, **kw
+    )
+    return MoHDForCausalLM(config).double().eval()
+
+
+def lora_config(config, **kw) -> LoraConfig:
+    target_modules, target_parameters = lora_targets(config)
+    # init_lora_weights=False: random B as well as A, so an adapter that were bypassed would show.
+    return LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=target_modules,
+        target_parameters=target_parameters or None,
+        init_lora_weights=False,
+        **kw,
+    )
+
+
+INPUT_IDS = torch.tensor([[5, 17, 42, 8, 91, 3, 60], [11, 2, 33, 70, 19, 44, 6]])
+
+
+def test_lora_on_the_gather_path_equals_lora_on_the_masked_path():
+    """The gather dispatch reads `linear.weight` views; a LoRA layer must not be bypassed there."""
+    model = tiny_mohd(sparse_implementation="gather")
+    with torch.no_grad():
+        base = model(INPUT_IDS).logits
+    torch.manual_seed(1)
+    peft_model = get_peft_model(model, lora_config(model.config))
+    with torch.no_grad():
+        gather = peft_model(INPUT_IDS).logits
+    for module in peft_model.modules():
+        if hasattr(module, "dispatch"):
+            module.dispatch = MoHDMaskedDispatch(model.config)
+    with torch.no_grad():
+        masked = peft_model(INPUT_IDS).logits
+    assert (gather - base).abs().max() > 1e-2, "LoRA did not change the gather path's output (bypassed)"
+    torch.testing.assert_close(gather, masked, rtol=1e-10, atol=1e-10)
+
+
+def test_lora_targets_adapt_projections_not_routers_and_train():
+    model = tiny_mohd()
+    peft_model = get_peft_model(model, lora_config(model.config))
+    names = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    assert not any("router" in n or "group_fusion" in n for n in names)
+    adapted = {n.split(".")[-1] for n, m in peft_model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    loss = peft_model(INPUT_IDS, labels=INPUT_IDS).loss
+    loss.backward()
+    grads = [p.grad for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads), "a LoRA matrix got no gradient"
+
+
+@pytest.mark.parametrize("sparse_implementation", ["gather", "masked"])
+def test_lora_save_reload_and_merge_keep_outputs(tmp_path, sparse_implementation):
+    model = tiny_mohd(sparse_implementation=sparse_implementation)
+    model.save_pretrained(tmp_path / "base")
+    torch.manual_seed(1)
+    peft_model = get_peft_model(model, lora_config(model.config)).eval()
+    with torch.no_grad():
+        expected = peft_model(INPUT_IDS).logits
+    peft_model.save_pretrained(tmp_path / "adapter")
+
+    base = MoHDForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float64).eval()
+    with torch.no_grad():
+        plain = base(INPUT_IDS).logits
+    reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        got = reloaded(INPUT_IDS).logits
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    assert (got - plain).abs().max() > 1e-2
+
+    merged = reloaded.merge_and_unload()
+    assert type(merged.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # fast path applies again
+    with torch.no_grad():
+        got_merged = merged(INPUT_IDS).logits
+    torch.testing.assert_close(got_merged, expected, rtol=1e-9, atol=1e-9)
