@@ -1,0 +1,61 @@
+"""`hf-mohd train CONFIG`: train (or resume) a causal LM from a YAML/JSON config; works under `accelerate launch`."""
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="Train or resume a MoHD / LatentMoE / Llama model from a YAML or JSON config (see configs/).",
+        description="Every field of the config has a default; see hf_mohd.training.config for their meaning. "
+        "Run under `accelerate launch` for several processes.",
+    )
+    parser.add_argument("config", help="Path to a .yaml/.yml/.json training config.")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="Override a field, e.g. --set max_steps=50 --set optim.lr=3e-4 (VALUE is parsed as YAML).",
+    )
+    parser.set_defaults(func=run)
+
+
+def apply_overrides(values: dict, overrides: list[str]) -> dict:
+    """Set dotted FIELD=VALUE pairs (VALUE parsed as YAML) in a nested dict."""
+    import yaml
+
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set expects FIELD=VALUE, got {item!r}.")
+        key, raw = item.split("=", 1)
+        target = values
+        *parents, leaf = key.split(".")
+        for part in parents:
+            target = target.setdefault(part, {})
+        target[leaf] = yaml.safe_load(raw)
+    return values
+
+
+def run(args) -> int:
+    import json
+
+    import yaml
+
+    from hf_mohd.training import train, train_config_from_dict
+    from hf_mohd.training.config import load_train_config
+
+    config = load_train_config(args.config)
+    if args.set:
+        with open(args.config, encoding="utf-8") as handle:
+            values = yaml.safe_load(handle) or {}
+        config = train_config_from_dict(apply_overrides(values, args.set), source=args.config)
+    result = train(config)
+    summary = {
+        "output_dir": result.output_dir,
+        "final_model_dir": result.final_model_dir,
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "seconds": round(result.seconds, 1),
+        "eval_perplexity": result.eval_perplexity,
+    }
+    print(json.dumps(summary, indent=2))
+    return 0

@@ -1,0 +1,18 @@
+"""Accelerate training of causal LMs (MoHD, LatentMoE, Llama, ...): config, data, the loop. See `hf-mohd train`."""
+
+from .config import DataConfig, ModelConfig, OptimConfig, TrainConfig, load_train_config, train_config_from_dict
+from .trainer import TrainResult, evaluate_perplexity, latest_checkpoint, train
+
+
+__all__ = [
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "TrainResult",
+    "evaluate_perplexity",
+    "latest_checkpoint",
+    "load_train_config",
+    "train",
+    "train_config_from_dict",
+]

@@ -1,0 +1,247 @@
+"""Training configuration: small dataclasses whose every field has a default and a documented meaning.
+
+A run is described by one `TrainConfig` (sections `model`, `data`, `optim`, plus run-level fields). It is read from
+YAML or JSON with `load_train_config(path)`; unknown keys and wrong types raise `ValueError` naming the field and the
+file, so a typo never silently falls back to a default.
+"""
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """What to train.
+
+    Attributes:
+        init_from: folder or Hub id of a pretrained causal LM (continued training, or a converted checkpoint such as
+            the output of `hf_mohd` conversion). Empty: build a fresh model from `architecture`.
+        gguf_file: name of a GGUF file inside `init_from` (transformers dequantises it), or empty.
+        architecture: for a model trained from scratch, the keyword arguments of its config; must contain
+            `model_type` ("mohd", "latent_moe", "llama", or any type `AutoConfig` knows). `vocab_size`, `bos_token_id`,
+            `eos_token_id` and `pad_token_id` are filled in from the tokenizer.
+        tokenizer: folder or Hub id of a tokenizer. Empty: the tokenizer of `init_from`, or, from scratch, a byte-level
+            BPE tokenizer trained on the training split (DESIGN section 7, last item) and saved with the model.
+        tokenizer_vocab_size: vocabulary size (tokens) of that trained BPE tokenizer.
+        trust_remote_code: passed to `from_pretrained` (models saved elsewhere with `auto_map`).
+    """
+
+    init_from: str = ""
+    gguf_file: str = ""
+    architecture: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str = ""
+    tokenizer_vocab_size: int = 4096
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from and how it is cut.
+
+    Attributes:
+        path: a `datasets` Hub id (online), or a local file, folder or glob of .txt / .json / .jsonl / .parquet files
+            (offline). A folder saved with `Dataset.save_to_disk` also works.
+        name: dataset configuration name for Hub datasets (e.g. "wikitext-2-raw-v1"), or empty.
+        split: split to read ("train"); the held-out split is cut from it (see `eval_fraction`).
+        text_field: column holding the text (plain .txt files give "text").
+        eval_fraction: fraction of documents (0 <= f < 1) held out for evaluation perplexity, chosen by `seed`.
+        max_documents: read at most this many documents (0: all); for quick runs.
+        seq_len: tokens per packed training sequence. Documents are tokenised, joined with the EOS token and cut into
+            blocks of exactly `seq_len` tokens (the remainder is dropped), so no token is padding.
+        num_workers: DataLoader worker processes (0: load in the training process).
+    """
+
+    path: str = ""
+    name: str = ""
+    split: str = "train"
+    text_field: str = "text"
+    eval_fraction: float = 0.05
+    max_documents: int = 0
+    seq_len: int = 256
+    num_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay (as in the LLaMA recipe).
+
+    Attributes:
+        lr: peak learning rate, reached after `warmup_steps` optimizer steps.
+        min_lr_ratio: the cosine decays to `lr * min_lr_ratio` at `max_steps`.
+        warmup_steps: optimizer steps of linear warmup from 0.
+        weight_decay: decoupled weight decay of AdamW, applied to matrices only (not to norms, biases, router biases).
+        beta1, beta2, eps: AdamW moments and epsilon.
+        grad_clip: maximum global L2 norm of the gradients (0: no clipping).
+    """
+
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    """One training run.
+
+    Attributes:
+        output_dir: run folder: `checkpoints/step_<n>/` (Accelerate `save_state`), `final/` (model + tokenizer,
+            loadable with `AutoModelForCausalLM`), `log.jsonl`, `tensorboard/`, `train_config.json`.
+        model, data, optim: see `ModelConfig`, `DataConfig`, `OptimConfig`.
+        max_steps: optimizer steps to run.
+        micro_batch_size: sequences per process per forward pass.
+        grad_accum_steps: forward/backward passes per optimizer step (the batch is micro_batch_size x grad_accum_steps
+            x processes sequences of `data.seq_len` tokens).
+        mixed_precision: "auto" (bf16 autocast when the accelerator supports bf16, else fp32), "bf16", or "no".
+        router_aux_loss: ask models that have a router load-balance loss for it (`output_router_logits=True`); the
+            model adds `router_aux_loss_coef * aux` to its loss. Models without routers ignore it.
+        seed: seed of weights, data order and held-out split.
+        log_every: optimizer steps between log records (JSONL, TensorBoard, progress bar).
+        eval_every: optimizer steps between held-out perplexity evaluations (0: only at the end).
+        eval_batches: held-out micro-batches per evaluation (0: all of the held-out split).
+        save_every: optimizer steps between checkpoints (0: only at the end).
+        keep_checkpoints: most recent checkpoints kept on disk (older ones are deleted).
+        resume: "auto" resumes from the newest complete checkpoint in `output_dir` if there is one, "never" starts
+            afresh, any other value is a checkpoint folder to resume from.
+        stop_after_steps: stop (after saving a checkpoint) once this many optimizer steps have run in this process
+            call, without finishing the run (0: run to `max_steps`); used to test interruption and for time slicing.
+        progress_bar: show a tqdm bar with loss and tokens/s on the main process.
+        save_final: write `final/` with `save_pretrained` at the end.
+    """
+
+    output_dir: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    max_steps: int = 200
+    micro_batch_size: int = 8
+    grad_accum_steps: int = 1
+    mixed_precision: str = "auto"
+    router_aux_loss: bool = True
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 0
+    eval_batches: int = 0
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    resume: str = "auto"
+    stop_after_steps: int = 0
+    progress_bar: bool = True
+    save_final: bool = True
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Range checks; each `ValueError` names the field."""
+        positive = {
+            "max_steps": self.max_steps,
+            "micro_batch_size": self.micro_batch_size,
+            "grad_accum_steps": self.grad_accum_steps,
+            "log_every": self.log_every,
+            "keep_checkpoints": self.keep_checkpoints,
+            "data.seq_len": self.data.seq_len,
+            "model.tokenizer_vocab_size": self.model.tokenizer_vocab_size,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        for name in ("eval_every", "eval_batches", "save_every", "stop_after_steps", "optim.warmup_steps"):
+            value = _get(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
+        if not 0 <= self.data.eval_fraction < 1:
+            raise ValueError(f"`data.eval_fraction` must be in [0, 1), got {self.data.eval_fraction}.")
+        if self.mixed_precision not in ("auto", "bf16", "no"):
+            raise ValueError(f"`mixed_precision` must be one of ['auto', 'bf16', 'no'], got {self.mixed_precision!r}.")
+        if self.optim.lr <= 0 or not 0 <= self.optim.min_lr_ratio <= 1:
+            raise ValueError(
+                f"`optim.lr` must be > 0 and `optim.min_lr_ratio` in [0, 1], got {self.optim.lr}, "
+                f"{self.optim.min_lr_ratio}."
+            )
+        if not self.model.init_from and "model_type" not in self.model.architecture:
+            raise ValueError(
+                "Set either `model.init_from` (a pretrained folder or Hub id) or `model.architecture` with a "
+                "`model_type` (e.g. {model_type: llama, hidden_size: 128, ...})."
+            )
+        if not self.data.path:
+            raise ValueError("`data.path` is empty: give a Hub dataset id or local text/JSON/parquet files.")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _get(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _build(cls, values: dict, where: str, source: str):
+    """Instantiate dataclass `cls` from a mapping, checking keys and scalar types; errors name `where` and `source`."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{source}: `{where or 'top level'}` must be a mapping, got {type(values).__name__}.")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ValueError(f"{source}: unknown field(s) {[prefix + k for k in unknown]}; known: {sorted(names)}.")
+    kwargs = {}
+    for key, value in values.items():
+        name = f"{where}.{key}" if where else key
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, name, source)
+            continue
+        base = typing.get_origin(hint) or hint
+        if isinstance(base, type) and base is not types.NoneType:
+            ok = isinstance(value, base) and not (base in (int, float) and isinstance(value, bool))
+            if base is float and isinstance(value, int) and not isinstance(value, bool):
+                value, ok = float(value), True
+            if not ok:
+                raise ValueError(f"{source}: `{name}` must be {base.__name__}, got {value!r}.")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def train_config_from_dict(values: dict, source: str = "<dict>") -> TrainConfig:
+    """Build a `TrainConfig` from nested plain values (as read from YAML/JSON)."""
+    try:
+        return _build(TrainConfig, values, "", source)
+    except ValueError as error:
+        message = str(error)
+        raise ValueError(message if message.startswith(source) else f"{source}: {message}") from None
+
+
+def load_train_config(path: str | os.PathLike) -> TrainConfig:
+    """Read a `TrainConfig` from a .yaml/.yml or .json file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: unreadable file, unknown field, wrong type or out-of-range value (the message names the field).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Training config {path!r} does not exist.")
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            values = yaml.safe_load(text) or {}
+        else:
+            values = json.loads(text)
+    except Exception as error:
+        raise ValueError(f"{path}: cannot parse ({error}).") from error
+    return train_config_from_dict(values, source=path)

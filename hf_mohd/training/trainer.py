@@ -1,0 +1,380 @@
+"""A small Accelerate training loop for any causal LM (MoHD, LatentMoE, Llama, ...), resumable to the same loss curve.
+
+`train(config)` reads top to bottom: data -> tokenizer -> model -> optimizer and schedule -> resume -> loop. The
+extras live in small helpers around the loop (checkpoints, logs, evaluation), so the loop itself stays short.
+
+Resumption is exact: a checkpoint (Accelerate `save_state`) holds the model, the AdamW moments, the schedule, the RNG
+states of every process and the data position (epoch, micro-step); the data order is a function of (seed, epoch)
+only. A checkpoint is written to a temporary folder and renamed when complete, so an interruption at any moment
+leaves the previous checkpoint intact, and resuming from it replays exactly the steps that were lost.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from .config import TrainConfig
+from .data import PackedBatches, load_documents, pack, split_documents, train_bpe_tokenizer
+
+
+CHECKPOINT_PATTERN = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class TrainerState:
+    """Counters saved with every checkpoint (through `Accelerator.register_for_checkpointing`).
+
+    Attributes:
+        step: optimizer steps done.
+        epoch, index: data position: the next micro-batch is micro-step `index` of epoch `epoch`.
+        tokens: training tokens consumed, all processes together.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    index: int = 0
+    tokens: int = 0
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+@dataclass
+class TrainResult:
+    """What a run produced. Losses are mean cross-entropy in nats per token; perplexity is exp(loss)."""
+
+    output_dir: str
+    final_model_dir: str | None
+    steps: int
+    tokens: int
+    seconds: float
+    num_parameters: int
+    train_log: list[dict] = field(default_factory=list)
+    eval_loss: float | None = None
+    eval_perplexity: float | None = None
+    model: torch.nn.Module | None = field(default=None, repr=False)  # the trained model, unwrapped, in memory
+
+
+def warmup_cosine(warmup_steps: int, max_steps: int, min_ratio: float):
+    """LR multiplier: linear 0 -> 1 over `warmup_steps`, then cosine 1 -> `min_ratio` at `max_steps`."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: weight decay on matrices and 3-D expert weights; none on norms, biases and 1-D tensors."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def resolve_mixed_precision(setting: str) -> str:
+    """'auto' -> 'bf16' on a CUDA device with bf16 support, else 'no' (fp32; this project's CPUs lack bf16)."""
+    if setting != "auto":
+        return setting
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The newest complete checkpoint folder `output_dir/checkpoints/step_<n>`, or None."""
+    root = os.path.join(output_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return None
+    steps = [(int(m.group(1)), name) for name in os.listdir(root) if (m := CHECKPOINT_PATTERN.match(name))]
+    return os.path.join(root, max(steps)[1]) if steps else None
+
+
+def prepare_tokenizer(config: TrainConfig, train_texts: list[str]):
+    """The run's tokenizer: `model.tokenizer`, else the one of `model.init_from`, else BPE trained on the corpus.
+
+    A trained tokenizer is saved in `output_dir/tokenizer` at once, so that a resumed run reuses it.
+    """
+    from transformers import AutoTokenizer
+
+    saved = os.path.join(config.output_dir, "tokenizer")
+    source = config.model.tokenizer or config.model.init_from
+    if os.path.isdir(saved):
+        return AutoTokenizer.from_pretrained(saved)
+    if source:
+        kwargs = {"gguf_file": config.model.gguf_file} if config.model.gguf_file and not config.model.tokenizer else {}
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=config.model.trust_remote_code, **kwargs)
+    return train_bpe_tokenizer(train_texts, config.model.tokenizer_vocab_size)
+
+
+def build_model(config: TrainConfig, tokenizer):
+    """A fresh model from `model.architecture` (vocabulary and special ids from the tokenizer) or `init_from`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hf_mohd  # noqa: F401  (registers the model types with the Auto classes)
+
+    if config.model.init_from:
+        kwargs = {"gguf_file": config.model.gguf_file} if config.model.gguf_file else {}
+        return AutoModelForCausalLM.from_pretrained(
+            config.model.init_from, dtype=torch.float32, trust_remote_code=config.model.trust_remote_code, **kwargs
+        )
+    architecture = dict(config.model.architecture)
+    model_type = architecture.pop("model_type")
+    architecture.update(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    try:
+        model_config = AutoConfig.for_model(model_type, **architecture)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"`model.architecture` (model_type {model_type!r}) is invalid: {error}") from error
+    return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+
+
+def router_kwargs(model, enabled: bool) -> dict:
+    """`output_router_logits=True` for models with a router aux loss (they add coef * aux to `loss`)."""
+    return {"output_router_logits": True} if enabled and hasattr(model.config, "output_router_logits") else {}
+
+
+@torch.no_grad()
+def evaluate_perplexity(model, blocks: torch.Tensor, batch_size: int, accelerator=None, max_batches: int = 0):
+    """Mean next-token cross-entropy (nats/token) and perplexity over packed `blocks`, all processes together.
+
+    Each process scores blocks rank, rank + world, ...; sums of token losses and token counts are reduced.
+    """
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    device = accelerator.device if accelerator else next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    mine = blocks[rank::world]
+    if max_batches:
+        mine = mine[: max_batches * batch_size]
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for start in range(0, len(mine), batch_size):
+        batch = mine[start : start + batch_size].to(device)
+        with accelerator.autocast() if accelerator else nullcontext():
+            loss = model(input_ids=batch, labels=batch).loss
+        tokens = batch.shape[0] * (batch.shape[1] - 1)
+        total += torch.tensor([loss.double().item() * tokens, tokens], dtype=torch.float64, device=device)
+    if accelerator is not None:
+        total = accelerator.reduce(total, reduction="sum")
+    model.train(was_training)
+    if total[1] == 0:
+        return float("nan"), float("nan")
+    mean = (total[0] / total[1]).item()
+    return mean, math.exp(mean)
+
+
+class RunLog:
+    """JSONL records (main process) plus Accelerate trackers (TensorBoard). On resume, records after the resumed step
+    are dropped, so the file reads like one uninterrupted run."""
+
+    def __init__(self, accelerator, path: str, resume_step: int):
+        self.accelerator, self.path = accelerator, path
+        self.records: list[dict] = []
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as handle:
+                self.records = [r for r in map(json.loads, handle) if r.get("step", 0) <= resume_step]
+        if accelerator.is_main_process:
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.writelines(json.dumps(r) + "\n" for r in self.records)
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        if self.accelerator.is_main_process:
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        self.accelerator.log(scalars, step=record["step"])
+
+
+def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
+    """`save_state` into a temporary folder, then rename it to `checkpoints/step_<n>` (atomic on POSIX) and prune."""
+    root = os.path.join(output_dir, "checkpoints")
+    final = os.path.join(root, f"step_{step:07d}")
+    tmp = os.path.join(root, f".tmp_step_{step:07d}")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(root, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        done = sorted(n for n in os.listdir(root) if CHECKPOINT_PATTERN.match(n))
+        for name in done[:-keep]:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Run (or resume) one training run described by `config`; see `TrainConfig` for every knob."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration, set_seed
+    from tqdm.auto import tqdm
+
+    accelerator = Accelerator(
+        mixed_precision=resolve_mixed_precision(config.mixed_precision),
+        log_with="tensorboard",
+        project_config=ProjectConfiguration(
+            project_dir=config.output_dir, logging_dir=os.path.join(config.output_dir, "tensorboard")
+        ),
+    )
+    os.makedirs(config.output_dir, exist_ok=True)
+    set_seed(config.seed)
+
+    # Data and tokenizer.
+    train_texts, eval_texts = split_documents(load_documents(config.data), config.data.eval_fraction, config.seed)
+    tokenizer = prepare_tokenizer(config, train_texts)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(os.path.join(config.output_dir, "tokenizer"))
+        with open(os.path.join(config.output_dir, "train_config.json"), "w", encoding="utf-8") as handle:
+            json.dump(config.to_dict(), handle, indent=2)
+    train_blocks = pack(train_texts, tokenizer, config.data.seq_len)
+    eval_blocks = pack(eval_texts, tokenizer, config.data.seq_len) if eval_texts else train_blocks[:0]
+    batches = PackedBatches(
+        train_blocks, config.micro_batch_size, config.seed, accelerator.process_index, accelerator.num_processes
+    )
+
+    # Model, optimizer, schedule.
+    model = build_model(config, tokenizer)
+    num_parameters = sum(p.numel() for p in model.parameters())
+    optim = config.optim
+    optimizer = torch.optim.AdamW(
+        param_groups(model, optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps
+    )
+    scheduler = LambdaLR(optimizer, warmup_cosine(optim.warmup_steps, config.max_steps, optim.min_lr_ratio))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state = TrainerState()
+    # The schedule is stepped by hand once per optimizer step (a prepared scheduler would step once per process).
+    accelerator.register_for_checkpointing(scheduler, state)
+
+    # Resume.
+    resume_from = None
+    if config.resume == "auto":
+        resume_from = latest_checkpoint(config.output_dir)
+    elif config.resume != "never":
+        if not os.path.isdir(config.resume):
+            raise ValueError(f"`resume` {config.resume!r} is neither 'auto', 'never' nor a checkpoint folder.")
+        resume_from = config.resume
+    if resume_from:
+        accelerator.load_state(resume_from)
+    log = RunLog(accelerator, os.path.join(config.output_dir, "log.jsonl"), state.step)
+    scalars = {"seq_len": config.data.seq_len, "lr": optim.lr, "micro_batch_size": config.micro_batch_size}
+    accelerator.init_trackers("train", config=scalars)
+
+    # The loop.
+    unwrapped = accelerator.unwrap_model(model)
+    extra = router_kwargs(unwrapped, config.router_aux_loss)
+    aux_coef = float(getattr(unwrapped.config, "router_aux_loss_coef", 0.0) or 0.0)
+    tokens_per_step = config.micro_batch_size * config.grad_accum_steps * accelerator.num_processes
+    tokens_per_step *= config.data.seq_len
+    stream = batches.iterate(state.epoch, state.index)
+    bar = tqdm(
+        total=config.max_steps,
+        initial=state.step,
+        disable=not (accelerator.is_main_process and config.progress_bar),
+        desc=os.path.basename(os.path.normpath(config.output_dir)),
+    )
+    started, steps_this_call = time.perf_counter(), 0
+    window = {"loss": 0.0, "aux": 0.0, "steps": 0, "time": time.perf_counter()}
+    model.train()
+    while state.step < config.max_steps:
+        for micro in range(config.grad_accum_steps):
+            state.epoch, state.index, input_ids = next(stream)
+            input_ids = input_ids.to(accelerator.device)
+            sync = micro == config.grad_accum_steps - 1
+            with nullcontext() if sync else accelerator.no_sync(model):
+                outputs = model(input_ids=input_ids, labels=input_ids, **extra)
+                accelerator.backward(outputs.loss / config.grad_accum_steps)
+            aux = getattr(outputs, "aux_loss", None)
+            aux = aux.detach().item() if aux is not None else 0.0
+            window["loss"] += (outputs.loss.item() - aux_coef * aux) / config.grad_accum_steps
+            window["aux"] += aux / config.grad_accum_steps
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), optim.grad_clip or float("inf"))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if hasattr(unwrapped, "update_router_biases"):  # aux-loss-free balancing (LatentMoE)
+            unwrapped.update_router_biases()
+        state.step += 1
+        state.tokens += tokens_per_step
+        steps_this_call += 1
+        window["steps"] += 1
+        bar.update(1)
+
+        if state.step % config.log_every == 0 or state.step == config.max_steps:
+            elapsed = time.perf_counter() - window["time"]
+            loss = accelerator.reduce(torch.tensor(window["loss"] / window["steps"]), "mean").item()
+            record = {
+                "step": state.step,
+                "loss": loss,
+                "aux_loss": window["aux"] / window["steps"],
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(grad_norm),
+                "tokens": state.tokens,
+                "tokens_per_s": window["steps"] * tokens_per_step / max(elapsed, 1e-9),
+            }
+            log.write(record)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            window = {"loss": 0.0, "aux": 0.0, "steps": 0, "time": time.perf_counter()}
+        if config.eval_every and state.step % config.eval_every == 0 and len(eval_blocks):
+            eval_loss, ppl = evaluate_perplexity(
+                model, eval_blocks, config.micro_batch_size, accelerator, config.eval_batches
+            )
+            log.write({"step": state.step, "eval_loss": eval_loss, "eval_perplexity": ppl})
+        interrupted = config.stop_after_steps and steps_this_call >= config.stop_after_steps
+        if (config.save_every and state.step % config.save_every == 0) or interrupted:
+            save_checkpoint(accelerator, config.output_dir, state.step, config.keep_checkpoints)
+        if interrupted and state.step < config.max_steps:
+            break
+    bar.close()
+
+    result = TrainResult(
+        output_dir=config.output_dir,
+        final_model_dir=None,
+        steps=state.step,
+        tokens=state.tokens,
+        seconds=time.perf_counter() - started,
+        num_parameters=num_parameters,
+        train_log=[r for r in log.records if "loss" in r],
+    )
+    if state.step >= config.max_steps:
+        if len(eval_blocks):
+            result.eval_loss, result.eval_perplexity = evaluate_perplexity(
+                model, eval_blocks, config.micro_batch_size, accelerator, config.eval_batches
+            )
+            log.write({"step": state.step, "eval_loss": result.eval_loss, "eval_perplexity": result.eval_perplexity})
+        if not latest_checkpoint(config.output_dir) or not latest_checkpoint(config.output_dir).endswith(
+            f"step_{state.step:07d}"
+        ):
+            save_checkpoint(accelerator, config.output_dir, state.step, config.keep_checkpoints)
+        if config.save_final:
+            result.final_model_dir = os.path.join(config.output_dir, "final")
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                accelerator.unwrap_model(model).save_pretrained(result.final_model_dir)
+                tokenizer.save_pretrained(result.final_model_dir)
+            accelerator.wait_for_everyone()
+    result.model = accelerator.unwrap_model(model)
+    accelerator.end_training()
+    return result
