@@ -32,7 +32,6 @@ PIPELINE_TAG = "text-generation"
 ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP_PROJECTIONS = ["gate_proj", "up_proj", "down_proj"]
 LATENT_PROJECTIONS = ["fc1_latent_proj", "fc2_latent_proj"]
-EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.up_proj", "experts.down_proj"]
 
 # Config fields shown per family; fields a config does not have are skipped, so the card follows the config class.
 ARCHITECTURE_FIELDS = [
@@ -61,7 +60,19 @@ SPARSITY_FIELDS = {
     ],
 }
 # For a family without an explicit list (LatentMoE), every config field whose name contains one of these.
-SPARSITY_KEYWORDS = ("expert", "moe", "latent", "router", "routed", "topk", "top_k", "score", "mlp_gated", "per_layer")
+SPARSITY_KEYWORDS = (
+    "expert",
+    "moe",
+    "latent",
+    "router",
+    "routed",
+    "topk",
+    "top_k",
+    "score",
+    "mlp_gated",
+    "mixer",
+    "per_layer",
+)
 
 SUMMARIES = {
     "mohd": (
@@ -103,13 +114,22 @@ def lora_targets(config) -> tuple[list[str], list[str]]:
     """Default LoRA `target_modules` and `target_parameters` of a MoHD or LatentMoE config.
 
     Returns:
-        (target_modules, target_parameters): module-name suffixes of the attention and dense MLP projections
-        (plus LatentMoE's latent projections), and parameter names of the fused 3-D expert weights (empty for MoHD).
-        Routers and group fusion are excluded (see `ATTENTION_PROJECTIONS` above).
+        (target_modules, target_parameters): module-name suffixes of the attention and dense MLP projections (for
+        LatentMoE also the shared expert's, and the latent projections when every MoE layer has a latent width;
+        with `moe_latent_size=None` they are `nn.Identity`, which LoRA cannot wrap), and the parameter names of the
+        fused 3-D expert weights (`experts.gate_up_proj` or `experts.up_proj`, and `experts.down_proj`; none for
+        MoHD). Routers and group fusion are excluded (see `ATTENTION_PROJECTIONS` above).
     """
     if getattr(config, "model_type", None) == "mohd":
         return ATTENTION_PROJECTIONS + MLP_PROJECTIONS, []
-    return ATTENTION_PROJECTIONS + MLP_PROJECTIONS + LATENT_PROJECTIONS, list(EXPERT_PARAMETERS)
+    gated = getattr(config, "mlp_gated", True)
+    modules = ATTENTION_PROJECTIONS + (MLP_PROJECTIONS if gated else ["up_proj", "down_proj"])
+    layers = getattr(config, "per_layer_config", None) or [config]
+    moe_layers = [layer for layer in layers if getattr(layer, "mixer_type", "moe") == "moe"]
+    if moe_layers and all(getattr(layer, "moe_latent_size", None) is not None for layer in moe_layers):
+        modules = modules + LATENT_PROJECTIONS
+    parameters = ["experts.gate_up_proj" if gated else "experts.up_proj", "experts.down_proj"] if moe_layers else []
+    return modules, parameters
 
 
 def lm_eval_to_eval_results(results: Mapping[str, Any], *, task_type: str = PIPELINE_TAG) -> list[EvalResult]:
@@ -206,12 +226,11 @@ def _as_list(value: str | Sequence[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def _sparsity_fields(config) -> list[str]:
-    fields = config.to_dict()
+def _sparsity_fields(config, values: Mapping[str, Any]) -> list[str]:
     listed = SPARSITY_FIELDS.get(config.model_type)
     if listed is not None:
-        return [name for name in listed if name in fields]
-    return sorted(name for name in fields if any(word in name for word in SPARSITY_KEYWORDS))
+        return [name for name in listed if name in values]
+    return sorted(name for name in values if any(word in name for word in SPARSITY_KEYWORDS))
 
 
 def template_text() -> str:
@@ -254,6 +273,7 @@ def render_model_card(
     config = getattr(model_or_config, "config", model_or_config)
     family = config.model_type
     counts = parameter_counts(config)
+    values = config.to_dict()  # serialisable values (e.g. `per_layer_config` as its sparse {layer: overrides} map)
     name = repo_id or getattr(config, "name_or_path", "") or f"{family}-model"
     model_name = name.rstrip("/").split("/")[-1] or f"{family}-model"
     all_datasets = _as_list(datasets)
@@ -283,8 +303,8 @@ def render_model_card(
         model_name=model_name,
         repo_id=repo_id or "path/to/this/folder",
         summary=SUMMARIES.get(family, f"A `{family}` causal language model built with hf-mohd."),
-        architecture=[(n, _fmt(getattr(config, n))) for n in ARCHITECTURE_FIELDS if hasattr(config, n)],
-        sparsity=[(n, _fmt(getattr(config, n))) for n in _sparsity_fields(config)],
+        architecture=[(n, _fmt(values[n])) for n in ARCHITECTURE_FIELDS if n in values],
+        sparsity=[(n, _fmt(values[n])) for n in _sparsity_fields(config, values)],
         parameters=[(f"{k} parameters", _fmt(v)) for k, v in counts.items()],
         parameters_note=f"A token activates {active:,} of {total:,} parameters ({100 * active / total:.1f}%), "
         "counted from the configuration (activated: what one token's forward pass reads, LM head included).",

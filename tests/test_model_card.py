@@ -114,3 +114,31 @@ def test_lora_targets_exclude_routers():
     modules, parameters = lora_targets(tiny_mohd_config())
     assert modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert parameters == [] and not any("router" in m or "fusion" in m for m in modules)
+
+
+def test_latent_moe_card_reports_config_accounting_and_expert_targets():
+    from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM
+
+    config = LatentMoEConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_latent_size=16,
+        per_layer_config={0: {"mixer_type": "mlp"}},
+    )
+    model = LatentMoEForCausalLM(config)
+    card = ModelCard(str(render_model_card(model, repo_id="someone/latent-tiny", eval_results=LM_EVAL_OUTPUT)))
+    data = card.data.to_dict()
+    assert {"latent-moe", "moe", "custom_code"} <= set(data["tags"])
+    assert model_index_to_eval_results(data["model-index"])[0] == "latent-tiny"
+    assert config.num_active_parameters() < config.num_parameters() == model.num_parameters()
+    assert f"| total parameters | {model.num_parameters():,} |" in card.text
+    assert f"| activated parameters | {config.num_active_parameters():,} |" in card.text
+    assert "| `moe_latent_size` | 16 |" in card.text
+    assert "| `per_layer_config` | 0: {'mixer_type': 'mlp'} |" in card.text
+    assert "target_parameters=['experts.gate_up_proj', 'experts.down_proj']" in card.text

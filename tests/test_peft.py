@@ -8,7 +8,7 @@ import torch
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
-from hf_mohd import MoHDConfig, MoHDForCausalLM  # noqa: E402
+from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM  # noqa: E402
 from hf_mohd.model_card import lora_targets  # noqa: E402
 from hf_mohd.models.modeling_mohd import MoHDMaskedDispatch  # noqa: E402
 
@@ -19,6 +19,28 @@ def tiny_mohd(**kw) -> MoHDForCausalLM:
         vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, **kw
     )
     return MoHDForCausalLM(config).double().eval()
+
+
+def tiny_latent_moe(**kw) -> LatentMoEForCausalLM:
+    """Layer 0 dense, layer 1 LatentMoE with a shared expert: every LoRA target kind is present."""
+    torch.manual_seed(0)
+    config = LatentMoEConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_latent_size=16,
+        moe_shared_expert_intermediate_size=32,
+        per_layer_config={0: {"mixer_type": "mlp"}},
+        **kw,
+    )
+    model = LatentMoEForCausalLM(config).double().eval()
+    model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
+    return model
 
 
 def lora_config(config, **kw) -> LoraConfig:
@@ -69,9 +91,31 @@ def test_lora_targets_adapt_projections_not_routers_and_train():
     assert all(g is not None and g.abs().sum() > 0 for g in grads), "a LoRA matrix got no gradient"
 
 
-@pytest.mark.parametrize("sparse_implementation", ["gather", "masked"])
-def test_lora_save_reload_and_merge_keep_outputs(tmp_path, sparse_implementation):
-    model = tiny_mohd(sparse_implementation=sparse_implementation)
+def test_latent_moe_lora_reaches_3d_experts_not_the_router():
+    model = tiny_latent_moe()
+    modules, parameters = lora_targets(model.config)
+    assert parameters == ["experts.gate_up_proj", "experts.down_proj"]
+    assert "fc1_latent_proj" in modules and "gate" not in modules
+    peft_model = get_peft_model(model, lora_config(model.config))
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert any(".experts." in n for n in trainable), "target_parameters did not adapt the 3-D expert weights"
+    assert not any(".mlp.gate." in n for n in trainable)
+    peft_model(INPUT_IDS, labels=INPUT_IDS).loss.backward()
+    expert_grads = [p.grad for n, p in peft_model.named_parameters() if p.requires_grad and ".experts." in n]
+    assert all(g is not None and g.abs().sum() > 0 for g in expert_grads)
+
+
+BUILDERS = {
+    "mohd-gather": (MoHDForCausalLM, lambda: tiny_mohd(sparse_implementation="gather")),
+    "mohd-masked": (MoHDForCausalLM, lambda: tiny_mohd(sparse_implementation="masked")),
+    "latent-moe": (LatentMoEForCausalLM, tiny_latent_moe),
+}
+
+
+@pytest.mark.parametrize("family", list(BUILDERS))
+def test_lora_save_reload_and_merge_keep_outputs(tmp_path, family):
+    model_class, build = BUILDERS[family]
+    model = build()
     model.save_pretrained(tmp_path / "base")
     torch.manual_seed(1)
     peft_model = get_peft_model(model, lora_config(model.config)).eval()
@@ -79,17 +123,20 @@ def test_lora_save_reload_and_merge_keep_outputs(tmp_path, sparse_implementation
         expected = peft_model(INPUT_IDS).logits
     peft_model.save_pretrained(tmp_path / "adapter")
 
-    base = MoHDForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float64).eval()
+    base = model_class.from_pretrained(tmp_path / "base", dtype=torch.float64).eval()
+    if family == "latent-moe":
+        base.set_experts_implementation("eager")
     with torch.no_grad():
         plain = base(INPUT_IDS).logits
     reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     with torch.no_grad():
         got = reloaded(INPUT_IDS).logits
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
-    assert (got - plain).abs().max() > 1e-2
+    assert (got - plain).abs().max() > 1e-2, "the reloaded adapter does not change the outputs"
 
     merged = reloaded.merge_and_unload()
-    assert type(merged.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # fast path applies again
+    assert type(merged.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # fast paths apply again
+    assert not any("lora" in n for n, _ in merged.named_parameters())
     with torch.no_grad():
         got_merged = merged(INPUT_IDS).logits
     torch.testing.assert_close(got_merged, expected, rtol=1e-9, atol=1e-9)
