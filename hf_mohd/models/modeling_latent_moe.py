@@ -113,6 +113,16 @@ class LatentMoERouter(nn.Module):
             cache.update_routing(self.layer_idx, ROUTER_NAME, indices, weights)
         return logits.reshape(-1, self.num_experts), weights, indices
 
+    def _apply(self, fn, recurse=True):
+        """Keeps `e_score_correction_bias` in fp32 through dtype casts (`.to(torch.bfloat16)`, `.double()`): steps
+        of gamma = 1e-3 on a bias of order 1 vanish in bf16. Device moves apply as usual."""
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        # CODEPATH: only sigmoid routers (DeepSeek-V3 / Nemotron-H style) hold a correction bias.
+        if bias is not None and self.e_score_correction_bias.dtype != torch.float32:
+            self.e_score_correction_bias = bias.to(device=self.e_score_correction_bias.device, dtype=torch.float32)
+        return self
+
     @torch.no_grad()
     def _count_load(self, indices: torch.Tensor) -> None:
         """Adds the (B, T, K) routed picks to `expert_load` (E,), fp32 token counts per expert."""

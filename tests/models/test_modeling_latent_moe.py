@@ -1,0 +1,520 @@
+"""LatentMoE model tests (fast tier, tiny configs), each against an oracle: transformers' NemotronHMoE and
+MixtralSparseMoeBlock on the same weights, the eager experts path, a per-token reference MoE, the uncached forward,
+hand-computed losses and bias updates, the parameters actually built, or the saved model itself."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, MixtralConfig, NemotronHConfig
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+
+import hf_mohd  # noqa: F401  (registers the Auto classes)
+from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, RoutingCache
+from hf_mohd.models.modeling_common import MLP
+from hf_mohd.models.modeling_latent_moe import (
+    LatentMoEBlock,
+    LatentMoEExperts,
+    LatentMoERouter,
+    LatentMoEUngatedExperts,
+)
+from tests.utils import run_python_without_hf_mohd
+
+
+VOCAB = 97
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    moe_latent_size=8,
+    moe_shared_expert_intermediate_size=24,
+)
+# Layer 0 dense, layer 1 uniform LatentMoE, layer 2 a standard MoE with its own N, K, m and no shared expert.
+HETEROGENEOUS = {
+    0: {"mixer_type": "mlp"},
+    2: {
+        "num_experts": 6,
+        "num_experts_per_tok": 3,
+        "moe_intermediate_size": 12,
+        "moe_latent_size": None,
+        "moe_shared_expert_intermediate_size": 0,
+    },
+}
+
+
+def latent_config(**overrides) -> LatentMoEConfig:
+    fields = dict(SHAPE, per_layer_config=HETEROGENEOUS)
+    fields.update(overrides)
+    return LatentMoEConfig(**fields)
+
+
+def make_model(
+    seed: int = 0, dtype=torch.float64, experts_implementation="eager", **overrides
+) -> LatentMoEForCausalLM:
+    """A tiny heterogeneous LatentMoE model; float64 with eager experts (no top-k ties, no grouped_mm kernel)."""
+    torch.manual_seed(seed)
+    model = LatentMoEForCausalLM(latent_config(**overrides)).to(dtype).eval()
+    model.set_experts_implementation(experts_implementation)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("gate.weight"):
+                param.normal_(0, 0.5)  # spread router scores so that routing matters
+            elif name.endswith("bias"):
+                param.normal_(0, 0.02)
+    return model
+
+
+def input_ids(batch=2, length=9, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+def greedy(model, ids, **kwargs):
+    return model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **kwargs)
+
+
+# --- layer oracles -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mlp_gated", [True, False])
+@pytest.mark.parametrize("router_score_func", ["softmax", "sigmoid"])
+def test_experts_implementations_agree_in_logits_and_gradients(mlp_gated, router_score_func):
+    overrides = dict(mlp_gated=mlp_gated, router_score_func=router_score_func, mlp_bias=True)
+    if not mlp_gated:
+        overrides["hidden_act"] = "relu2"
+    ids = input_ids()
+    results = {}
+    for implementation in ("eager", "batched_mm", "grouped_mm"):
+        model = make_model(dtype=torch.float32, experts_implementation=implementation, **overrides)
+        assert model.config._experts_implementation == implementation
+        logits = model(ids).logits
+        logits.square().mean().backward()
+        results[implementation] = (logits, {n: p.grad for n, p in model.named_parameters() if "experts" in n})
+    reference_logits, reference_grads = results["eager"]
+    for implementation in ("batched_mm", "grouped_mm"):
+        logits, grads = results[implementation]
+        torch.testing.assert_close(logits, reference_logits, atol=1e-5, rtol=1e-4)
+        for name, grad in reference_grads.items():
+            torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-4, msg=f"{implementation} {name}")
+
+
+def _nemotron_pair(latent_size):
+    nemotron_config = NemotronHConfig(
+        hidden_size=32,
+        layers_block_type=["moe"],
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=16,
+        moe_latent_size=latent_size,
+        moe_shared_expert_intermediate_size=24,
+        mlp_hidden_act="relu2",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        n_group=1,
+        topk_group=1,
+    )
+    nemotron_config._experts_implementation = "eager"
+    config = LatentMoEConfig(
+        **dict(SHAPE, num_hidden_layers=1, num_experts_per_tok=3, moe_latent_size=latent_size),
+        hidden_act="relu2",
+        mlp_gated=False,
+        router_score_func="sigmoid",
+        routed_scaling_factor=2.5,
+        position_embedding_type="none",
+    )
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    ours = LatentMoEBlock(config, layer_idx=0).double()
+    theirs = NemotronHMoE(nemotron_config).double()
+    with torch.no_grad():
+        for param in ours.parameters():
+            param.normal_(0, 0.3)
+        ours.gate.e_score_correction_bias.normal_(0, 0.3)
+    missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=False)
+    assert not missing and not unexpected
+    return ours, theirs
+
+
+@pytest.mark.parametrize("latent_size", [8, None])
+def test_block_equals_nemotron_h_moe(latent_size):
+    ours, theirs = _nemotron_pair(latent_size)
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    # Same experts picked; NemotronHTopkRouter always computes its logits in fp32, hence fp32-level gate agreement.
+    _, our_weights, our_indices = ours.gate(x)
+    _, their_weights, their_indices = theirs.gate(x)
+    their_order = their_indices.sort(-1)
+    assert torch.equal(our_indices.reshape(14, 3).sort(-1).values, their_order.values)
+    our_gates = our_weights.reshape(14, 3).gather(-1, our_indices.reshape(14, 3).sort(-1).indices)
+    torch.testing.assert_close(our_gates, their_weights.gather(-1, their_order.indices).double(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
+    # The correction bias changes which experts are picked (and nothing else): without it the output differs.
+    unbiased = theirs.gate.e_score_correction_bias.clone()
+    with torch.no_grad():
+        ours.gate.e_score_correction_bias.zero_()
+    assert not torch.allclose(ours(x), theirs(x))
+    _, weights, indices = theirs.gate(x)
+    assert unbiased.abs().sum() > 0 and weights.shape == indices.shape == (14, 3)
+
+
+def test_block_without_latent_equals_mixtral_and_reference_moe():
+    config = LatentMoEConfig(**dict(SHAPE, num_hidden_layers=1, moe_latent_size=None))
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    block = LatentMoEBlock(config, layer_idx=0).double()
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0, 0.3)
+    assert isinstance(block.fc1_latent_proj, nn.Identity) and isinstance(block.fc2_latent_proj, nn.Identity)
+    assert block.experts.gate_up_proj.shape == (8, 32, 32)  # (E, 2m, D): experts at full width
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    # Oracle 1: transformers' Mixtral block (softmax top-K, renormalised) plus the shared expert; Mixtral takes its
+    # softmax in fp32 whatever the input dtype, hence the fp32-level tolerance (oracle 2 below is exact).
+    mixtral_config = MixtralConfig(hidden_size=32, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2)
+    mixtral_config._experts_implementation = "eager"
+    mixtral = MixtralSparseMoeBlock(mixtral_config).double()
+    mixtral.load_state_dict({k: v for k, v in block.state_dict().items() if not k.startswith("shared")})
+    torch.testing.assert_close(block(x), mixtral(x) + block.shared_experts(x), atol=1e-6, rtol=0)
+    # Oracle 2: token by token, expert by expert, straight from the definition.
+    expected = torch.zeros_like(x)
+    for b in range(2):
+        for t in range(5):
+            token = x[b, t]
+            probs = torch.softmax(block.gate.weight @ token, dim=-1)
+            top = torch.argsort(probs, descending=True)[:2]
+            gates = probs[top] / probs[top].sum()
+            for gate, e in zip(gates, top, strict=True):
+                gate_h, up_h = (block.experts.gate_up_proj[e] @ token).chunk(2)
+                expected[b, t] += gate * (block.experts.down_proj[e] @ (nn.functional.silu(gate_h) * up_h))
+            expected[b, t] += block.shared_experts(token)
+    torch.testing.assert_close(block(x), expected, atol=1e-12, rtol=0)
+
+
+def test_per_layer_config_builds_layer_shapes():
+    model = make_model()
+    dense, uniform, standard = (layer.mlp for layer in model.model.layers)
+    assert type(dense) is MLP and dense.up_proj.weight.shape == (48, 32) and dense.gate_proj is not None
+    assert isinstance(uniform, LatentMoEBlock) and isinstance(uniform.experts, LatentMoEExperts)
+    assert uniform.fc1_latent_proj.weight.shape == (8, 32) and uniform.fc2_latent_proj.weight.shape == (32, 8)
+    assert uniform.experts.gate_up_proj.shape == (8, 32, 8) and uniform.experts.down_proj.shape == (8, 8, 16)
+    assert uniform.gate.weight.shape == (8, 32) and uniform.shared_experts.up_proj.weight.shape == (24, 32)
+    assert isinstance(standard.fc1_latent_proj, nn.Identity) and standard.shared_experts is None
+    assert standard.experts.gate_up_proj.shape == (6, 24, 32) and standard.gate.top_k == 3
+    ungated = make_model(mlp_gated=False, hidden_act="relu2", router_score_func="sigmoid")
+    experts = ungated.model.layers[1].mlp.experts
+    assert isinstance(experts, LatentMoEUngatedExperts) and experts.up_proj.shape == (8, 16, 8)
+    assert ungated.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    # The global config refuses to answer for a field that varies per layer; each layer config answers.
+    assert [c.num_experts for c in model.config.per_layer_config] == [8, 8, 6]
+
+
+# --- accounting ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"mlp_gated": False, "hidden_act": "relu2", "router_score_func": "sigmoid"},
+        {"mlp_bias": True, "attention_bias": True, "tie_word_embeddings": True},
+        {"per_layer_config": None, "moe_shared_expert_intermediate_size": 0},
+        {"mlp_bias": True, "mlp_gated": False, "hidden_act": "relu2"},
+    ],
+)
+def test_num_parameters_equal_built_model(overrides):
+    model = make_model(**overrides)
+    config = model.config
+    assert config.num_parameters() == sum(p.numel() for p in model.parameters())
+    for i, layer in enumerate(model.model.layers):
+        assert config.layer_num_parameters(i) == sum(p.numel() for p in layer.parameters()), i
+    # Active: everything but the (E - K) experts a token skips in each MoE layer, and the embedding lookup.
+    skipped = 0
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, LatentMoEBlock):
+            per_expert = sum(p[0].numel() for p in layer.mlp.experts.parameters())
+            skipped += (layer.mlp.gate.num_experts - layer.mlp.gate.top_k) * per_expert
+    embedding = 0 if config.tie_word_embeddings else model.model.embed_tokens.weight.numel()
+    assert config.num_active_parameters() == sum(p.numel() for p in model.parameters()) - skipped - embedding
+
+
+# --- losses and the aux-loss-free update ---------------------------------------------------------------------
+
+
+def test_load_balancing_loss_hand_computed_with_per_layer_top_k():
+    # 4 experts; layer 0 picks K=2, layer 1 K=1 (per_layer_config); token 2 is padding.
+    model = make_model(
+        num_hidden_layers=2, num_experts=4, per_layer_config={1: {"num_experts_per_tok": 1}}, router_aux_loss_coef=0.5
+    )
+    ln = math.log
+    logits = torch.tensor(
+        [[ln(4.0), ln(2.0), 0.0, 0.0], [ln(3.0), 0.0, 0.0, ln(5.0)], [9.0, 0.0, 0.0, 0.0]], dtype=torch.float64
+    )
+    # softmax rows: [.5, .25, .125, .125], [.3, .1, .1, .5]; P = [.4, .175, .1125, .3125].
+    # K=2: picks {0, 1}, {3, 0}: f = [.5, .25, 0, .25], L = 4 (.2 + .04375 + .078125) = 1.2875.
+    # K=1: picks 0, 3: f = [.5, 0, 0, .5], L = 4 (.2 + .15625) = 1.425. Mean: 1.35625.
+    loss = model.load_balancing_loss((logits, logits), attention_mask=torch.tensor([[1, 1, 0]]))
+    assert loss.item() == pytest.approx(1.35625, abs=1e-12)
+    # In the model: aux loss of the recorded router logits, added to the LM loss with its coefficient.
+    ids = input_ids()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    out = model(ids, attention_mask=mask, labels=ids, output_router_logits=True)
+    assert len(out.router_logits) == 2 and out.router_logits[1].shape == (18, 4)
+    torch.testing.assert_close(out.aux_loss, model.load_balancing_loss(out.router_logits, mask))
+    plain = model(ids, attention_mask=mask, labels=ids)
+    assert plain.aux_loss is None
+    torch.testing.assert_close(out.loss, plain.loss + 0.5 * out.aux_loss.to(plain.loss.dtype))
+
+
+def test_sigmoid_bias_update_moves_bias_against_load():
+    model = make_model(router_score_func="sigmoid", router_bias_update_rate=0.01, num_experts=4)
+    router = model.model.layers[1].mlp.gate
+    router.expert_load = torch.tensor([5.0, 1.0, 3.0, 3.0])  # mean 3: expert 0 overloaded, expert 1 underloaded
+    used = model.update_router_biases()
+    torch.testing.assert_close(router.e_score_correction_bias, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
+    torch.testing.assert_close(used[1], torch.tensor([5.0, 1.0, 3.0, 3.0]))
+    assert router.expert_load is None and model.update_router_biases()[1].abs().sum() == 0
+    # Training forwards count the routed picks (B * T * K per router); eval forwards do not.
+    ids = input_ids()
+    model(ids)
+    assert router.expert_load is None
+    model.train()
+    model(ids)
+    model(ids)
+    assert router.expert_load.sum() == 2 * 18 * 2
+    assert model.model.layers[2].mlp.gate.expert_load.sum() == 2 * 18 * 3
+    before = router.e_score_correction_bias.clone()
+    load = router.expert_load.clone()
+    model.update_router_biases()
+    torch.testing.assert_close(router.e_score_correction_bias - before, 0.01 * torch.sign(load.mean() - load))
+    # The bias only selects: gates are the unbiased sigmoid scores of the picked experts, renormalised.
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(torch.tensor([0.0, 0.0, 10.0, 10.0]))
+    x = torch.randn(1, 4, 32, dtype=torch.float64)
+    _, weights, indices = router(x)
+    assert torch.equal(indices.sort(-1).values, torch.tensor([2, 3]).expand(1, 4, 2))
+    scores = torch.sigmoid(x @ router.weight.T).gather(-1, indices)
+    torch.testing.assert_close(weights, scores / scores.sum(-1, keepdim=True))
+
+
+def test_softmax_routing_has_no_bias_and_no_update():
+    model = make_model()
+    model.train()
+    model(input_ids())
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias is None
+    assert model.update_router_biases() == {}
+    assert "e_score_correction_bias" not in str(list(model.state_dict()))
+
+
+# --- generation and the routing cache ------------------------------------------------------------------------
+
+
+def test_cached_generation_equals_uncached_and_record_matches_full_forward():
+    model = make_model()
+    ids = input_ids(batch=2, length=5)
+    out = model.generate(
+        ids, max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True
+    )
+    assert isinstance(out.cache, RoutingCache)
+    uncached = model.generate(
+        ids,
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+        use_cache=False,
+    )
+    assert uncached.cache is None
+    torch.testing.assert_close(out.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(uncached.logits), atol=1e-10, rtol=0)
+    full_cache = RoutingCache(config=model.config)
+    model(out.sequences[:, :-1], cache=full_cache, use_cache=True)
+    assert set(full_cache.routing_record) == {(1, "moe"), (2, "moe")}
+    for key, record in full_cache.routing_record.items():
+        generated = out.cache.routing_record[key]
+        assert generated.indices.shape == (2, out.sequences.shape[1] - 1, 2 if key[0] == 1 else 3)
+        torch.testing.assert_close(generated.indices, record.indices)
+        torch.testing.assert_close(generated.weights, record.weights)
+
+
+def test_sampling_beam_and_static_cache_equal_no_cache():
+    model = make_model(router_score_func="sigmoid")
+    ids = input_ids(batch=2, length=4)
+    sequences = []
+    for use_cache in (True, False):
+        torch.manual_seed(123)
+        sequences.append(
+            model.generate(ids, max_new_tokens=6, do_sample=True, top_k=10, pad_token_id=0, use_cache=use_cache)
+        )
+    torch.testing.assert_close(sequences[0], sequences[1])
+    kwargs = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(model.generate(ids, **kwargs), model.generate(ids, use_cache=False, **kwargs))
+    torch.testing.assert_close(greedy(model, ids, cache_implementation="static"), greedy(model, ids, use_cache=False))
+
+
+def test_assisted_and_prompt_lookup_decoding_equal_greedy():
+    model = make_model(seed=0)
+    assistant = make_model(seed=1, num_hidden_layers=2, per_layer_config=None)
+    ids = input_ids(batch=1, length=8)
+    ids[0, 4:] = ids[0, :4]  # repeated n-grams give prompt lookup candidates
+    reference = greedy(model, ids, use_cache=False)
+    torch.testing.assert_close(greedy(model, ids, assistant_model=assistant), reference)
+    torch.testing.assert_close(greedy(model, ids, prompt_lookup_num_tokens=3), reference)
+
+
+def test_left_padded_batch_equals_each_sequence_alone():
+    model = make_model()
+    long, short = input_ids(batch=1, length=7, seed=1), input_ids(batch=1, length=4, seed=2)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(out[0, 7:], greedy(model, long)[0, 7:12])
+    torch.testing.assert_close(out[1, 7:], greedy(model, short)[0, 4:9])
+    logits = model(batch, attention_mask=mask).logits
+    torch.testing.assert_close(logits[1, 3:], model(short).logits[0], atol=1e-10, rtol=0)
+
+
+def test_routing_record_follows_crop_reorder_and_batch_ops():
+    model = make_model()
+    ids = input_ids(batch=3, length=6)
+    cache = RoutingCache(config=model.config)
+    out = model(ids, cache=cache, use_cache=True, output_router_logits=True)
+    record = {key: value.indices.clone() for key, value in cache.routing_record.items()}
+    # The record holds the top-K of the router scores of every position.
+    probs = torch.softmax(out.router_logits[0], dim=-1).view(3, 6, 8)
+    torch.testing.assert_close(record[(1, "moe")], probs.topk(2, dim=-1).indices)
+    cache.crop(-2)
+    assert cache.get_seq_length() == 4
+    for key, value in cache.routing_record.items():
+        torch.testing.assert_close(value.indices, record[key][:, :4])
+    beam_idx = torch.tensor([2, 0, 0])
+    cache.reorder_cache(beam_idx)
+    for key, value in cache.routing_record.items():
+        torch.testing.assert_close(value.indices, record[key][beam_idx, :4])
+    cache.batch_repeat_interleave(2)
+    cache.batch_select_indices(torch.tensor([0, 5]))
+    for key, value in cache.routing_record.items():
+        torch.testing.assert_close(value.indices, record[key][beam_idx][[0, 2], :4])
+    model(ids[[0, 1], 4:5], cache=cache, use_cache=True)
+    assert cache.get_routing(2, "moe").indices.shape == (2, 5, 3) and cache.get_seq_length() == 5
+
+
+def test_routing_replay_reproduces_logits_and_keeps_indices():
+    model = make_model(router_score_func="sigmoid")
+    ids = input_ids()
+    cache = RoutingCache(config=model.config)
+    logits = model(ids, cache=cache, use_cache=True).logits
+    replayed = model(ids, routing_replay=cache.routing_record)
+    torch.testing.assert_close(replayed.logits, logits, atol=0, rtol=0)
+    # New router weights: replay keeps the recorded indices, the gates come from the new routers (with gradient).
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.weight.mul_(-1)
+    new_cache = RoutingCache(config=model.config)
+    model(ids, routing_replay=cache.routing_record, cache=new_cache, use_cache=True).logits.sum().backward()
+    for key, record in cache.routing_record.items():
+        torch.testing.assert_close(new_cache.routing_record[key].indices, record.indices)
+        assert not torch.allclose(new_cache.routing_record[key].weights, record.weights)
+        assert model.model.layers[key[0]].mlp.gate.weight.grad.abs().sum() > 0
+    own = RoutingCache(config=model.config)
+    model(ids, cache=own, use_cache=True)
+    assert not torch.equal(own.get_routing(1, "moe").indices, cache.get_routing(1, "moe").indices)
+
+
+# --- save / load ---------------------------------------------------------------------------------------------
+
+
+def test_save_and_reload_exact(tmp_path):
+    model = make_model(dtype=torch.float32, router_score_func="sigmoid", tie_word_embeddings=True)
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(tmp_path)
+    config_json = (tmp_path / "config.json").read_text()
+    assert '"auto_map"' in config_json and "modeling_latent_moe.LatentMoEForCausalLM" in config_json
+    assert '"per_layer_config"' in config_json
+    code_files = ("modeling_latent_moe.py", "configuration_latent_moe.py", "latent_moe_accounting.py")
+    for name in (*code_files, "modeling_common.py", "routing_cache.py"):
+        assert (tmp_path / name).exists(), name
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="eager").eval()
+    assert type(reloaded) is LatentMoEForCausalLM
+    assert [c.moe_latent_size for c in reloaded.config.per_layer_config] == [8, 8, None]
+    ids = input_ids()
+    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+    for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_trust_remote_code_reload_in_fresh_process(tmp_path):
+    model = make_model(dtype=torch.float32, router_score_func="sigmoid", experts_implementation="grouped_mm")
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(tmp_path)
+    ids = input_ids()
+    torch.save(ids, tmp_path / "ids.pt")
+    expected = model(ids).logits
+    result = run_python_without_hf_mohd(
+        f"""
+        import json, torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True).eval()
+        ids = torch.load({str(tmp_path / "ids.pt")!r})
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+        torch.save(model(ids).logits, {str(tmp_path / "logits.pt")!r})
+        print(json.dumps({{"module": type(model).__module__, "record": sorted(k[0] for k in out.cache.routing_record),
+                          "experts": model.config._experts_implementation}}))
+        """,
+        cwd=str(tmp_path),
+    )
+    assert not result["module"].startswith("hf_mohd")
+    assert result["record"] == [1, 2] and result["experts"] == "grouped_mm"
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-6, rtol=0)
+
+
+# --- configuration -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_experts_per_tok": 9}, r"layer 1: `num_experts_per_tok`"),
+        ({"per_layer_config": {2: {"num_experts_per_tok": 9}}}, r"layer 2: `num_experts_per_tok`"),
+        ({"per_layer_config": {1: {"mixer_type": "mamba"}}}, r"layer 1: `mixer_type`"),
+        ({"per_layer_config": {1: {"moe_latent_size": 0}}}, r"layer 1: `moe_latent_size`"),
+        ({"per_layer_config": {0: {"moe_shared_expert_intermediate_size": -1}}}, r"layer 0: `moe_shared_expert"),
+        ({"per_layer_config": {1: {"hidden_size": 64}}}, r"per_layer_config\[1\]`.*hidden_size"),
+        ({"per_layer_config": {1: {"skip": ["mlp"]}}}, r"per_layer_config\[1\]`.*skip"),
+        ({"per_layer_config": {0: {"num_experts": 0}}}, r"layer 0: `num_experts`"),
+        ({"router_score_func": "relu"}, r"`router_score_func`"),
+        ({"position_embedding_type": "alibi"}, r"`position_embedding_type`"),
+        ({"num_key_value_heads": 3}, r"`num_attention_heads`"),
+        ({"router_bias_update_rate": -1.0}, r"`router_bias_update_rate`"),
+        ({"routed_scaling_factor": 0.0}, r"`routed_scaling_factor`"),
+    ],
+)
+def test_bad_config_raises_value_error_naming_field_and_layer(overrides, message):
+    fields = dict(SHAPE, per_layer_config={0: {"mixer_type": "mlp"}})
+    fields.update(overrides)
+    with pytest.raises(ValueError, match=message):
+        LatentMoEConfig(**fields)
+
+
+def test_router_is_recorded_and_exposed():
+    model = make_model()
+    out = model(input_ids(), output_router_logits=True, output_hidden_states=True)
+    assert [tuple(t.shape) for t in out.router_logits] == [(18, 8), (18, 6)]
+    assert len(out.hidden_states) == 4
+    assert sum(isinstance(m, LatentMoERouter) for m in model.modules()) == 2
