@@ -308,6 +308,26 @@ def test_sigmoid_bias_update_moves_bias_against_load():
     torch.testing.assert_close(weights, scores / scores.sum(-1, keepdim=True))
 
 
+def _bias_update_rank(rank: int, init_file: str, out_dir: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    model = make_model(router_score_func="sigmoid", router_bias_update_rate=0.01, num_experts=4)
+    router = model.model.layers[1].mlp.gate
+    router.expert_load = torch.tensor([[4.0, 0.0, 1.0, 3.0], [0.0, 4.0, 1.0, 3.0]][rank])
+    model.update_router_biases()
+    torch.save(router.e_score_correction_bias, f"{out_dir}/bias{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_bias_update_all_reduces_loads_across_ranks(tmp_path):
+    # Summed load [4, 4, 2, 6], mean 4: both ranks move the bias by 0.01 * [0, 0, 1, -1]. Rank 0 alone would have
+    # applied 0.01 * sign(2 - [4, 0, 1, 3]) = [-1, 1, 1, -1] * 0.01.
+    torch.multiprocessing.spawn(_bias_update_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        bias = torch.load(tmp_path / f"bias{rank}.pt")
+        torch.testing.assert_close(bias, torch.tensor([0.0, 0.0, 0.01, -0.01]))
+
+
 def test_softmax_routing_has_no_bias_and_no_update():
     model = make_model()
     model.train()
