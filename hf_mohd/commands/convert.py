@@ -1,0 +1,207 @@
+"""`hf-mohd convert`: turn a dense LLaMA checkpoint (safetensors folder or GGUF file) into MoHD or LatentMoE.
+
+`hf-mohd convert mohd SOURCE OUTPUT --preset compression_50` and `hf-mohd convert latent-moe SOURCE OUTPUT ...`;
+`conversion/llama_to_mohd.py` and `conversion/llama_to_latent_moe.py` in the repository call the same functions.
+The work is done by `hf_mohd.conversion` (DESIGN section 6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+# Choices are repeated here (not imported) so that `hf-mohd --help` does not import torch or transformers.
+MOHD_PRESETS = ("full", "compression_50", "compression_75")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "source", help="Dense LLaMA checkpoint: a local folder (config.json + safetensors) or a .gguf file."
+    )
+    parser.add_argument("output", help="Folder to write (weights, config + code, tokenizer, model card).")
+    parser.add_argument("--gguf-file", help="Name of a GGUF file inside the SOURCE folder.")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, help="dtype of the converted weights (default: the source's; GGUF -> float32)."
+    )
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the freshly initialised weights (default 0).")
+    parser.add_argument("--base-model", help="Hub id of the source model, for the model card's `base_model`.")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="Before writing, check the exact model (MoHD at full activation, LatentMoE as converted) against the "
+        "source LLaMA's logits on random tokens; fail if they differ by more than --atol.",
+    )
+    parser.add_argument("--atol", type=float, default=1e-4, help="Tolerance of --verify (default 1e-4).")
+    parser.add_argument("--overwrite", action="store_true", help="Replace OUTPUT if it exists.")
+    parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors shard (default 5GB).")
+    parser.add_argument("-q", "--quiet", action="store_true", help="Only warnings and errors.")
+
+
+def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Arguments of LLaMA -> MoHD (shared by `hf-mohd convert mohd` and `conversion/llama_to_mohd.py`)."""
+    _add_common_arguments(parser)
+    parser.add_argument(
+        "--preset",
+        choices=MOHD_PRESETS + ("none",),
+        default="full",
+        help="full: every sub-dimension shared, exact (default); compression_50 / compression_75: 8 or 12 of 16 "
+        "sub-dimensions active (DESIGN section 3); none: give the three counts below.",
+    )
+    parser.add_argument("--num-sub-dims", type=int, help="N, sub-dimensions (must divide hidden_size).")
+    parser.add_argument("--num-shared-sub-dims", type=int, help="N_s, always-active sub-dimensions.")
+    parser.add_argument("--num-routed-sub-dims-per-tok", type=int, help="k, routed sub-dimensions per token.")
+    parser.add_argument(
+        "--activation-scaling", choices=("inverse_active", "none"), help="Scale active outputs by N / active, or not."
+    )
+    parser.add_argument("--routed-gate", choices=("softmax", "normalized"), help="Input gate of a routed block.")
+    parser.add_argument("--group-fusion", choices=("mix", "none"), help="Identity-initialised N x N block mixer.")
+    parser.add_argument(
+        "--sparse-modules", nargs="+", choices=("attention", "ffn"), help="Sublayers to sparsify (default both)."
+    )
+    parser.add_argument("--sparse-implementation", choices=("gather", "masked"), help="Execution path.")
+    parser.set_defaults(func=run_mohd)
+    return parser
+
+
+def add_latent_moe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Arguments of LLaMA -> LatentMoE upcycling (`hf-mohd convert latent-moe`, `conversion/llama_to_latent_moe.py`)."""
+    _add_common_arguments(parser)
+    parser.add_argument("--num-experts", type=int, default=8, help="N, routed experts per layer (default 8).")
+    parser.add_argument("--num-experts-per-tok", type=int, default=2, help="K, routed experts per token (default 2).")
+    parser.add_argument(
+        "--moe-intermediate-size",
+        type=int,
+        help="m, routed expert width (default: intermediate_size / num_experts, the slices of the dense FFN).",
+    )
+    parser.add_argument(
+        "--moe-latent-size", type=int, help="l, latent width of the routed experts (default: hidden_size / 4)."
+    )
+    parser.add_argument(
+        "--expert-init",
+        choices=("slices", "random"),
+        default="slices",
+        help="slices: routed experts start from slices of the dense FFN, projected to the latent width; random: "
+        "N(0, initializer_range^2). Either way fc2_latent_proj is zero, so the output equals the source's.",
+    )
+    parser.add_argument("--router-score-func", choices=("softmax", "sigmoid"), default="softmax")
+    parser.add_argument(
+        "--dense-layers", type=int, nargs="+", default=[], help="Layer indices kept dense (their FFN copied as is)."
+    )
+    parser.set_defaults(func=run_latent_moe)
+    return parser
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "convert", help="Convert a dense LLaMA checkpoint (safetensors folder or GGUF) to MoHD or LatentMoE."
+    )
+    families = parser.add_subparsers(dest="family", metavar="FAMILY", required=True)
+    add_mohd_arguments(
+        families.add_parser("mohd", help="LLaMA -> MoHD: exact at full activation, then the chosen sparsity.")
+    )
+    add_latent_moe_arguments(
+        families.add_parser(
+            "latent-moe", help="LLaMA -> LatentMoE upcycling: dense FFN -> shared expert, latent up-projection zero."
+        )
+    )
+
+
+def configure_logging(quiet: bool = False) -> None:
+    """Progress lines on stderr: `hf_mohd.conversion` at INFO (WARNING with --quiet)."""
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("hf_mohd").setLevel(logging.WARNING if quiet else logging.INFO)
+
+
+def _load(args):
+    import torch
+
+    from hf_mohd.conversion import check_destination, load_dense_llama
+
+    check_destination(args.output, args.overwrite)  # fail before the (possibly long) conversion
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    return load_dense_llama(args.source, gguf_file=args.gguf_file, dtype=dtype)
+
+
+def _verify(model, source, atol: float, seed: int) -> None:
+    from hf_mohd.conversion import ConversionError, max_logit_difference
+
+    diff = max_logit_difference(model, source, seed=seed)
+    logging.getLogger("hf_mohd.conversion").info("--verify: max |logit difference| vs the source = %.3g", diff)
+    if not diff <= atol:
+        raise ConversionError(f"--verify failed: logits differ from the source by {diff:.3g} > atol={atol}.")
+
+
+def _fail(err) -> int:
+    logging.getLogger("hf_mohd.conversion").error("%s", err)
+    return 1
+
+
+def run_mohd(args) -> int:
+    configure_logging(args.quiet)
+    import hf_mohd  # noqa: F401  (registers the model types, so save_pretrained writes auto_map and code)
+    from hf_mohd.conversion import ConversionError, describe_mohd_conversion, llama_to_mohd, save_converted
+
+    sparsity = {
+        "num_sub_dims": args.num_sub_dims,
+        "num_shared_sub_dims": args.num_shared_sub_dims,
+        "num_routed_sub_dims_per_tok": args.num_routed_sub_dims_per_tok,
+        "activation_scaling": args.activation_scaling,
+        "routed_gate": args.routed_gate,
+        "group_fusion": args.group_fusion,
+        "sparse_modules": args.sparse_modules,
+        "sparse_implementation": args.sparse_implementation,
+    }
+    preset = None if args.preset == "none" else args.preset
+    try:
+        source = _load(args)
+        if args.verify:
+            _verify(llama_to_mohd(source, "full", num_sub_dims=args.num_sub_dims), source, args.atol, args.seed)
+        model = llama_to_mohd(source, preset, seed=args.seed, **sparsity)
+        save_converted(
+            model,
+            args.output,
+            source,
+            describe_mohd_conversion(model.config, args.seed),
+            base_model=args.base_model,
+            overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
+        )
+    except ConversionError as err:
+        return _fail(err)
+    return 0
+
+
+def run_latent_moe(args) -> int:
+    configure_logging(args.quiet)
+    import hf_mohd  # noqa: F401
+    from hf_mohd.conversion import ConversionError, describe_latent_moe_conversion, llama_to_latent_moe, save_converted
+
+    try:
+        source = _load(args)
+        model = llama_to_latent_moe(
+            source,
+            num_experts=args.num_experts,
+            num_experts_per_tok=args.num_experts_per_tok,
+            moe_intermediate_size=args.moe_intermediate_size,
+            moe_latent_size=args.moe_latent_size,
+            expert_init=args.expert_init,
+            router_score_func=args.router_score_func,
+            dense_layers=args.dense_layers,
+            seed=args.seed,
+        )
+        if args.verify:
+            _verify(model, source, args.atol, args.seed)
+        save_converted(
+            model,
+            args.output,
+            source,
+            describe_latent_moe_conversion(model.config, args.expert_init, args.seed),
+            base_model=args.base_model,
+            overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
+        )
+    except ConversionError as err:
+        return _fail(err)
+    return 0

@@ -1,0 +1,35 @@
+"""Conversion of dense LLaMA checkpoints into MoHD and LatentMoE models (DESIGN section 6).
+
+The functions live in the package, so an installed `hf-mohd` converts without the repository; `conversion/*.py`
+and `hf-mohd convert` are thin command-line wrappers around them.
+"""
+
+from .latent_moe import (
+    EXPERT_INITS,
+    describe_latent_moe_conversion,
+    latent_moe_config_from_llama,
+    llama_to_latent_moe,
+)
+from .mohd import CONVERSION_PRESETS, describe_mohd_conversion, llama_to_mohd, mohd_config_from_llama
+from .output import build_model_card, check_destination, save_converted
+from .source import ConversionError, DenseLlamaSource, load_dense_llama
+from .verify import max_logit_difference
+
+
+__all__ = [
+    "CONVERSION_PRESETS",
+    "ConversionError",
+    "EXPERT_INITS",
+    "describe_latent_moe_conversion",
+    "latent_moe_config_from_llama",
+    "llama_to_latent_moe",
+    "DenseLlamaSource",
+    "build_model_card",
+    "check_destination",
+    "describe_mohd_conversion",
+    "llama_to_mohd",
+    "load_dense_llama",
+    "max_logit_difference",
+    "mohd_config_from_llama",
+    "save_converted",
+]

