@@ -1,0 +1,116 @@
+"""Run lm-evaluation-harness on a model object or folder with the offline tasks of `hf_mohd/evaluation/tasks/`.
+
+The runner is lm-eval's own `HFLM` wrapper plus `simple_evaluate` (DESIGN section 7), with a `TaskManager` that
+includes this package's task folder, so any model `AutoModelForCausalLM` loads (MoHD, LatentMoE, Llama) is scored
+exactly as `lm_eval --model hf --include_path <tasks dir>` would score it (tests/test_evaluation.py checks this).
+"""
+
+import os
+
+
+TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
+
+# The MoHD paper's suite (arXiv 2412.05644, Table 2): short name -> offline task name.
+SUITE = {
+    "arc_easy": "offline_arc_easy",
+    "arc_challenge": "offline_arc_challenge",
+    "boolq": "offline_boolq",
+    "hellaswag": "offline_hellaswag",
+    "lambada": "offline_lambada",
+    "piqa": "offline_piqa",
+    "sciq": "offline_sciq",
+    "winogrande": "offline_winogrande",
+}
+
+
+def resolve_tasks(names: str | list[str]) -> list[str]:
+    """Offline task names from short names ("arc_easy"), full names ("offline_arc_easy") or "all".
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    if names == ["all"]:
+        return list(SUITE.values())
+    resolved = []
+    for name in names:
+        if name in SUITE:
+            resolved.append(SUITE[name])
+        elif name in SUITE.values():
+            resolved.append(name)
+        else:
+            raise ValueError(f"Unknown task {name!r}; known: {sorted(SUITE)} (or 'all').")
+    return resolved
+
+
+def evaluate(
+    model,
+    tokenizer=None,
+    tasks: str | list[str] = "all",
+    limit: int | float | None = None,
+    batch_size: int = 8,
+    device: str = "cpu",
+    num_fewshot: int | None = None,
+    seed: int = 1234,
+    trust_remote_code: bool = False,
+) -> dict:
+    """lm-eval results of `model` on offline tasks.
+
+    Args:
+        model: a `PreTrainedModel` (then pass `tokenizer`) or a model folder / Hub id.
+        tokenizer: tokenizer object or folder; defaults to the model folder's.
+        tasks: see `resolve_tasks`.
+        limit: documents per task (an int), or a fraction of each task (a float < 1); None: all.
+        batch_size: lm-eval batch size (requests per forward).
+        device: torch device of the model ("cpu", "cuda", ...).
+        num_fewshot: few-shot examples (None: zero-shot; the task YAMLs have no few-shot split but the validation).
+        seed: lm-eval's random, numpy, torch and few-shot seeds.
+
+    Returns:
+        lm-eval's result dict; `results[task]` maps "acc,none", "acc_norm,none", "perplexity,none", ... to numbers.
+    """
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    import hf_mohd  # noqa: F401  (registers the model types with the Auto classes)
+
+    if isinstance(model, str):
+        lm = HFLM(
+            pretrained=model,
+            tokenizer=tokenizer,
+            device=device,
+            batch_size=batch_size,
+            trust_remote_code=trust_remote_code,
+        )
+    else:
+        if tokenizer is None:
+            raise ValueError("Pass `tokenizer` together with a model object.")
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size)
+    return simple_evaluate(
+        model=lm,
+        tasks=resolve_tasks(tasks),
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=TaskManager(include_path=TASKS_DIR),
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+        log_samples=False,
+    )
+
+
+def summarize(results: dict) -> dict[str, dict[str, float]]:
+    """{short task name: {metric: value}} with lm-eval's ",none" filter suffix removed and stderr dropped."""
+    short = {v: k for k, v in SUITE.items()}
+    table = {}
+    for task, metrics in results["results"].items():
+        table[short.get(task, task)] = {
+            key.split(",")[0]: value
+            for key, value in metrics.items()
+            if "," in key and "stderr" not in key and isinstance(value, (int, float))
+        }
+    return table
