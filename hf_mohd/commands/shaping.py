@@ -1,0 +1,282 @@
+"""Shaping and allocation commands of arXiv 2610.14644 (DESIGN section 4): `hf-mohd latent-accounting`,
+`alpha-transform`, `propose-shape`, `intrinsic-dim` and `allocate`.
+
+Every command reads local files only; a bad input prints `hf-mohd <command>: error: ...` and exits with 2.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+
+def register(subparsers) -> None:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    p = subparsers.add_parser(
+        "latent-accounting",
+        formatter_class=fmt,
+        help="Per-layer and total params, activated MACs and all-to-all payload of a LatentMoE config.",
+        description="Accounting of a LatentMoE config.json (arXiv 2610.14644 appendix B.2): per layer c N l m routed "
+        "+ 2 D l latent + D N router + c D m_s shared parameters (c = 3 gated, 2 not), activated MACs "
+        "c K l m + 2 D l + D N + c D m_s per token, all-to-all 2 K l scalars per token (2 K D without a latent).",
+    )
+    p.add_argument("config", help="config.json of a LatentMoE model, or the folder holding it.")
+    p.add_argument("--context-length", type=int, default=0, help="Keys per query for attention-score MACs.")
+    p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    p.set_defaults(func=_guard(run_accounting, "latent-accounting"))
+
+    p = subparsers.add_parser(
+        "alpha-transform",
+        formatter_class=fmt,
+        help="Turn a standard MoE config into a LatentMoE one: l = D/alpha, N' = alpha N, K' = alpha K.",
+        description="The alpha-transform of arXiv 2610.14644 section 2: at fixed expert width m, l = D / alpha, "
+        "N' = alpha N, K' = alpha K keep the routed path's parameters, compute and all-to-all payload.",
+    )
+    p.add_argument("config", help="config.json (or folder) of a standard MoE (moe_latent_size unset).")
+    p.add_argument("--alpha", type=float, required=True, help="Compression factor (4 in Nemotron 3).")
+    p.add_argument("--output", help="Where to write the new config (a .json file, else a folder); default: print it.")
+    p.set_defaults(func=_guard(run_alpha_transform, "alpha-transform"))
+
+    p = subparsers.add_parser(
+        "propose-shape",
+        formatter_class=fmt,
+        help="Near-square expert shapes (l, m) at a fixed per-expert budget l*m.",
+        description="Ranks aligned (l, m) with l*m near the target and |l/m - 1| within the bound (arXiv "
+        "2610.14644 sections 3.1-3.2; the local-rank ceiling is q = min(l, m)).",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--product", type=int, help="Target l*m.")
+    source.add_argument("--config", help="LatentMoE config.json (or folder): target = l*m of --layer.")
+    p.add_argument("--layer", type=int, default=0, help="Layer of --config to read l and m from.")
+    p.add_argument("--max-aspect-deviation", type=float, default=0.4, help="Bound on |l/m - 1|.")
+    p.add_argument("--multiple", type=int, default=64, help="Alignment of l and m.")
+    p.add_argument("--max-latent-size", type=int, help="Upper bound on l (default with --config: hidden_size).")
+    p.add_argument("--product-tolerance", type=float, default=0.05, help="Accepted relative error of l*m.")
+    p.add_argument("--top", type=int, default=5, help="How many ranked shapes to print.")
+    p.set_defaults(func=_guard(run_propose_shape, "propose-shape"))
+
+    p = subparsers.add_parser(
+        "intrinsic-dim",
+        formatter_class=fmt,
+        help="TwoNN intrinsic dimension at every block boundary of a local causal LM.",
+        description="Collects hidden states at each block boundary (entering each block; the last before the final "
+        "norm) for a random sample of non-padding tokens and estimates their TwoNN intrinsic dimension "
+        "(Facco et al. 2017; arXiv 2610.14644 section 4.1). Works for any transformers causal LM.",
+    )
+    p.add_argument("model", help="Local model folder (AutoModelForCausalLM).")
+    inputs = p.add_mutually_exclusive_group(required=True)
+    inputs.add_argument("--text-file", help="UTF-8 text; non-empty paragraphs (blank-line separated) are sequences.")
+    inputs.add_argument("--input-ids", help="JSON file holding a list of token-id lists.")
+    p.add_argument("--tokenizer", help="Tokenizer folder for --text-file (default: the model folder).")
+    p.add_argument("--max-length", type=int, default=512, help="Tokens per sequence (--text-file).")
+    p.add_argument("--max-tokens", type=int, default=20000, help="Pool of non-padding tokens.")
+    p.add_argument("--num-samples", type=int, default=5000, help="Tokens kept at random from the pool.")
+    p.add_argument("--batch-size", type=int, default=8, help="Sequences per forward pass.")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the token sample.")
+    p.add_argument("--discard-fraction", type=float, default=0.1, help="Largest r2/r1 ratios left out of the fit.")
+    p.add_argument("--trust-remote-code", action="store_true", help="Allow model code from the folder.")
+    p.add_argument("--output", help="Write the profile as JSON (a .json file, else a folder) for `hf-mohd allocate`.")
+    p.set_defaults(func=_guard(run_intrinsic_dim, "intrinsic-dim"))
+
+    p = subparsers.add_parser(
+        "allocate",
+        formatter_class=fmt,
+        help="ID-guided two-regime per-layer LatentMoE config (narrow shallow prefix, wide rest) with a plot.",
+        description="Splits at the steepest rise of the ID profile in the first two thirds of depth and gives the "
+        "prefix a narrow and the rest a wide near-square expert shape, each keeping per-layer parameters, activated "
+        "MACs and all-to-all volume within the tolerance of the uniform config (arXiv 2610.14644 section 4.2). "
+        "Writes config.json (per_layer_config), allocation.json and id_profile.png.",
+    )
+    p.add_argument("config", help="Uniform LatentMoE config.json (or folder).")
+    p.add_argument("--profile", required=True, help="JSON from `hf-mohd intrinsic-dim`, or a JSON list of IDs.")
+    p.add_argument("--output-dir", required=True, help="Folder for config.json, allocation.json, id_profile.png.")
+    p.add_argument("--split", type=int, help="First wide layer (overrides the profile's split).")
+    p.add_argument("--tolerance", type=float, default=0.05, help="Relative per-layer budget.")
+    p.add_argument("--max-aspect-deviation", type=float, default=0.3, help="Bound on |l/m - 1| of both regimes.")
+    p.add_argument("--multiple", type=int, default=64, help="Alignment of l and m.")
+    p.add_argument("--shared-multiple", type=int, help="Alignment of m_s (default: --multiple).")
+    p.add_argument("--narrow-latent-size", type=int, help="Force l of the shallow regime.")
+    p.add_argument("--wide-latent-size", type=int, help="Force l of the deep regime.")
+    p.set_defaults(func=_guard(run_allocate, "allocate"))
+
+
+def _guard(func, name):
+    def wrapped(args) -> int:
+        try:
+            return func(args)
+        except ValueError as error:
+            print(f"hf-mohd {name}: error: {error}", file=sys.stderr)
+            return 2
+
+    return wrapped
+
+
+def _write_json(data, output: str, default_name: str) -> str:
+    path = output if output.endswith(".json") and not os.path.isdir(output) else os.path.join(output, default_name)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+    return path
+
+
+def run_accounting(args) -> int:
+    from hf_mohd.shaping.accounting import format_accounting, latent_moe_accounting
+
+    accounting = latent_moe_accounting(args.config, args.context_length)
+    print(json.dumps(accounting.as_dict(), indent=2) if args.json else format_accounting(accounting))
+    return 0
+
+
+def run_alpha_transform(args) -> int:
+    from hf_mohd.models.latent_moe_accounting import model_accounting
+    from hf_mohd.shaping.accounting import load_config
+    from hf_mohd.shaping.shapes import alpha_transform
+
+    alpha = int(args.alpha) if float(args.alpha).is_integer() else args.alpha
+    before = load_config(args.config)
+    after = alpha_transform(before, alpha)
+    if args.output:
+        path = _write_json(after, args.output, "config.json")
+        old, new = model_accounting(before), model_accounting(after)
+        print(f"wrote {path}", file=sys.stderr)
+        for name in ("routed_expert_params", "all_to_all_scalars"):
+            old_sum = sum(getattr(layer, name) for layer in old.layers)
+            new_sum = sum(getattr(layer, name) for layer in new.layers)
+            print(f"{name}: {old_sum:,} -> {new_sum:,}", file=sys.stderr)
+        print(f"total_params: {old.total_params:,} -> {new.total_params:,}", file=sys.stderr)
+        print(f"activated MACs/token: {old.activated_macs:,} -> {new.activated_macs:,}", file=sys.stderr)
+    else:
+        print(json.dumps(after, indent=2, sort_keys=True))
+    return 0
+
+
+def run_propose_shape(args) -> int:
+    from hf_mohd.models.latent_moe_accounting import layer_fields
+    from hf_mohd.shaping.accounting import load_config
+    from hf_mohd.shaping.shapes import propose_shapes
+
+    max_latent = args.max_latent_size
+    if args.config:
+        fields = layer_fields(load_config(args.config), args.layer)
+        width = fields["moe_latent_size"] or fields["hidden_size"]
+        if not fields["moe_intermediate_size"]:
+            raise ValueError(f"layer {args.layer}: `moe_intermediate_size` is not set in {args.config}.")
+        product = width * fields["moe_intermediate_size"]
+        max_latent = max_latent or fields["hidden_size"]
+        print(f"target l*m = {width} * {fields['moe_intermediate_size']} = {product:,} (layer {args.layer})")
+    else:
+        product = args.product
+    shapes = propose_shapes(
+        product,
+        max_aspect_deviation=args.max_aspect_deviation,
+        multiple=args.multiple,
+        max_latent_size=max_latent,
+        product_tolerance=args.product_tolerance,
+    )
+    if not shapes:
+        raise ValueError(
+            f"no (l, m) within {args.product_tolerance:.0%} of l*m = {product} with |l/m - 1| <= "
+            f"{args.max_aspect_deviation} and multiples of {args.multiple}; relax --product-tolerance, "
+            "--max-aspect-deviation or --multiple."
+        )
+    print(f"{'l':>6} {'m':>6} {'l*m':>10} {'error':>8} {'|l/m-1|':>8} {'q=min(l,m)':>10}")
+    for shape in shapes[: args.top]:
+        print(
+            f"{shape.latent_size:>6} {shape.intermediate_size:>6} {shape.product:>10,} {shape.product_error:>8.2%} "
+            f"{shape.aspect_deviation:>8.3f} {shape.rank_ceiling:>10}"
+        )
+    return 0
+
+
+def run_intrinsic_dim(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_mohd  # noqa: F401  (registers the model types)
+    from hf_mohd.shaping.intrinsic_dimension import (
+        collect_hidden_states,
+        intrinsic_dimension_profile,
+        tokenize_texts,
+    )
+
+    if not os.path.isdir(args.model):
+        raise ValueError(f"model: expected a local model folder, got {args.model!r}.")
+    if args.input_ids:
+        with open(args.input_ids, encoding="utf-8") as handle:
+            sequences = json.load(handle)
+        if not isinstance(sequences, list) or not all(isinstance(s, list) for s in sequences):
+            raise ValueError(f"--input-ids: {args.input_ids} must hold a JSON list of token-id lists.")
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        with open(args.text_file, encoding="utf-8") as handle:
+            texts = [chunk.strip() for chunk in handle.read().split("\n\n") if chunk.strip()]
+        if not texts:
+            raise ValueError(f"--text-file: {args.text_file} holds no text.")
+        sequences = tokenize_texts(tokenizer, texts, args.max_length)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, trust_remote_code=args.trust_remote_code, dtype=torch.float32
+    ).eval()
+    hidden = collect_hidden_states(
+        model,
+        sequences,
+        max_tokens=args.max_tokens,
+        num_samples=args.num_samples,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
+    profile = intrinsic_dimension_profile(hidden, args.discard_fraction)
+    result = {
+        "model": args.model,
+        "num_boundaries": len(profile),
+        "num_samples": hidden.shape[1],
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+        "discard_fraction": args.discard_fraction,
+        "intrinsic_dimension": profile,
+    }
+    for idx, value in enumerate(profile):
+        print(f"boundary {idx:>3}: {value:8.2f}")
+    if args.output:
+        path = _write_json(result, args.output, "id_profile.json")
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def run_allocate(args) -> int:
+    from hf_mohd.shaping.allocation import allocate_two_regime, write_allocation
+
+    with open(args.profile, encoding="utf-8") as handle:
+        profile = json.load(handle)
+    if isinstance(profile, dict):
+        profile = profile.get("intrinsic_dimension")
+    if not isinstance(profile, list):
+        raise ValueError(f"--profile: {args.profile} must hold a list of IDs or an `intrinsic_dimension` list.")
+    allocation = allocate_two_regime(
+        args.config,
+        profile,
+        split=args.split,
+        tolerance=args.tolerance,
+        max_aspect_deviation=args.max_aspect_deviation,
+        multiple=args.multiple,
+        shared_multiple=args.shared_multiple,
+        narrow_latent_size=args.narrow_latent_size,
+        wide_latent_size=args.wide_latent_size,
+    )
+    paths = write_allocation(allocation, args.output_dir)
+    summary = allocation.summary()
+    print(f"split: layers < {allocation.split} narrow, the rest wide (profile block {allocation.proxy_split})")
+    for regime in ("uniform", "narrow", "wide"):
+        shape = summary[regime]
+        line = (
+            f"{regime:>7}: l={shape['moe_latent_size']} m={shape['moe_intermediate_size']} "
+            f"N={shape['num_experts']} K={shape['num_experts_per_tok']} m_s={shape['moe_shared_expert_intermediate_size']}"
+        )
+        if regime != "uniform":
+            line += "  " + " ".join(f"{k} {v:+.2%}" for k, v in summary["deviations"][regime].items())
+        print(line)
+    for name in ("config", "allocation", "plot"):
+        print(f"wrote {paths[name]}")
+    return 0

@@ -1,0 +1,37 @@
+"""Shaping and allocation tools of arXiv 2610.14644 for LatentMoE (DESIGN section 4).
+
+- accounting: per-layer and total parameters, activated MACs and all-to-all payload of a config;
+- shapes: the alpha-transform of a standard MoE and the near-square (l, m) proposer;
+- intrinsic_dimension: TwoNN and hidden-state collection at every block boundary of any causal LM;
+- allocation: ID-guided two-regime per-layer allocation, written as a per-layer config plus a PNG plot.
+
+Only `intrinsic_dimension` needs torch at import; the plot needs matplotlib (`pip install hf-mohd[shaping]`).
+"""
+
+from .accounting import config_to_dict, format_accounting, latent_moe_accounting, load_config
+from .allocation import Allocation, RegimeShape, allocate_two_regime, find_split, plot_allocation, write_allocation
+from .intrinsic_dimension import collect_hidden_states, intrinsic_dimension_profile, tokenize_texts, twonn
+from .shapes import ExpertShape, alpha_transform, alpha_transform_fields, propose_shape, propose_shapes
+
+
+__all__ = [
+    "Allocation",
+    "ExpertShape",
+    "RegimeShape",
+    "allocate_two_regime",
+    "alpha_transform",
+    "alpha_transform_fields",
+    "collect_hidden_states",
+    "config_to_dict",
+    "find_split",
+    "format_accounting",
+    "intrinsic_dimension_profile",
+    "latent_moe_accounting",
+    "load_config",
+    "plot_allocation",
+    "propose_shape",
+    "propose_shapes",
+    "tokenize_texts",
+    "twonn",
+    "write_allocation",
+]

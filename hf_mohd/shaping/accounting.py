@@ -1,0 +1,89 @@
+"""Model-level LatentMoE accounting from a config object, a `config.json` dict or a path.
+
+The formulas live in `hf_mohd.models.latent_moe_accounting` (pure Python, shipped as remote code with the model);
+this module adds loading and a readable table. Source: arXiv 2610.14644 appendix B.2, DESIGN section 4.
+"""
+
+import json
+import os
+from collections.abc import Mapping
+
+from ..models.latent_moe_accounting import LatentMoEAccounting, layer_fields, model_accounting
+
+
+def load_config(config_or_path):
+    """A config-like object from a `PreTrainedConfig`, a dict, a `config.json` path or a folder holding one.
+
+    Paths are read as plain JSON (no `AutoConfig`, so no model code or download is needed); anything else is
+    returned unchanged.
+
+    Raises:
+        ValueError: a path that does not exist or whose JSON is not an object.
+    """
+    if isinstance(config_or_path, (str, os.PathLike)):
+        path = os.fspath(config_or_path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"config: expected a config.json file or a folder holding one, got {config_or_path!r}.")
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+        if not isinstance(data, Mapping):
+            raise ValueError(f"config: {path} must hold a JSON object, got {type(data).__name__}.")
+        return data
+    return config_or_path
+
+
+def config_to_dict(config) -> dict:
+    """Plain dict of a config-like object, with `per_layer_config` as {int layer index: overrides} (may be empty).
+
+    A heterogeneous `PreTrainedConfig` is read with `to_dict()` (which carries the sparse overrides); a dict is
+    copied.
+    """
+    if isinstance(config, Mapping):
+        data = dict(config)
+    elif hasattr(config, "to_dict"):
+        data = config.to_dict()
+    else:
+        data = dict(vars(config))
+    per_layer = data.get("per_layer_config") or {}
+    if not isinstance(per_layer, Mapping):
+        raise ValueError(f"`per_layer_config` must map layer indices to field overrides, got {type(per_layer)}.")
+    data["per_layer_config"] = {int(key): dict(value) for key, value in per_layer.items()}
+    return data
+
+
+def latent_moe_accounting(config_or_path, context_length: int = 0) -> LatentMoEAccounting:
+    """Per-layer and total accounting of a LatentMoE config (object, dict, or path to a config.json / folder).
+
+    See `hf_mohd.models.latent_moe_accounting.model_accounting` for the terms and units.
+    """
+    return model_accounting(load_config(config_or_path), context_length)
+
+
+def moe_layer_indices(config) -> list[int]:
+    """Indices of the layers whose mixer is a (latent) MoE, i.e. `mixer_type == "moe"`."""
+    data = load_config(config)
+    count = data.get("num_hidden_layers") if isinstance(data, Mapping) else data.num_hidden_layers
+    return [i for i in range(count) if layer_fields(data, i)["mixer_type"] == "moe"]
+
+
+def format_accounting(accounting: LatentMoEAccounting) -> str:
+    """A fixed-width text table: one row per layer, then the totals (parameters, MACs/token, scalars/token)."""
+    header = f"{'layer':>5} {'mixer':>5} {'total params':>14} {'activated':>12} {'mixer MACs':>12} {'all-to-all':>10}"
+    lines = [header, "-" * len(header)]
+    for layer in accounting.layers:
+        lines.append(
+            f"{layer.layer_idx:>5} {layer.mixer_type:>5} {layer.total_params:>14,} {layer.activated_params:>12,} "
+            f"{layer.mixer_macs:>12,} {layer.all_to_all_scalars:>10,}"
+        )
+    lines += [
+        "-" * len(header),
+        f"total parameters           {accounting.total_params:,}",
+        f"activated parameters       {accounting.activated_params:,} (decoder {accounting.activated_decoder_params:,}"
+        " + LM head)",
+        f"embedding / LM head        {accounting.embedding_params:,} / {accounting.lm_head_params:,}",
+        f"activated MACs per token   {accounting.activated_macs:,} (FLOPs = 2 x MACs)",
+        f"all-to-all per token       {accounting.all_to_all_scalars:,} scalars (dispatch + return, all layers)",
+    ]
+    return "\n".join(lines)
