@@ -111,6 +111,8 @@ def test_accounting_errors_name_layer_and_field():
         latent_projection_params(64, 0)
     with pytest.raises(ValueError, match="`layer_idx` must be an integer in"):
         layer_accounting(DICT_CONFIG, 4)
+    with pytest.raises(ValueError, match="`per_layer_config` must map layer indices"):
+        model_accounting({**DICT_CONFIG, "per_layer_config": {"first": {"num_experts": 4}}})
 
 
 @pytest.mark.skipif(not HAS_LATENT_MOE, reason="LatentMoE model not built yet")

@@ -69,6 +69,7 @@ def register(subparsers) -> None:
     inputs.add_argument("--text-file", help="UTF-8 text; non-empty paragraphs (blank-line separated) are sequences.")
     inputs.add_argument("--input-ids", help="JSON file holding a list of token-id lists.")
     p.add_argument("--tokenizer", help="Tokenizer folder for --text-file (default: the model folder).")
+    p.add_argument("--gguf-file", help="GGUF file inside the model folder to load (transformers dequantises it).")
     p.add_argument("--max-length", type=int, default=512, help="Tokens per sequence (--text-file).")
     p.add_argument("--max-tokens", type=int, default=20000, help="Pool of non-padding tokens.")
     p.add_argument("--num-samples", type=int, default=5000, help="Tokens kept at random from the pool.")
@@ -210,14 +211,16 @@ def run_intrinsic_dim(args) -> int:
     else:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        gguf = {"gguf_file": args.gguf_file} if args.gguf_file and not args.tokenizer else {}
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, **gguf)
         with open(args.text_file, encoding="utf-8") as handle:
             texts = [chunk.strip() for chunk in handle.read().split("\n\n") if chunk.strip()]
         if not texts:
             raise ValueError(f"--text-file: {args.text_file} holds no text.")
         sequences = tokenize_texts(tokenizer, texts, args.max_length)
+    gguf = {"gguf_file": args.gguf_file} if args.gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(
-        args.model, trust_remote_code=args.trust_remote_code, dtype=torch.float32
+        args.model, trust_remote_code=args.trust_remote_code, dtype=torch.float32, **gguf
     ).eval()
     hidden = collect_hidden_states(
         model,

@@ -253,7 +253,7 @@ def layer_fields(config, layer_idx: int) -> dict:
     = `num_attention_heads`, `head_dim` = D / H.
 
     Raises:
-        ValueError: `layer_idx` is outside [0, num_hidden_layers).
+        ValueError: `layer_idx` is outside [0, num_hidden_layers), or a `per_layer_config` key is not an index.
     """
     num_layers = _num_layers(config)
     if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < num_layers:
@@ -263,6 +263,11 @@ def layer_fields(config, layer_idx: int) -> dict:
     source = config
     if isinstance(per_layer, Mapping):
         for key, value in per_layer.items():
+            if isinstance(key, bool) or not str(key).strip().isdigit() or not isinstance(value, Mapping):
+                raise ValueError(
+                    "`per_layer_config` must map layer indices (int or digit strings) to field overrides, "
+                    f"got {key!r}: {value!r}."
+                )
             if int(key) == layer_idx:
                 overrides = dict(value)
     elif per_layer is not None:
