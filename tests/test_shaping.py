@@ -481,3 +481,20 @@ def test_cli_commands(tmp_path, capsys, tiny_llama):
     capsys.readouterr()
     assert cli_main(args) == 2
     assert "hf-mohd allocate: error: No narrow shape" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command, expected",
+    [
+        ("latent-accounting", "2 K l"),
+        ("alpha-transform", "N' = alpha N"),
+        ("propose-shape", "min(l, m)"),
+        ("intrinsic-dim", "TwoNN"),
+        ("allocate", "id_profile.png"),
+    ],
+)
+def test_cli_help(command, expected, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert expected in " ".join(capsys.readouterr().out.split())
