@@ -350,6 +350,41 @@ def test_collect_hidden_states_ignores_padding_and_is_seeded(tiny_llama):
     assert len(profile) == 4 and all(math.isfinite(v) and v > 0 for v in profile)
 
 
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=211, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2)
+    return GPT2LMHeadModel(config).eval(), lambda model: model.transformer.ln_f
+
+
+def _tiny_latent_moe():
+    if not HAS_LATENT_MOE:
+        pytest.skip("LatentMoE model not built yet")
+    from hf_mohd.models.configuration_latent_moe import LatentMoEConfig
+    from hf_mohd.models.modeling_latent_moe import LatentMoEForCausalLM
+
+    fields = {k: v for k, v in DICT_CONFIG.items() if k != "per_layer_config"}
+    model = LatentMoEForCausalLM(
+        LatentMoEConfig(**{**fields, "vocab_size": 211}, per_layer_config={1: {"mixer_type": "mlp"}})
+    )
+    return model.eval(), lambda model: model.model.norm
+
+
+@pytest.mark.parametrize("build", [_tiny_gpt2, _tiny_latent_moe], ids=["gpt2", "latent_moe"])
+def test_collect_hidden_states_of_other_architectures(build):
+    torch.manual_seed(0)
+    model, final_norm = build()
+    sequences = [list(range(3, 30)), list(range(40, 52))]
+    states, positions = collect_hidden_states(model, sequences, num_samples=10, return_positions=True)
+    assert states.shape == (model.config.num_hidden_layers + 1, 10, model.config.hidden_size)
+    with torch.no_grad():
+        for column, (seq_idx, pos) in enumerate(positions):
+            out = model(torch.tensor([sequences[seq_idx]]), output_hidden_states=True)
+            torch.testing.assert_close(states[0, column], out.hidden_states[0][0, pos])
+            normed = final_norm(model)(states[-1, column])
+            torch.testing.assert_close(normed, out.hidden_states[-1][0, pos], rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Allocation
 # ---------------------------------------------------------------------------------------------------------------------
