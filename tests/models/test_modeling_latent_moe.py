@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, MixtralConfig, NemotronHConfig
+from transformers.cache_utils import DynamicCache
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
 
@@ -530,6 +531,54 @@ def test_bad_config_raises_value_error_naming_field_and_layer(overrides, message
     fields.update(overrides)
     with pytest.raises(ValueError, match=message):
         LatentMoEConfig(**fields)
+
+
+def test_correction_bias_stays_fp32_through_dtype_casts():
+    model = make_model(dtype=torch.float32, router_score_func="sigmoid")
+    router = model.model.layers[1].mlp.gate
+    with torch.no_grad():
+        router.e_score_correction_bias.fill_(0.123456789)  # not representable in bf16 (0.12353515625)
+    model.to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16 and router.e_score_correction_bias.dtype == torch.float32
+    assert router.e_score_correction_bias[0].item() == torch.tensor(0.123456789).item()
+
+
+def test_sdpa_equals_eager_attention():
+    ids = input_ids()
+    eager = make_model(dtype=torch.float32, attn_implementation="eager")
+    sdpa = make_model(dtype=torch.float32, attn_implementation="sdpa")
+    assert sdpa.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(sdpa(ids).logits, eager(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_gradient_checkpointing_same_gradients_and_load_signs():
+    ids = input_ids()
+    grads, loads = [], []
+    for checkpointing in (False, True):
+        model = make_model(router_score_func="sigmoid")
+        model.train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        loads.append(model.update_router_biases())
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
+    # Recomputed forwards count again, every token once more: loads double, the sign (all the update uses) holds.
+    for layer, load in loads[0].items():
+        assert torch.equal(loads[1][layer], 2 * load)
+        assert torch.equal(torch.sign(loads[1][layer].mean() - loads[1][layer]), torch.sign(load.mean() - load))
+
+
+def test_generate_uses_plain_dynamic_cache_only_when_asked():
+    model = make_model()
+    ids = input_ids(batch=1, length=4)
+    user_cache = DynamicCache(config=model.config)
+    out = model.generate(
+        ids, max_new_tokens=2, do_sample=False, pad_token_id=0, cache=user_cache, return_dict_in_generate=True
+    )
+    assert type(out.cache) is DynamicCache
+    assert type(greedy(model, ids, return_dict_in_generate=True).cache) is RoutingCache
 
 
 def test_router_is_recorded_and_exposed():
