@@ -94,7 +94,9 @@ class LatentMoERouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cache=None, routing_replay=None, **kwargs):
         compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        logits = F.linear(hidden_states.to(compute_dtype), self.weight.to(compute_dtype))  # (B, T, E)
+        # fp32 logits even under bf16 autocast: top-K selection is sensitive to rounding (DESIGN section 4, step 1).
+        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+            logits = F.linear(hidden_states.to(compute_dtype), self.weight.to(compute_dtype))  # (B, T, E)
         scores = self.score_fn(logits)
         if routing_replay is not None:
             indices = routing_replay[(self.layer_idx, ROUTER_NAME)].indices.to(scores.device)

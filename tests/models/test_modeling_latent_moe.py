@@ -543,6 +543,13 @@ def test_correction_bias_stays_fp32_through_dtype_casts():
     assert router.e_score_correction_bias[0].item() == torch.tensor(0.123456789).item()
 
 
+def test_router_logits_fp32_under_autocast():
+    model = make_model(dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids(), output_router_logits=True)
+    assert out.logits.dtype == torch.bfloat16 and all(t.dtype == torch.float32 for t in out.router_logits)
+
+
 def test_sdpa_equals_eager_attention():
     ids = input_ids()
     eager = make_model(dtype=torch.float32, attn_implementation="eager")
