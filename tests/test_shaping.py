@@ -506,6 +506,9 @@ def test_cli_commands(tmp_path, capsys, tiny_llama):
     )
     profile = json.loads(profile_path.read_text())
     assert profile["num_boundaries"] == 4 and profile["num_samples"] == 50
+    assert profile["dropped_duplicates"][1:] == [0, 0, 0]  # only embeddings of repeated tokens can coincide
+    hidden = collect_hidden_states(tiny_llama, json.loads(ids.read_text()), num_samples=50)
+    assert profile["intrinsic_dimension"] == pytest.approx(intrinsic_dimension_profile(hidden), rel=1e-6)
 
     uniform = tmp_path / "uniform.json"
     uniform.write_text(json.dumps(UNIFORM))

@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 
 def register(subparsers) -> None:
@@ -197,8 +198,8 @@ def run_intrinsic_dim(args) -> int:
     import hf_mohd  # noqa: F401  (registers the model types)
     from hf_mohd.shaping.intrinsic_dimension import (
         collect_hidden_states,
-        intrinsic_dimension_profile,
         tokenize_texts,
+        twonn,
     )
 
     if not os.path.isdir(args.model):
@@ -230,7 +231,15 @@ def run_intrinsic_dim(args) -> int:
         batch_size=args.batch_size,
         seed=args.seed,
     )
-    profile = intrinsic_dimension_profile(hidden, args.discard_fraction)
+    profile, duplicates = [], []
+    for states in hidden:
+        # Repeated tokens give identical vectors at the embedding boundary; TwoNN drops them (as skdim does),
+        # so report how many each estimate lost.
+        counts = torch.unique(states, dim=0, return_counts=True)[1]
+        duplicates.append(int(counts[counts > 1].sum()))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Dropping .* duplicates", category=UserWarning)
+            profile.append(twonn(states, args.discard_fraction))
     result = {
         "model": args.model,
         "num_boundaries": len(profile),
@@ -239,9 +248,11 @@ def run_intrinsic_dim(args) -> int:
         "seed": args.seed,
         "discard_fraction": args.discard_fraction,
         "intrinsic_dimension": profile,
+        "dropped_duplicates": duplicates,
     }
-    for idx, value in enumerate(profile):
-        print(f"boundary {idx:>3}: {value:8.2f}")
+    for idx, (value, dropped) in enumerate(zip(profile, duplicates, strict=True)):
+        note = f"  ({dropped} points with an identical twin left out)" if dropped else ""
+        print(f"boundary {idx:>3}: {value:8.2f}{note}")
     if args.output:
         path = _write_json(result, args.output, "id_profile.json")
         print(f"wrote {path}", file=sys.stderr)
