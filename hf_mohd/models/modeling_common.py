@@ -27,10 +27,14 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.integrations import moe as transformers_moe
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, logging
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
 
 from .routing_cache import RoutingCache
 
@@ -343,3 +347,137 @@ class RoutingGenerationMixin:
                 "A static cache keeps keys and values only: the routing record (indices and weights per token) is "
                 "not available with cache_implementation='static'. Use the default cache to read it."
             )
+
+
+class RoutedDecoderMixin:
+    """`forward` of both families' base models (the `LlamaModel` flow): embed, create the `RoutingCache`, positions
+    and causal mask once, run the decoder layers, final norm. The model defines `embed_tokens`, `layers`, `norm` and
+    `rotary_emb` (a module returning None when the family has no positional embedding).
+    """
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: RoutingCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeModelOutputWithPast:
+        r"""
+        Args:
+            input_ids, attention_mask, position_ids, inputs_embeds, use_cache: as for `LlamaModel`.
+            cache (`RoutingCache`, *optional*): keys, values and the routing record; created when `use_cache`.
+            routing_replay (`dict[tuple[int, str], RoutingRecord]`, *optional*): a routing record (e.g.
+                `RoutingCache.routing_record` of a generation) whose indices, (B, T, k) per (layer, router), replace
+                the routers' own top-k; the gates are recomputed by the current routers (DESIGN section 3).
+
+        Returns:
+            `MoeModelOutputWithPast` with `last_hidden_state` (B, T, D) and the cache; hidden states, attentions and
+            router logits when requested.
+        """
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = RoutingCache(config=self.config)
+        if position_ids is None:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+
+class RoutedCausalLMMixin(RoutingGenerationMixin):
+    """`forward` of both families' causal LMs (the `MixtralForCausalLM` flow): LM head on the kept positions, LM
+    loss, and `router_aux_loss_coef` times the family's `load_balancing_loss(router_logits, attention_mask)` when
+    `output_router_logits` (the family returns None where routing is balanced otherwise).
+    """
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: RoutingCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeCausalLMOutputWithPast:
+        r"""
+        Args:
+            input_ids, attention_mask, position_ids, inputs_embeds, labels, use_cache, logits_to_keep: as for
+                `LlamaForCausalLM`.
+            cache (`RoutingCache`, *optional*): keys, values and the routing record (DESIGN section 5).
+            output_router_logits (`bool`, *optional*): return the router logits and add the aux loss to the loss.
+            routing_replay (`dict[tuple[int, str], RoutingRecord]`, *optional*): reuse recorded routing indices.
+
+        Returns:
+            `MoeCausalLMOutputWithPast`: logits (B, T', vocab), loss = LM loss + coef * aux loss, aux_loss, cache.
+
+        Example:
+
+        ```python
+        >>> out = model.generate(input_ids, max_new_tokens=8, return_dict_in_generate=True)
+        >>> out.cache.routing_record[(0, "mlp")].indices.shape  # (batch, seq, k); "moe" for LatentMoE
+        ```"""
+        output_router_logits = (
+            output_router_logits if output_router_logits is not None else self.config.output_router_logits
+        )
+        outputs: MoeModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_router_logits=output_router_logits,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        aux_loss = None
+        if output_router_logits:
+            aux_loss = self.load_balancing_loss(outputs.router_logits, attention_mask)
+            if labels is not None and aux_loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device, loss.dtype)
+        return MoeCausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
+        )

@@ -30,14 +30,11 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+from transformers.utils import TransformersKwargs, auto_docstring
+from transformers.utils.output_capturing import OutputRecorder
 
 from .configuration_latent_moe import LatentMoEConfig
 from .modeling_common import (
@@ -45,7 +42,8 @@ from .modeling_common import (
     Attention,
     RMSNorm,
     RotaryEmbedding,
-    RoutingGenerationMixin,
+    RoutedCausalLMMixin,
+    RoutedDecoderMixin,
     load_balancing_loss,
     topk_lower_index,
 )
@@ -321,7 +319,7 @@ class LatentMoEPreTrainedModel(PreTrainedModel):
 
 
 @auto_docstring
-class LatentMoEModel(LatentMoEPreTrainedModel):
+class LatentMoEModel(RoutedDecoderMixin, LatentMoEPreTrainedModel):
     def __init__(self, config: LatentMoEConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -339,59 +337,9 @@ class LatentMoEModel(LatentMoEPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    @merge_with_config_defaults
-    @capture_outputs
-    @auto_docstring
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: RoutingCache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeModelOutputWithPast:
-        r"""
-        routing_replay (`dict[tuple[int, str], RoutingRecord]`, *optional*):
-            A routing record (e.g. `RoutingCache.routing_record` of a generation) whose indices, (B, T, K) per
-            (layer, "moe"), replace the routers' own top-K; gates are recomputed from the current routers.
-        """
-        if (input_ids is None) ^ (inputs_embeds is not None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and cache is None:
-            cache = RoutingCache(config=self.config)
-        if position_ids is None:
-            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            position_ids = position_ids.unsqueeze(0)
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-        )
-        hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=use_cache,
-                **kwargs,
-            )
-        hidden_states = self.norm(hidden_states)
-        return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
-
 
 @auto_docstring
-class LatentMoEForCausalLM(RoutingGenerationMixin, LatentMoEPreTrainedModel, GenerationMixin):
+class LatentMoEForCausalLM(RoutedCausalLMMixin, LatentMoEPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
@@ -407,68 +355,6 @@ class LatentMoEForCausalLM(RoutingGenerationMixin, LatentMoEPreTrainedModel, Gen
         """The routers of the MoE layers, in layer order (the order of `router_logits`)."""
         return [module for module in self.modules() if isinstance(module, LatentMoERouter)]
 
-    @can_return_tuple
-    @auto_docstring
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: RoutingCache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_router_logits: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeCausalLMOutputWithPast:
-        r"""
-        routing_replay (`dict[tuple[int, str], RoutingRecord]`, *optional*):
-            Routing record whose indices the routers reuse (routing replay, DESIGN section 3).
-
-        Example:
-
-        ```python
-        >>> import hf_mohd
-        >>> from transformers import AutoModelForCausalLM
-        >>> model = AutoModelForCausalLM.from_pretrained("path/to/latent-moe-model")
-        >>> out = model.generate(input_ids, max_new_tokens=8, return_dict_in_generate=True)
-        >>> out.cache.routing_record[(1, "moe")].indices.shape  # (batch, seq, K)
-        ```"""
-        output_router_logits = (
-            output_router_logits if output_router_logits is not None else self.config.output_router_logits
-        )
-        outputs: MoeModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_router_logits=output_router_logits,
-            **kwargs,
-        )
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden_states)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
-        aux_loss = None
-        # CODEPATH: the Switch aux loss balances softmax routers; sigmoid routers use `update_router_biases` instead.
-        if output_router_logits and self.config.router_score_func == "softmax":
-            aux_loss = self.load_balancing_loss(outputs.router_logits, attention_mask)
-            if labels is not None and aux_loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device, loss.dtype)
-        return MoeCausalLMOutputWithPast(
-            loss=loss,
-            aux_loss=aux_loss,
-            logits=logits,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            router_logits=outputs.router_logits,
-        )
-
     def load_balancing_loss(
         self, router_logits: tuple[torch.Tensor, ...] | None, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor | None:
@@ -479,9 +365,10 @@ class LatentMoEForCausalLM(RoutingGenerationMixin, LatentMoEPreTrainedModel, Gen
             attention_mask: (B, S), 1 for the tokens that count.
 
         Returns:
-            A scalar (1.0 under perfect balance), or None when no router was recorded.
+            A scalar (1.0 under perfect balance), or None when no router was recorded or routing is sigmoid.
         """
-        if not router_logits:
+        # CODEPATH: the Switch aux loss balances softmax routers; sigmoid routers use `update_router_biases` instead.
+        if not router_logits or self.config.router_score_func != "softmax":
             return None
         top_ks = [router.top_k for router in self.routers()]
         losses = [

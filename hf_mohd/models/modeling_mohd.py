@@ -25,14 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+from transformers.utils import TransformersKwargs, auto_docstring
+from transformers.utils.output_capturing import OutputRecorder
 
 from .configuration_mohd import MoHDConfig
 from .modeling_common import (
@@ -40,7 +37,8 @@ from .modeling_common import (
     Attention,
     RMSNorm,
     RotaryEmbedding,
-    RoutingGenerationMixin,
+    RoutedCausalLMMixin,
+    RoutedDecoderMixin,
     grouped_matmul,
     load_balancing_loss,
     topk_lower_index,
@@ -362,7 +360,7 @@ class MoHDPreTrainedModel(PreTrainedModel):
 
 
 @auto_docstring
-class MoHDModel(MoHDPreTrainedModel):
+class MoHDModel(RoutedDecoderMixin, MoHDPreTrainedModel):
     def __init__(self, config: MoHDConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -376,59 +374,9 @@ class MoHDModel(MoHDPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    @merge_with_config_defaults
-    @capture_outputs
-    @auto_docstring
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: RoutingCache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeModelOutputWithPast:
-        r"""
-        routing_replay (`dict[tuple[int, str], RoutingRecord]`, *optional*):
-            A routing record (e.g. `RoutingCache.routing_record` of a generation) whose indices, (B, T, k) per
-            (layer, router), replace the routers' own top-k; gates are recomputed from the current routers.
-        """
-        if (input_ids is None) ^ (inputs_embeds is not None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and cache is None:
-            cache = RoutingCache(config=self.config)
-        if position_ids is None:
-            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            position_ids = position_ids.unsqueeze(0)
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-        )
-        hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=use_cache,
-                **kwargs,
-            )
-        hidden_states = self.norm(hidden_states)
-        return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
-
 
 @auto_docstring
-class MoHDForCausalLM(RoutingGenerationMixin, MoHDPreTrainedModel, GenerationMixin):
+class MoHDForCausalLM(RoutedCausalLMMixin, MoHDPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
@@ -440,68 +388,14 @@ class MoHDForCausalLM(RoutingGenerationMixin, MoHDPreTrainedModel, GenerationMix
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @can_return_tuple
-    @auto_docstring
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: RoutingCache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_router_logits: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeCausalLMOutputWithPast:
-        r"""
-        routing_replay (`dict[tuple[int, str], RoutingRecord]`, *optional*):
-            Routing record whose indices the routers reuse (routing replay, DESIGN section 3).
+    def load_balancing_loss(self, router_logits, attention_mask=None) -> torch.Tensor | None:
+        """Sub-dimension load-balance loss (DESIGN section 3, step 7): Switch form per router, mean over routers.
 
-        Example:
-
-        ```python
-        >>> import hf_mohd
-        >>> from transformers import AutoModelForCausalLM
-        >>> model = AutoModelForCausalLM.from_pretrained("path/to/mohd-model")
-        >>> out = model.generate(input_ids, max_new_tokens=8, return_dict_in_generate=True)
-        >>> out.cache.routing_record[(0, "attn")].indices.shape  # (batch, seq, k)
-        ```"""
-        output_router_logits = (
-            output_router_logits if output_router_logits is not None else self.config.output_router_logits
-        )
-        outputs: MoeModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_router_logits=output_router_logits,
-            **kwargs,
-        )
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden_states)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
-        aux_loss = None
-        if output_router_logits:
-            aux_loss = load_balancing_loss(
-                outputs.router_logits, self.config.num_routed_sub_dims_per_tok, attention_mask
-            )
-            if labels is not None and aux_loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device, loss.dtype)
-        return MoeCausalLMOutputWithPast(
-            loss=loss,
-            aux_loss=aux_loss,
-            logits=logits,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            router_logits=outputs.router_logits,
-        )
+        Args:
+            router_logits: one (B*T, N_r) tensor per router ("attn" then "mlp" of each layer), as recorded.
+            attention_mask: (B, S), 1 for the tokens that count.
+        """
+        return load_balancing_loss(router_logits, self.config.num_routed_sub_dims_per_tok, attention_mask)
 
 
 __all__ = ["MoHDForCausalLM", "MoHDModel", "MoHDPreTrainedModel"]
