@@ -8,7 +8,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from ..models.latent_moe_accounting import LatentMoEAccounting, layer_fields, model_accounting
+from ..models.latent_moe_accounting import LatentMoEAccounting, model_accounting
 
 
 def load_config(config_or_path):
@@ -59,13 +59,6 @@ def latent_moe_accounting(config_or_path, context_length: int = 0) -> LatentMoEA
     See `hf_mohd.models.latent_moe_accounting.model_accounting` for the terms and units.
     """
     return model_accounting(load_config(config_or_path), context_length)
-
-
-def moe_layer_indices(config) -> list[int]:
-    """Indices of the layers whose mixer is a (latent) MoE, i.e. `mixer_type == "moe"`."""
-    data = load_config(config)
-    count = data.get("num_hidden_layers") if isinstance(data, Mapping) else data.num_hidden_layers
-    return [i for i in range(count) if layer_fields(data, i)["mixer_type"] == "moe"]
 
 
 def format_accounting(accounting: LatentMoEAccounting) -> str:
