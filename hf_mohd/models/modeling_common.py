@@ -28,6 +28,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.integrations import moe as transformers_moe
 from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
@@ -263,6 +264,35 @@ class MLP(nn.Module):
     def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
         gate = self.gate_proj(hidden_states) if self.gate_proj is not None else None
         return self.down_proj(self.activate(gate, self.up_proj(hidden_states)))
+
+
+class DecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm decoder block of both families: h + attn(norm(h)), then h + mixer(norm(h)).
+
+    Subclasses build `self_attn`, `mlp` (the FFN mixer: dense, MoHD or LatentMoE), `input_layernorm` and
+    `post_attention_layernorm`; the cache reaches the mixer too, so that routers can record into it.
+    """
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            cache=cache,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states), cache=cache, **kwargs)
+        return residual + hidden_states
 
 
 def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -30,16 +30,15 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import PreTrainedModel
-from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, auto_docstring
+from transformers.utils import auto_docstring
 from transformers.utils.output_capturing import OutputRecorder
 
 from .configuration_latent_moe import LatentMoEConfig
 from .modeling_common import (
     MLP,
     Attention,
+    DecoderLayer,
     RMSNorm,
     RotaryEmbedding,
     RoutedCausalLMMixin,
@@ -248,7 +247,7 @@ class LatentMoEBlock(nn.Module):
         return output
 
 
-class LatentMoEDecoderLayer(GradientCheckpointingLayer):
+class LatentMoEDecoderLayer(DecoderLayer):
     """Pre-norm attention then a pre-norm FFN mixer: `LatentMoEBlock` (mixer_type "moe") or the dense `MLP` ("mlp")."""
 
     def __init__(self, config: LatentMoEConfig, layer_idx: int):
@@ -259,27 +258,6 @@ class LatentMoEDecoderLayer(GradientCheckpointingLayer):
         self.mlp = LatentMoEBlock(config, layer_idx) if layer_config.mixer_type == "moe" else MLP(layer_config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cache=None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            cache=cache,
-            **kwargs,
-        )
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states), cache=cache, **kwargs)
-        return residual + hidden_states
 
 
 class LatentMoENoPositionEmbedding(nn.Module):

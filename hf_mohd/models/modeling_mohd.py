@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring
@@ -35,6 +34,7 @@ from .configuration_mohd import MoHDConfig
 from .modeling_common import (
     MLP,
     Attention,
+    DecoderLayer,
     RMSNorm,
     RotaryEmbedding,
     RoutedCausalLMMixin,
@@ -299,7 +299,7 @@ class MoHDMLP(MLP):
         return self.sub_dims.project_out(self.activate(gate, up), plan, self.down_proj)
 
 
-class MoHDDecoderLayer(GradientCheckpointingLayer):
+class MoHDDecoderLayer(DecoderLayer):
     """Pre-norm LLaMA block; each sublayer named in `config.sparse_modules` is a MoHD sublayer (with a router)."""
 
     def __init__(self, config: MoHDConfig, layer_idx: int):
@@ -312,27 +312,6 @@ class MoHDDecoderLayer(GradientCheckpointingLayer):
         self.mlp = MoHDMLP(config, layer_idx) if sparse_ffn else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cache=None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            cache=cache,
-            **kwargs,
-        )
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states), cache=cache, **kwargs)
-        return residual + hidden_states
 
 
 @auto_docstring
