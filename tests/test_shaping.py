@@ -30,6 +30,7 @@ from hf_mohd.shaping import (
     find_split,
     intrinsic_dimension_profile,
     latent_moe_accounting,
+    nearest_neighbour_distances,
     propose_shape,
     propose_shapes,
     twonn,
@@ -265,6 +266,21 @@ def test_twonn_drops_duplicates_like_skdim():
     with pytest.warns(UserWarning):
         reference = skdim.id.TwoNN().fit(data.numpy()).dimension_
     assert ours == pytest.approx(reference, rel=1e-9)
+
+
+def test_neighbour_distances_are_exact_for_near_duplicates():
+    # Large offsets plus near-duplicates: the |a|^2 + |b|^2 - 2ab shortcut alone (what scikit-learn, hence skdim,
+    # uses) loses r1 ~ 1e-5 entirely here; the exact re-measurement must match brute force.
+    generator = torch.Generator().manual_seed(0)
+    points = torch.randn(300, 50, generator=generator, dtype=torch.float64) * 30 + 100
+    points = torch.cat([points, points[:30] + 1e-6 * torch.randn(30, 50, generator=generator, dtype=torch.float64)])
+    brute = torch.cdist(points, points, compute_mode="donot_use_mm_for_euclid_dist")
+    brute.fill_diagonal_(math.inf)
+    expected = torch.topk(brute, 2, dim=1, largest=False).values
+    r1, r2 = nearest_neighbour_distances(points, chunk_size=64)
+    torch.testing.assert_close(r1, expected[:, 0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(r2, expected[:, 1], rtol=1e-9, atol=1e-12)
+    assert r1[:30].max() < 1e-4 and r1[:30].min() > 0
 
 
 def test_twonn_recovers_known_dimensions():

@@ -10,7 +10,13 @@ Only `intrinsic_dimension` needs torch at import; the plot needs matplotlib (`pi
 
 from .accounting import config_to_dict, format_accounting, latent_moe_accounting, load_config
 from .allocation import Allocation, RegimeShape, allocate_two_regime, find_split, plot_allocation, write_allocation
-from .intrinsic_dimension import collect_hidden_states, intrinsic_dimension_profile, tokenize_texts, twonn
+from .intrinsic_dimension import (
+    collect_hidden_states,
+    intrinsic_dimension_profile,
+    nearest_neighbour_distances,
+    tokenize_texts,
+    twonn,
+)
 from .shapes import ExpertShape, alpha_transform, alpha_transform_fields, propose_shape, propose_shapes
 
 
@@ -28,6 +34,7 @@ __all__ = [
     "intrinsic_dimension_profile",
     "latent_moe_accounting",
     "load_config",
+    "nearest_neighbour_distances",
     "plot_allocation",
     "propose_shape",
     "propose_shapes",

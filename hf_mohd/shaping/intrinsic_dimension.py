@@ -5,7 +5,10 @@ information", Sci. Rep. 7, 12140, 2017): for every point, mu = r2 / r1, the rati
 nearest-neighbour distance, follows a Pareto law with shape d, so -log(1 - F(mu)) = d log(mu). With the ratios
 sorted, F_emp(mu_(i)) = i / n; the largest `discard_fraction` of the ratios (10% in the paper, and in arXiv
 2610.14644 section 4.1) are dropped and d is the least-squares slope of -log(1 - F_emp) against log(mu) through the
-origin. Same estimate as `skdim.id.TwoNN(discard_fraction=...)` (scikit-dimension), the reference the tests use.
+origin. Same estimate as `skdim.id.TwoNN(discard_fraction=...)` (scikit-dimension), the reference the tests use,
+except that neighbour distances here are exact: skdim (through scikit-learn's `euclidean_distances`) computes them
+as |a|^2 + |b|^2 - 2 a.b, which rounds near-duplicate pairs of large-norm vectors (common among LM hidden states)
+to 0 and drops them as duplicates; on SmolLM2-135M hidden states the two estimates differed by up to 0.7%.
 
 The seed paper (arXiv 2610.14644 section 4.1, appendix E.2) measures the profile at every block boundary on
 20,000 non-padding token representations, of which 5,000 are kept at random; `collect_hidden_states` does that for
