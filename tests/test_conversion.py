@@ -22,6 +22,7 @@ import hf_mohd  # noqa: F401  (registers the model types)
 from hf_mohd.cli import main as cli_main
 from hf_mohd.conversion import (
     ConversionError,
+    channel_importance,
     describe_mohd_conversion,
     llama_to_latent_moe,
     llama_to_mohd,
@@ -251,6 +252,29 @@ def test_mohd_explicit_fields_and_refusals(tiny_llama):
         llama_to_mohd(source, "full", num_experts=4)
 
 
+def test_mohd_channel_order_is_the_same_function(tiny_llama, input_ids):
+    """Any permutation of the hidden channels keeps the LLaMA function (RMSNorm is order-free); "importance" puts
+    the channels with the largest weight mass in the first (shared) blocks."""
+    folder, oracle = tiny_llama
+    source = load_dense_llama(folder)
+    num_layers = source.config.num_hidden_layers
+    reverse = list(range(63, -1, -1))
+    with torch.no_grad():
+        for order in ("importance", reverse):
+            model = llama_to_mohd(source, "full", channel_order=order)
+            torch.testing.assert_close(model(input_ids).logits, oracle(input_ids).logits, rtol=0, atol=1e-5)
+            assert (model.lm_head.weight is model.model.embed_tokens.weight) == source.config.tie_word_embeddings
+    model = llama_to_mohd(source, "compression_50", channel_order="importance")
+    score = channel_importance(model.state_dict(), num_layers)
+    assert torch.equal(score, torch.sort(score, descending=True).values)
+    original = channel_importance(source.state_dict, num_layers)
+    torch.testing.assert_close(torch.sort(original, descending=True).values, score)
+    with pytest.raises(ConversionError, match="must be a permutation of range\\(64\\)"):
+        llama_to_mohd(source, "full", channel_order=[0] * 64)
+    with pytest.raises(ConversionError, match="`channel_order` must be one of"):
+        llama_to_mohd(source, "full", channel_order="random")
+
+
 # ------------------------------------------------------------------------------------------------- to LatentMoE
 
 
@@ -347,8 +371,20 @@ def test_cli_converts_both_ways_and_reports_errors(tmp_path, input_ids, caplog):
     save_tiny_llama(tmp_path / "llama", tied=True, sharded=True)
     oracle = LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval()
     src, mohd_out, moe_out = str(tmp_path / "llama"), str(tmp_path / "mohd"), str(tmp_path / "moe")
-    assert cli_main(["convert", "mohd", src, mohd_out, "--preset", "compression_75", "--verify", "-q"]) == 0
+    report = {"perplexity": {"source LLaMA": 27.9, "MoHD 50%": 812.5}, "command": "python evaluate.py", "text": {}}
+    (tmp_path / "ppl.json").write_text(json.dumps(report))
+    args = [
+        "--preset",
+        "compression_75",
+        "--channel-order",
+        "importance",
+        "--perplexity-json",
+        str(tmp_path / "ppl.json"),
+    ]
+    assert cli_main(["convert", "mohd", src, mohd_out, *args, "--verify", "-q"]) == 0
     assert AutoModelForCausalLM.from_pretrained(mohd_out).config.num_active_sub_dims == 12
+    card = (Path(mohd_out) / "README.md").read_text()
+    assert "| MoHD 50% | 812.500 |" in card and "`python evaluate.py`" in card and "channel_order 'importance'" in card
     assert cli_main(["convert", "latent-moe", src, moe_out, "--num-experts", "4", "--verify"]) == 0
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(moe_out).eval()(input_ids).logits

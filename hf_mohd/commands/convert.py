@@ -34,6 +34,10 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "source LLaMA's logits on random tokens; fail if they differ by more than --atol.",
     )
     parser.add_argument("--atol", type=float, default=1e-4, help="Tolerance of --verify (default 1e-4).")
+    parser.add_argument(
+        "--perplexity-json",
+        help="Results of conversion/evaluate_perplexity.py to quote in the model card (perplexity table and command).",
+    )
     parser.add_argument("--overwrite", action="store_true", help="Replace OUTPUT if it exists.")
     parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors shard (default 5GB).")
     parser.add_argument("-q", "--quiet", action="store_true", help="Only warnings and errors.")
@@ -61,6 +65,13 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--sparse-modules", nargs="+", choices=("attention", "ffn"), help="Sublayers to sparsify (default both)."
     )
     parser.add_argument("--sparse-implementation", choices=("gather", "masked"), help="Execution path.")
+    parser.add_argument(
+        "--channel-order",
+        choices=("original", "importance"),
+        default="original",
+        help="original: blocks are the source's consecutive hidden channels (default); importance: channels sorted by "
+        "weight mass first, so the shared blocks hold the heaviest ones (same function at full activation).",
+    )
     parser.set_defaults(func=run_mohd)
     return parser
 
@@ -133,6 +144,29 @@ def _verify(model, source, atol: float, seed: int) -> None:
         raise ConversionError(f"--verify failed: logits differ from the source by {diff:.3g} > atol={atol}.")
 
 
+def _card_perplexities(path: str | None) -> dict:
+    """`perplexities` and `perplexity_note` for `save_converted` from an evaluate_perplexity.py JSON (or nothing)."""
+    if not path:
+        return {}
+    import json
+
+    from hf_mohd.conversion import ConversionError
+
+    try:
+        report = json.loads(open(path).read())
+        perplexities = {str(k): float(v) for k, v in report["perplexity"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ConversionError(f"{path}: expected the JSON of conversion/evaluate_perplexity.py ({err}).") from err
+    text = report.get("text", {})
+    note = (
+        f"Measured on {text.get('tokens', '?')} tokens of held-out text ({text.get('corpus', 'not recorded')}; "
+        f"articles: {', '.join(text.get('articles', []))}) in windows of {text.get('window', '?')} tokens, "
+        f"routers seed {report.get('router_seed', '?')}, source {report.get('source', '?')}. "
+        f"Command: `{report.get('command', '?')}`."
+    )
+    return {"perplexities": perplexities, "perplexity_note": note}
+
+
 def _fail(err) -> int:
     logging.getLogger("hf_mohd.conversion").error("%s", err)
     return 1
@@ -155,16 +189,18 @@ def run_mohd(args) -> int:
     }
     preset = None if args.preset == "none" else args.preset
     try:
+        card = _card_perplexities(args.perplexity_json)
         source = _load(args)
         if args.verify:
             _verify(llama_to_mohd(source, "full", num_sub_dims=args.num_sub_dims), source, args.atol, args.seed)
-        model = llama_to_mohd(source, preset, seed=args.seed, **sparsity)
+        model = llama_to_mohd(source, preset, seed=args.seed, channel_order=args.channel_order, **sparsity)
         save_converted(
             model,
             args.output,
             source,
-            describe_mohd_conversion(model.config, args.seed),
+            describe_mohd_conversion(model.config, args.seed, args.channel_order),
             base_model=args.base_model,
+            **card,
             overwrite=args.overwrite,
             max_shard_size=args.max_shard_size,
         )
@@ -179,6 +215,7 @@ def run_latent_moe(args) -> int:
     from hf_mohd.conversion import ConversionError, describe_latent_moe_conversion, llama_to_latent_moe, save_converted
 
     try:
+        card = _card_perplexities(args.perplexity_json)
         source = _load(args)
         model = llama_to_latent_moe(
             source,
@@ -199,6 +236,7 @@ def run_latent_moe(args) -> int:
             source,
             describe_latent_moe_conversion(model.config, args.expert_init, args.seed),
             base_model=args.base_model,
+            **card,
             overwrite=args.overwrite,
             max_shard_size=args.max_shard_size,
         )

