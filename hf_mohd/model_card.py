@@ -23,6 +23,8 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 TEMPLATE_NAME = "model_card_template.md"
 LIBRARY_NAME = "transformers"
+# Per-task entries of lm-eval's "results" that are bookkeeping, not metrics (lm-eval 0.4.13 writes `sample_len`).
+NON_METRIC_KEYS = {"alias", "name", "sample_len", "samples", "sample_count"}
 PIPELINE_TAG = "text-generation"
 
 # LoRA targets (DESIGN section 7b, PEFT): attention and dense projections by their module names; the routers
@@ -143,8 +145,8 @@ def lm_eval_to_eval_results(results: Mapping[str, Any], *, task_type: str = PIPE
         task_type: the Hub task type of every entry.
 
     Returns:
-        One `EvalResult` per (task, metric) with a finite numeric value; stderr entries, aliases and "N/A" values
-        are dropped. The filter name is kept in `metric_name` when it is not "none" (e.g. "exact_match (strict)").
+        One `EvalResult` per (task, metric) with a finite numeric value; stderr entries, bookkeeping keys
+        (`NON_METRIC_KEYS`, e.g. "sample_len") and "N/A" values are dropped. The filter name is kept in `metric_name` when it is not "none" (e.g. "exact_match (strict)").
 
     Raises:
         ValueError: no numeric metric in `results`.
@@ -159,7 +161,7 @@ def lm_eval_to_eval_results(results: Mapping[str, Any], *, task_type: str = PIPE
         split = cfg.get("test_split") or cfg.get("validation_split") or cfg.get("training_split")
         for key, value in metrics.items():
             metric, _, filt = key.partition(",")
-            if metric.endswith("_stderr") or metric == "alias" or isinstance(value, bool):
+            if metric.endswith("_stderr") or metric in NON_METRIC_KEYS or isinstance(value, bool):
                 continue
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 continue

@@ -23,6 +23,8 @@ LM_EVAL_OUTPUT = {
             "acc_stderr,none": 0.02,
             "acc_norm,none": 0.5,
             "acc_norm_stderr,none": 0.03,
+            "name": "arc_easy",
+            "sample_len": 2376,
         },
         "gsm8k": {"alias": "gsm8k", "exact_match,strict-match": 0.125, "exact_match_stderr,strict-match": "N/A"},
     },
