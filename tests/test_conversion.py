@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -73,14 +74,24 @@ def save_tiny_llama(folder: Path, *, tied: bool, sharded: bool, seed: int = 0) -
     return model
 
 
-@pytest.fixture(params=[(True, True), (False, False), (False, True)], ids=["tied-sharded", "untied", "untied-sharded"])
-def tiny_llama(request, tmp_path):
-    tied, sharded = request.param
+def _saved_llama(tmp_path, tied: bool, sharded: bool):
     folder = tmp_path / "llama"
     save_tiny_llama(folder, tied=tied, sharded=sharded)
     assert sharded == (folder / "model.safetensors.index.json").is_file()
     # The oracle is loaded by transformers itself, independently of hf_mohd's reader.
     return folder, LlamaForCausalLM.from_pretrained(folder).eval()
+
+
+@pytest.fixture(params=[(True, True), (False, False), (False, True)], ids=["tied-sharded", "untied", "untied-sharded"])
+def tiny_llama(request, tmp_path):
+    """(folder, oracle) for each storage layout: tied + sharded, untied single file, untied + sharded."""
+    return _saved_llama(tmp_path, *request.param)
+
+
+@pytest.fixture
+def one_llama(tmp_path):
+    """(folder, oracle) of one layout (tied, sharded), for tests whose subject is not the storage layout."""
+    return _saved_llama(tmp_path, tied=True, sharded=True)
 
 
 @pytest.fixture
@@ -104,8 +115,8 @@ def test_loader_matches_transformers_and_ties(tiny_llama):
     assert str(folder) in source.description
 
 
-def test_loader_casts_dtype(tiny_llama):
-    folder, _ = tiny_llama
+def test_loader_casts_dtype(one_llama):
+    folder, _ = one_llama
     source = load_dense_llama(folder, dtype=torch.bfloat16)
     assert {t.dtype for t in source.state_dict.values()} == {torch.bfloat16}
 
@@ -177,6 +188,15 @@ def test_refuses_missing_paths_and_non_llama_gguf(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConversionError, match="no config.json"):
         load_dense_llama(tmp_path / "empty")
+    gguf = pytest.importorskip("gguf", reason="GGUF sources need the gguf package")
+    writer = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConversionError, match="gpt2.gguf: general.architecture is 'gpt2'; only LLaMA GGUF"):
+        load_dense_llama(tmp_path, gguf_file="gpt2.gguf")
 
 
 # ------------------------------------------------------------------------------------------------------ to MoHD
@@ -193,8 +213,8 @@ def test_mohd_full_activation_equals_llama(tiny_llama, input_ids):
 
 
 @pytest.mark.parametrize("preset", ["compression_50", "compression_75"])
-def test_mohd_sparse_preset_copies_weights_and_adds_fresh_routers(tiny_llama, preset, input_ids):
-    folder, oracle = tiny_llama
+def test_mohd_sparse_preset_copies_weights_and_adds_fresh_routers(one_llama, preset, input_ids):
+    folder, oracle = one_llama
     model = llama_to_mohd(folder, preset, seed=3)
     _, num_sub_dims, num_shared, top_k = MOHD_PRESETS[preset]
     config = model.config
@@ -226,8 +246,8 @@ def test_mohd_sparse_preset_copies_weights_and_adds_fresh_routers(tiny_llama, pr
     assert not torch.allclose(logits, oracle(input_ids).logits, atol=1e-3)  # sparsity does change the function
 
 
-def test_mohd_explicit_fields_and_refusals(tiny_llama):
-    folder, _ = tiny_llama
+def test_mohd_explicit_fields_and_refusals(one_llama):
+    folder, _ = one_llama
     source = load_dense_llama(folder)
     model = llama_to_mohd(
         source,
@@ -311,8 +331,8 @@ def test_latent_moe_slices_are_the_dense_ffn_at_full_latent_rank(tmp_path):
         torch.testing.assert_close(latent @ block.fc1_latent_proj.weight, dense(x), rtol=1e-4, atol=1e-5)
 
 
-def test_latent_moe_refusals(tiny_llama):
-    folder, _ = tiny_llama
+def test_latent_moe_refusals(one_llama):
+    folder, _ = one_llama
     source = load_dense_llama(folder)
     with pytest.raises(ConversionError, match="needs num_experts \\* moe_intermediate_size \\(8 \\* 24\\) <= "):
         llama_to_latent_moe(source, num_experts=8, moe_intermediate_size=24)
@@ -353,8 +373,8 @@ def test_saved_folder_is_complete_and_reloads(tiny_llama, tmp_path, input_ids):
     assert [p.name for p in out.parent.iterdir()] == ["mohd"]
 
 
-def test_failed_save_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
-    folder, _ = tiny_llama
+def test_failed_save_leaves_nothing(one_llama, tmp_path, monkeypatch):
+    folder, _ = one_llama
     source = load_dense_llama(folder)
     model = llama_to_mohd(source, "full")
 
