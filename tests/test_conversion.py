@@ -406,6 +406,10 @@ def test_cli_converts_both_ways_and_reports_errors(tmp_path, input_ids, caplog):
     card = (Path(mohd_out) / "README.md").read_text()
     assert "| MoHD 50% | 812.500 |" in card and "`python evaluate.py`" in card and "channel_order 'importance'" in card
     assert cli_main(["convert", "latent-moe", src, moe_out, "--num-experts", "4", "--verify"]) == 0
+    auto_map = json.loads((Path(moe_out) / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModelForCausalLM"] == "modeling_latent_moe.LatentMoEForCausalLM"
+    assert (Path(moe_out) / "modeling_latent_moe.py").is_file() and (Path(moe_out) / "tokenizer.json").is_file()
+    assert "became the shared expert" in (Path(moe_out) / "README.md").read_text()
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(moe_out).eval()(input_ids).logits
         torch.testing.assert_close(logits, oracle(input_ids).logits, rtol=0, atol=1e-5)
