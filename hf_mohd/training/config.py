@@ -107,7 +107,7 @@ class TrainConfig:
         seed: seed of weights, data order and held-out split.
         log_every: optimizer steps between log records (JSONL, TensorBoard, progress bar).
         eval_every: optimizer steps between held-out perplexity evaluations (0: only at the end).
-        eval_batches: held-out micro-batches per evaluation (0: all of the held-out split).
+        eval_batches: held-out micro-batches per periodic evaluation (0: all); the final one always uses all.
         save_every: optimizer steps between checkpoints (0: only at the end).
         keep_checkpoints: most recent checkpoints kept on disk (older ones are deleted).
         resume: "auto" resumes from the newest complete checkpoint in `output_dir` if there is one, "never" starts

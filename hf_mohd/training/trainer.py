@@ -330,7 +330,7 @@ def train(config: TrainConfig) -> TrainResult:
                 "loss": loss,
                 "aux_loss": window["aux"] / window["steps"],
                 "lr": scheduler.get_last_lr()[0],
-                "grad_norm": float(grad_norm),
+                "grad_norm": float("nan") if grad_norm is None else float(grad_norm),  # None: DeepSpeed clips
                 "tokens": state.tokens,
                 "tokens_per_s": window["steps"] * tokens_per_step / max(elapsed, 1e-9),
             }
@@ -338,10 +338,12 @@ def train(config: TrainConfig) -> TrainResult:
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
             window = {"loss": 0.0, "aux": 0.0, "steps": 0, "time": time.perf_counter()}
         if config.eval_every and state.step % config.eval_every == 0 and len(eval_blocks):
+            eval_started = time.perf_counter()
             eval_loss, ppl = evaluate_perplexity(
                 model, eval_blocks, config.micro_batch_size, accelerator, config.eval_batches
             )
             log.write({"step": state.step, "eval_loss": eval_loss, "eval_perplexity": ppl})
+            window["time"] += time.perf_counter() - eval_started  # tokens/s counts training time only
         interrupted = config.stop_after_steps and steps_this_call >= config.stop_after_steps
         if (config.save_every and state.step % config.save_every == 0) or interrupted:
             save_checkpoint(accelerator, config.output_dir, state.step, config.keep_checkpoints)
@@ -361,7 +363,7 @@ def train(config: TrainConfig) -> TrainResult:
     if state.step >= config.max_steps:
         if len(eval_blocks):
             result.eval_loss, result.eval_perplexity = evaluate_perplexity(
-                model, eval_blocks, config.micro_batch_size, accelerator, config.eval_batches
+                model, eval_blocks, config.micro_batch_size, accelerator
             )
             log.write({"step": state.step, "eval_loss": result.eval_loss, "eval_perplexity": result.eval_perplexity})
         if not latest_checkpoint(config.output_dir) or not latest_checkpoint(config.output_dir).endswith(
@@ -371,8 +373,9 @@ def train(config: TrainConfig) -> TrainResult:
         if config.save_final:
             result.final_model_dir = os.path.join(config.output_dir, "final")
             accelerator.wait_for_everyone()
+            state_dict = accelerator.get_state_dict(model)  # gathers FSDP / ZeRO-3 shards; every process calls it
             if accelerator.is_main_process:
-                accelerator.unwrap_model(model).save_pretrained(result.final_model_dir)
+                accelerator.unwrap_model(model).save_pretrained(result.final_model_dir, state_dict=state_dict)
                 tokenizer.save_pretrained(result.final_model_dir)
             accelerator.wait_for_everyone()
     result.model = accelerator.unwrap_model(model)
