@@ -1,4 +1,4 @@
-"""Item 4c: ID-guided two-regime allocation vs both uniform endpoints (one seed each).
+"""Item 4c: ID-guided two-regime allocation vs both uniform endpoints.
 
 Claim (arXiv 2610.14644 sections 4.2 and 5.3, Table 3): giving the shallow blocks (before the ID profile's steepest
 rise) a narrow near-square expert shape and the remaining blocks a wide one, at matched per-layer parameters,
@@ -8,6 +8,7 @@ The allocation is the library's `allocate_two_regime` applied to the square Late
 N = 32, K = 8), with the intrinsic-dimension profile of item 1 (SmolLM2-135M, the "base model" proxy; its split is
 mapped to the 4-layer target by relative depth), l and m multiples of 4 (the default 64 does not fit a 64-wide
 model) and the default 5% tolerance. The two uniform endpoints use the narrow and the wide shape in every layer.
+Seeds 0 and 1, all seed-0 runs first.
 
     nice -n 19 python bench/replication/latentmoe_allocation.py
 
@@ -61,7 +62,7 @@ if __name__ == "__main__":
         COMPARISON,
         "Item 4c: ID-guided two-regime LatentMoE vs uniform narrow / uniform wide (matched per-layer cost)",
         VARIANTS,
-        {name: [0] for name in VARIANTS},
+        {name: [0, 1] for name in VARIANTS},
         baseline="uniform_wide",
         meta={
             "claim": "ID-guided narrow-prefix / wide-rest allocation beats both uniform endpoints (arXiv 2610.14644)",

@@ -1,11 +1,12 @@
-"""Item 4b: expert-shape sweep of LatentMoE at a fixed latent x width product l m (one seed each).
+"""Item 4b: expert-shape sweep of LatentMoE at a fixed latent x width product l m.
 
 Claim (arXiv 2610.14644 section 3.2, Figure 3): at fixed l m (so fixed routed parameters 3 N l m, activated MACs
 3 K l m and per-expert rank ceiling trade-off q = min(l, m)), validation loss is U-shaped in the aspect ratio l / m
 with its minimum near square (|l/m - 1| <= 0.4). Sweep around item 4a's alpha = 4 LatentMoE (N = 32, K = 8,
 l m = 16 x 64 = 1024): l in {8, 16, 32, 64} with m = 1024 / l, i.e. l/m = 1/16, 1/4, 1 (square), 4. As in the
 paper, the shared-expert width m_s absorbs the change of the latent projections (2 D l) so that mixer parameters
-and activated MACs stay within 0.3% of each other. The l = 16 point is item 4a's alpha = 4 seed-0 run (reused).
+and activated MACs stay within 0.3% of each other. The l = 16 point is item 4a's alpha = 4 run (reused).
+Seeds 0 and 1, all seed-0 runs first.
 
     nice -n 19 python bench/replication/latentmoe_shapes.py
 """
@@ -72,12 +73,12 @@ if __name__ == "__main__":
         COMPARISON,
         "Item 4b: LatentMoE expert-shape sweep at fixed l*m = 1024 (N = 32, K = 8)",
         VARIANTS,
-        {name: [0] for name in VARIANTS},
+        {name: [0, 1] for name in VARIANTS},
         baseline="l16_m64",
         meta={
             "claim": "U-shaped validation loss over l/m at fixed l*m, minimum near square (arXiv 2610.14644 3.2)",
             "command": "nice -n 19 python bench/replication/latentmoe_shapes.py",
             "shapes": accounting(),
-            "reused_runs": "l16_m64 is item 4a's latent_moe_alpha4 seed 0",
+            "reused_runs": "l16_m64 is item 4a's latent_moe_alpha4",
         },
     )

@@ -322,22 +322,23 @@ def run_comparison(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     summaries = {}
-    for name, make in variants.items():
-        for seed in seeds[name]:
-            config = make(seed)
-            wanted = (args.only is None or name in args.only) and (args.seeds is None or seed in args.seeds)
-            summary_path = Path(config.output_dir) / "summary.json"
-            if wanted:
-                print(f"== {comparison}: {name} seed {seed}", flush=True)
-                summaries[(name, seed)] = run_one(config, force=args.force)
-                s = summaries[(name, seed)]
-                print(
-                    f"   held-out loss {s['final_eval_loss']:.4f}, wall {s['wall_seconds']:.0f} s, "
-                    f"cpu {s['cpu_seconds']:.0f} s",
-                    flush=True,
-                )
-            elif summary_path.exists():
-                summaries[(name, seed)] = json.loads(summary_path.read_text(encoding="utf-8"))
+    # Seed-major order: every variant's first seed is trained before any second seed.
+    order = sorted(((seed, index, name) for index, name in enumerate(variants) for seed in seeds[name]))
+    for seed, _, name in order:
+        config = variants[name](seed)
+        wanted = (args.only is None or name in args.only) and (args.seeds is None or seed in args.seeds)
+        summary_path = Path(config.output_dir) / "summary.json"
+        if wanted:
+            print(f"== {comparison}: {name} seed {seed}", flush=True)
+            summaries[(name, seed)] = run_one(config, force=args.force)
+            s = summaries[(name, seed)]
+            print(
+                f"   held-out loss {s['final_eval_loss']:.4f}, wall {s['wall_seconds']:.0f} s, "
+                f"cpu {s['cpu_seconds']:.0f} s",
+                flush=True,
+            )
+        elif summary_path.exists():
+            summaries[(name, seed)] = json.loads(summary_path.read_text(encoding="utf-8"))
     results = aggregate(comparison, variants, seeds, summaries, baseline, {"title": title, **(meta or {})})
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{comparison}.json"
