@@ -69,7 +69,7 @@ def remote_code_files(model_type: str) -> tuple[dict[str, str], dict[str, Path]]
 
 def _is_upload_file(rel: Path) -> bool:
     hidden = any(part.startswith(".") for part in rel.parts)
-    run_state = any(part.startswith(("checkpoint-", "runs", "__pycache__")) for part in rel.parts)
+    run_state = any(part.startswith("checkpoint-") or part in ("runs", "__pycache__") for part in rel.parts)
     return not hidden and not run_state and rel.name.endswith(UPLOAD_SUFFIXES)
 
 
