@@ -242,11 +242,15 @@ def train(config: TrainConfig) -> TrainResult:
     os.makedirs(config.output_dir, exist_ok=True)
     set_seed(config.seed)
 
-    # Data and tokenizer.
-    train_texts, eval_texts = split_documents(load_documents(config.data), config.data.eval_fraction, config.seed)
-    tokenizer = prepare_tokenizer(config, train_texts)
+    # Data and tokenizer. The main process goes first (it fills the `datasets` cache and saves the tokenizer), then
+    # the others read what it wrote, so every process holds the same tokenizer.
+    with accelerator.main_process_first():
+        documents = load_documents(config.data)
+        train_texts, eval_texts = split_documents(documents, config.data.eval_fraction, config.seed)
+        tokenizer = prepare_tokenizer(config, train_texts)
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(os.path.join(config.output_dir, "tokenizer"))
     if accelerator.is_main_process:
-        tokenizer.save_pretrained(os.path.join(config.output_dir, "tokenizer"))
         with open(os.path.join(config.output_dir, "train_config.json"), "w", encoding="utf-8") as handle:
             json.dump(config.to_dict(), handle, indent=2)
     train_blocks = pack(train_texts, tokenizer, config.data.seq_len)
