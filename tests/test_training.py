@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_mohd.training import latest_checkpoint, load_train_config, train, train_config_from_dict
-from hf_mohd.training.data import PackedBatches, pack, train_bpe_tokenizer
+from hf_mohd.training.data import PackedBatches, load_documents, pack, split_documents, train_bpe_tokenizer
 
 
 WORDS = (
@@ -174,3 +174,42 @@ def test_two_processes_end_with_identical_weights(tmp_path):
     assert moved > len(ranks[0]) // 2, "the second step should have changed most tensors"
     logged = [json.loads(line) for line in open(tmp_path / "ddp" / "log.jsonl")]
     assert [r["tokens"] for r in logged if "loss" in r] == [2 * 2 * 2 * 32, 2 * 2 * 2 * 2 * 32]
+
+
+def test_continued_training_of_a_saved_latent_moe_starts_from_its_weights(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    latent_moe = {
+        "model_type": "latent_moe",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "moe_latent_size": 16,
+        "router_score_func": "sigmoid",
+        "router_bias_update_rate": 0.01,
+    }
+    first = train(
+        tiny_config(tmp_path, corpus, "scratch", max_steps=3, save_final=True, **{"model.architecture": latent_moe})
+    )
+    biases = [b for n, b in first.model.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert biases and all(b.abs().sum() > 0 for b in biases), "update_router_biases should have moved the biases"
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    saved = AutoModelForCausalLM.from_pretrained(first.final_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(first.final_model_dir)
+    config = tiny_config(
+        tmp_path, corpus, "continued", max_steps=1, grad_accum_steps=1, **{"model.init_from": first.final_model_dir}
+    )
+    config.model.architecture = {}
+    # The first micro-batch of the continued run, recomputed here: its loss must be the saved model's loss.
+    train_texts, _ = split_documents(load_documents(config.data), config.data.eval_fraction, config.seed)
+    blocks = pack(train_texts, tokenizer, config.data.seq_len)
+    batch = next(PackedBatches(blocks, config.micro_batch_size, config.seed, 0, 1).iterate())[2]
+    with torch.no_grad():
+        expected = saved(input_ids=batch, labels=batch).loss.item()
+    continued = train(config)
+    assert continued.train_log[0]["loss"] == pytest.approx(expected, rel=1e-6)
