@@ -213,3 +213,19 @@ def test_continued_training_of_a_saved_latent_moe_starts_from_its_weights(tmp_pa
         expected = saved(input_ids=batch, labels=batch).loss.item()
     continued = train(config)
     assert continued.train_log[0]["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_cli_overrides_and_help():
+    from hf_mohd.cli import build_parser
+    from hf_mohd.commands.train import apply_overrides
+
+    values = apply_overrides({"optim": {"lr": 1.0}}, ["optim.lr=3e-4", "max_steps=7", "data.path=a.txt"])
+    assert values == {"optim": {"lr": 3e-4}, "max_steps": 7, "data": {"path": "a.txt"}}
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        apply_overrides({}, ["max_steps"])
+    args = build_parser().parse_args(["train", "c.yaml", "--set", "max_steps=3"])
+    assert args.config == "c.yaml" and args.set == ["max_steps=3"]
+    args = build_parser().parse_args(["eval", "folder", "--tasks", "piqa", "--limit", "10"])
+    assert (args.tasks, args.limit) == ("piqa", 10)
+    args = build_parser().parse_args(["demo", "--quick"])
+    assert args.quick and args.max_steps > 0
