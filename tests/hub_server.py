@@ -62,8 +62,8 @@ def blob_oid(content: bytes) -> str:
 
 
 def validate_metadata(readme: str) -> list[str]:
-    """Errors in a README's YAML metadata, checked the way the Hub's validator is documented to (model cards):
-    a mapping, list-or-string `tags`/`datasets`/`base_model`, and a `model-index` that parses into results."""
+    """Errors in a README's YAML metadata: a subset of what the Hub's validator rejects (parsable YAML, a mapping,
+    string-or-list `tags`/`datasets`/`base_model`/`language`, a `model-index` that `huggingface_hub` parses)."""
     from huggingface_hub.repocard_data import model_index_to_eval_results
 
     if not readme.startswith("---"):
