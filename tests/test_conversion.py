@@ -23,6 +23,7 @@ import hf_mohd  # noqa: F401  (registers the model types)
 from hf_mohd.cli import main as cli_main
 from hf_mohd.conversion import (
     ConversionError,
+    calibrated_channel_importance,
     channel_importance,
     describe_mohd_conversion,
     llama_to_latent_moe,
@@ -289,6 +290,12 @@ def test_mohd_channel_order_is_the_same_function(tiny_llama, input_ids):
     assert torch.equal(score, torch.sort(score, descending=True).values)
     original = channel_importance(source.state_dict, num_layers)
     torch.testing.assert_close(torch.sort(original, descending=True).values, score)
+    calibrated = calibrated_channel_importance(source, input_ids)
+    assert calibrated.shape == (64,) and (calibrated > 0).all()
+    order = torch.sort(calibrated, descending=True).indices
+    with torch.no_grad():
+        model = llama_to_mohd(source, "full", channel_order=order)
+        torch.testing.assert_close(model(input_ids).logits, oracle(input_ids).logits, rtol=0, atol=1e-5)
     with pytest.raises(ConversionError, match="must be a permutation of range\\(64\\)"):
         llama_to_mohd(source, "full", channel_order=[0] * 64)
     with pytest.raises(ConversionError, match="`channel_order` must be one of"):

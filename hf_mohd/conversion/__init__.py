@@ -13,6 +13,7 @@ from .latent_moe import (
 from .mohd import (
     CHANNEL_ORDERS,
     CONVERSION_PRESETS,
+    calibrated_channel_importance,
     channel_importance,
     describe_mohd_conversion,
     llama_to_mohd,
@@ -34,6 +35,7 @@ __all__ = [
     "llama_to_latent_moe",
     "DenseLlamaSource",
     "build_model_card",
+    "calibrated_channel_importance",
     "channel_importance",
     "check_destination",
     "describe_mohd_conversion",

@@ -144,6 +144,48 @@ def channel_importance(state_dict: dict[str, torch.Tensor], num_layers: int) -> 
     return score
 
 
+@torch.no_grad()
+def calibrated_channel_importance(
+    source: DenseLlamaSource, input_ids: torch.Tensor, batch_size: int = 4
+) -> torch.Tensor:
+    """Importance (D,) of each hidden channel measured on calibration tokens, the data-driven form of
+    `channel_importance`: score_i = sum over sublayers of E[x_i^2] * sum_r ||W_r[:, i]||^2 + E[y_i^2], with x the
+    sublayer's normalised input and y its output (o_proj / down_proj), expectations over the (B, T) `input_ids`.
+    Give `torch.sort(score, descending=True).indices` to `llama_to_mohd(..., channel_order=...)`.
+    """
+    model = source.build_llama()
+    state = source.state_dict
+    second_moments: dict[str, torch.Tensor] = {}
+
+    def record(name):
+        def hook(module, args, output):
+            moment = output.detach().double().pow(2).flatten(0, -2).sum(0)
+            second_moments[name] = second_moments.get(name, 0) + moment
+
+        return hook
+
+    handles = []
+    for idx, layer in enumerate(model.model.layers):
+        for norm, _, writers in SUBLAYERS:
+            handles.append(getattr(layer, norm).register_forward_hook(record(f"{idx}.{norm}")))
+            for name in writers:
+                handles.append(layer.get_submodule(name).register_forward_hook(record(f"{idx}.{name}")))
+    for start in range(0, input_ids.shape[0], batch_size):
+        model(input_ids=input_ids[start : start + batch_size], use_cache=False)
+    for handle in handles:
+        handle.remove()
+    tokens = input_ids.numel()
+    score = torch.zeros(source.config.hidden_size, dtype=torch.float64)
+    for idx in range(source.config.num_hidden_layers):
+        prefix = f"model.layers.{idx}."
+        for norm, readers, writers in SUBLAYERS:
+            reads = sum(state[f"{prefix}{name}.weight"].double().pow(2).sum(0) for name in readers)
+            score += second_moments[f"{idx}.{norm}"] / tokens * reads
+            for name in writers:
+                score += second_moments[f"{idx}.{name}"] / tokens
+    return score
+
+
 def permute_hidden_channels(state_dict: dict[str, torch.Tensor], order: torch.Tensor) -> dict[str, torch.Tensor]:
     """The same LLaMA with its hidden channels reordered: new channel j is old channel `order[j]`.
 
@@ -292,6 +334,7 @@ def describe_mohd_conversion(config: MoHDConfig, seed: int, channel_order: str =
 __all__ = [
     "CHANNEL_ORDERS",
     "CONVERSION_PRESETS",
+    "calibrated_channel_importance",
     "channel_importance",
     "describe_mohd_conversion",
     "llama_to_mohd",
