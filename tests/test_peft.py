@@ -59,20 +59,23 @@ def lora_config(config, **kw) -> LoraConfig:
 INPUT_IDS = torch.tensor([[5, 17, 42, 8, 91, 3, 60], [11, 2, 33, 70, 19, 44, 6]])
 
 
-def test_lora_on_the_gather_path_equals_lora_on_the_masked_path():
-    """The gather dispatch reads `linear.weight` views; a LoRA layer must not be bypassed there."""
+@pytest.mark.parametrize("num_tokens", [7, 2], ids=["sorted-groups", "few-tokens"])
+def test_lora_on_the_gather_path_equals_lora_on_the_masked_path(num_tokens):
+    """The gather dispatch reads `linear.weight` views; a LoRA layer must not be bypassed there. Two tokens per
+    sequence (M = 4 <= N_r / k) is the decoding-sized case the gather path may serve differently."""
+    input_ids = INPUT_IDS[:, :num_tokens]
     model = tiny_mohd(sparse_implementation="gather")
     with torch.no_grad():
-        base = model(INPUT_IDS).logits
+        base = model(input_ids).logits
     torch.manual_seed(1)
     peft_model = get_peft_model(model, lora_config(model.config))
     with torch.no_grad():
-        gather = peft_model(INPUT_IDS).logits
+        gather = peft_model(input_ids).logits
     for module in peft_model.modules():
         if hasattr(module, "dispatch"):
             module.dispatch = MoHDMaskedDispatch(model.config)
     with torch.no_grad():
-        masked = peft_model(INPUT_IDS).logits
+        masked = peft_model(input_ids).logits
     assert (gather - base).abs().max() > 1e-2, "LoRA did not change the gather path's output (bypassed)"
     torch.testing.assert_close(gather, masked, rtol=1e-10, atol=1e-10)
 
