@@ -32,6 +32,14 @@ class Accounting:
         """Activated decoder parameters plus the LM head (the usual 'activated parameters' of MoE papers)."""
         return self.activated_decoder_params + self.lm_head_params
 
+    def decode_weight_bytes_per_token(self, bytes_per_param: int = 4) -> int:
+        """Bytes of weights one batch-1 decoding step reads: the activated decoder parameters plus the LM head.
+
+        This is the memory-bound cost of decoding (issue 7); the embedding row and the key/value cache are left out
+        (one row, and a few MB at short contexts). 4 bytes per parameter is fp32.
+        """
+        return (self.activated_decoder_params + self.lm_head_params) * bytes_per_param
+
     def as_dict(self) -> dict:
         return {**asdict(self), "activated_params": self.activated_params}
 

@@ -108,15 +108,31 @@ class MaskedPlan(NamedTuple):
 
 
 class GatherPlan(NamedTuple):
-    """Routing of M tokens for the gather path, R = M * k (token, routed block) pairs sorted by block.
+    """Routing of M tokens for the gather path, one group of M (token, routed block) pairs per routing slot.
 
-    token_index (R,), block_index (R,) routed ids 0..N_r-1, gates (R, 1), offsets (N_r,) int32 group ends.
+    For slot j of the k slots, `token_index[j]` lists the M tokens sorted by the routed block they picked in that
+    slot, `block_index[j]` those blocks (routed ids 0..N_r-1), `gates[j]` their gates, and `offsets[j]` the int32
+    group ends of the grouped matmul. Shapes: token_index, block_index (k, M); gates (k, M, 1); offsets (k, N_r).
+    Working slot by slot keeps every intermediate at M rows, not M * k: at the bench shape an (M * k, 2816) fp32
+    tensor is 46 MB, past glibc's 32 MB mmap threshold, and is page-faulted in afresh on every call.
     """
 
     token_index: torch.Tensor
     block_index: torch.Tensor
     gates: torch.Tensor
     offsets: torch.Tensor
+
+
+class GatherFewTokensPlan(NamedTuple):
+    """Routing of a few tokens (decoding) for the gather path: no sort; each token's active blocks are read directly.
+
+    block_index (M, k) routed ids 0..N_r-1 in the router's order; columns (M, k * s) the hidden-width positions of
+    each token's routed blocks (D_s + g s + 0..s-1); gates (M, k * s) the gate of the block of each position.
+    """
+
+    block_index: torch.Tensor
+    columns: torch.Tensor
+    gates: torch.Tensor
 
 
 class MoHDMaskedDispatch:
@@ -152,76 +168,183 @@ class MoHDMaskedDispatch:
 class MoHDGatherDispatch:
     """Fast path (`sparse_implementation="gather"`): inactive blocks are never read nor computed.
 
-    Shared blocks are one dense GEMM over the first N_s * s columns (input side) or rows (output side); routed
-    blocks are dispatched like experts: (token, block) pairs sorted by block, one grouped matmul over views of the
-    `nn.Linear` weights (no copy), scatter-add back (DESIGN section 3, "Execution paths").
+    Shared blocks are one dense GEMM over the first N_s * s columns (input side) or rows (output side). Routed
+    blocks of many tokens (prefill, training) are dispatched like experts, one routing slot at a time: the M tokens
+    sorted by their block in that slot, one grouped matmul over views of the `nn.Linear` weight (no copy), then
+    `index_add_` back (DESIGN section 3, "Execution paths"). For at most `few_tokens` tokens (batch-1 decoding) the
+    k active blocks of each token are read directly, with no sort and no per-group calls, the memory-bound case
+    (Deja Vu, PowerInfer): input side `embedding_bag` over the active columns (rows of `weight.T`), output side
+    one `index_select` of the k * s active rows and a batched matmul.
+
     A projection that is not a plain `nn.Linear` (a PEFT LoRA layer, a quantised linear) computes something other
     than its `.weight`, so it is called as a module on the gated dense input, or its dense output is masked: exact,
     the masked path's computation for that projection only.
+
+    Weight layout: the input side (q/k/v, gate/up) reads column blocks; in the row-major `nn.Linear` layout a block
+    is s contiguous floats per row, which a CPU streams at a fraction of the contiguous bandwidth (measured here:
+    64 columns at 3-5 GB/s against ~16 GB/s for whole rows). `MoHDGatherDispatch.block_major_(model)` stores those
+    weights column-major (same values and shapes, `weight.t()` contiguous), which makes every block contiguous; the
+    few-tokens path needs it to be memory-bound rather than latency-bound.
     """
+
+    input_projections = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
     def __init__(self, config: MoHDConfig):
         self.num_sub_dims = config.num_sub_dims
         self.num_shared = config.num_shared_sub_dims
         self.num_routed = config.num_routed_sub_dims
+        self.top_k = config.num_routed_sub_dims_per_tok
         self.block = config.sub_dim_size
+        self.hidden_size = config.hidden_size
         self.shared_width = self.num_shared * self.block
+        # Reading each token's k blocks directly beats sorting while the blocks read are fewer than the routed
+        # blocks (M * k <= N_r): the grouped path would then run mostly empty groups.
+        self.few_tokens = max(1, self.num_routed // max(self.top_k, 1))
 
-    def plan(self, indices: torch.Tensor, weights: torch.Tensor) -> GatherPlan:
-        """(M, k) absolute block ids and gates -> pairs sorted by routed block and the group offsets."""
-        top_k = indices.shape[1]
-        routed = indices.reshape(-1) - self.num_shared
-        order = torch.argsort(routed, stable=True)
-        counts = torch.bincount(routed, minlength=self.num_routed)
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        return GatherPlan(order // top_k, routed[order], weights.reshape(-1, 1)[order], offsets)
+    def plan(self, indices: torch.Tensor, weights: torch.Tensor) -> GatherPlan | GatherFewTokensPlan:
+        """(M, k) absolute block ids and gates -> per-slot pairs sorted by routed block (or the few-tokens plan)."""
+        routed = indices - self.num_shared
+        m = indices.shape[0]
+        if m <= self.few_tokens:
+            offsets = torch.arange(self.block, device=indices.device)
+            columns = (indices[..., None] * self.block + offsets).reshape(m, -1)
+            gates = weights[..., None].expand(*weights.shape, self.block).reshape(m, -1)
+            return GatherFewTokensPlan(routed, columns, gates)
+        slots = routed.t()
+        order = torch.argsort(slots, dim=1, stable=True)
+        slot_offset = torch.arange(self.top_k, device=indices.device)[:, None] * self.num_routed
+        counts = torch.bincount((slots + slot_offset).reshape(-1), minlength=self.top_k * self.num_routed)
+        offsets = torch.cumsum(counts.view(self.top_k, self.num_routed), dim=1).to(torch.int32)
+        return GatherPlan(order, slots.gather(1, order), weights.t().gather(1, order)[..., None], offsets)
 
-    def project_in(self, hidden_states: torch.Tensor, plan: GatherPlan, linears) -> list[torch.Tensor]:
-        """(M, D) -> one (M, out) tensor per linear: shared columns dense, routed columns grouped."""
+    def project_in(
+        self, hidden_states: torch.Tensor, plan: GatherPlan | GatherFewTokensPlan, linears
+    ) -> list[torch.Tensor]:
+        """(M, D) -> one (M, out) tensor per linear: shared columns dense, routed columns grouped or gathered."""
+        if isinstance(plan, GatherFewTokensPlan):
+            return self._project_in_few(hidden_states, plan, linears)
         m = hidden_states.shape[0]
         shared = hidden_states[:, : self.shared_width]
-        routed = hidden_states.view(m, self.num_sub_dims, self.block)[
-            plan.token_index, self.num_shared + plan.block_index
-        ]
-        routed = routed * plan.gates
+        # gated routed inputs per slot, (k, M, s), in the plan's order
+        rows = plan.token_index * self.num_sub_dims + self.num_shared + plan.block_index
+        routed = hidden_states.reshape(m * self.num_sub_dims, self.block).index_select(0, rows.reshape(-1))
+        routed = routed.view(*rows.shape, self.block) * plan.gates
         outputs = []
         for linear in linears:
             if type(linear) is not nn.Linear:
-                blocks = routed.new_zeros(m * self.num_routed, self.block)
-                blocks = blocks.index_add(0, plan.token_index * self.num_routed + plan.block_index, routed)
-                outputs.append(linear(torch.cat([shared, blocks.view(m, -1).to(shared.dtype)], dim=1)))
+                outputs.append(linear(torch.cat([shared, self._scatter_routed(routed, plan, m)], dim=1)))
                 continue
             weight = linear.weight
             out = F.linear(shared, weight[:, : self.shared_width], linear.bias)
+            # (N_r, s, out) view of the routed columns: block g is weight[:, D_s + g s : D_s + (g + 1) s].T
             routed_weight = weight[:, self.shared_width :].view(weight.shape[0], self.num_routed, self.block)
-            routed_out = grouped_matmul(routed, routed_weight.permute(1, 2, 0), plan.offsets)
-            outputs.append(out.index_add(0, plan.token_index, routed_out.to(out.dtype)))
+            routed_weight = routed_weight.permute(1, 2, 0)
+            for slot in range(self.top_k):
+                routed_out = grouped_matmul(routed[slot], routed_weight, plan.offsets[slot])
+                out = out.index_add_(0, plan.token_index[slot], routed_out.to(out.dtype))
+            outputs.append(out)
         return outputs
 
-    def project_out(self, hidden_states: torch.Tensor, plan: GatherPlan, linear: nn.Linear) -> torch.Tensor:
-        """(M, in) -> (M, N, s): shared rows dense, each token's routed rows grouped, other blocks zero."""
+    def project_out(
+        self, hidden_states: torch.Tensor, plan: GatherPlan | GatherFewTokensPlan, linear: nn.Linear
+    ) -> torch.Tensor:
+        """(M, in) -> (M, N, s): shared rows dense, each token's routed rows grouped or gathered, other blocks 0."""
+        if isinstance(plan, GatherFewTokensPlan):
+            return self._project_out_few(hidden_states, plan, linear)
         m = hidden_states.shape[0]
         if type(linear) is not nn.Linear:
             dense = linear(hidden_states).view(m, self.num_sub_dims, self.block)
-            shared, routed = (
-                dense[:, : self.num_shared],
-                dense[:, self.num_shared :][plan.token_index, plan.block_index],
-            )
-        else:
-            weight, bias = linear.weight, linear.bias
-            shared = F.linear(
-                hidden_states, weight[: self.shared_width], None if bias is None else bias[: self.shared_width]
-            )
-            routed_weight = weight[self.shared_width :].view(self.num_routed, self.block, weight.shape[1])
-            routed = grouped_matmul(hidden_states[plan.token_index], routed_weight.transpose(1, 2), plan.offsets)
-            if bias is not None:
-                routed = routed + bias[self.shared_width :].view(self.num_routed, self.block)[plan.block_index]
-        routed_blocks = hidden_states.new_zeros(m * self.num_routed, self.block).index_add(
-            0, plan.token_index * self.num_routed + plan.block_index, routed.to(hidden_states.dtype)
+            keep = self._scatter_routed(torch.ones_like(plan.gates), plan, m, width=1)
+            return torch.cat([dense[:, : self.num_shared], dense[:, self.num_shared :] * keep.view(m, -1, 1)], 1)
+        weight, bias = linear.weight, linear.bias
+        shared = F.linear(
+            hidden_states, weight[: self.shared_width], None if bias is None else bias[: self.shared_width]
         )
-        return torch.cat(
-            [shared.view(m, self.num_shared, self.block), routed_blocks.view(m, self.num_routed, self.block)], dim=1
+        # (N_r, in, s) view of the routed rows: block g is weight[D_s + g s : D_s + (g + 1) s].T
+        routed_weight = weight[self.shared_width :].view(self.num_routed, self.block, weight.shape[1]).transpose(1, 2)
+        routed_bias = None if bias is None else bias[self.shared_width :].view(self.num_routed, self.block)
+        routed_blocks = hidden_states.new_zeros(m * self.num_routed, self.block)
+        for slot in range(self.top_k):
+            tokens = plan.token_index[slot]
+            routed = grouped_matmul(hidden_states.index_select(0, tokens), routed_weight, plan.offsets[slot])
+            if routed_bias is not None:
+                routed = routed + routed_bias[plan.block_index[slot]]
+            routed_blocks = routed_blocks.index_add_(
+                0, tokens * self.num_routed + plan.block_index[slot], routed.to(hidden_states.dtype)
+            )
+        shared = shared.view(m, self.num_shared, self.block)
+        return torch.cat([shared, routed_blocks.view(m, self.num_routed, self.block)], dim=1)
+
+    def _project_in_few(self, hidden_states: torch.Tensor, plan: GatherFewTokensPlan, linears) -> list[torch.Tensor]:
+        """Few-tokens input side: (M, D) -> one (M, out) per linear from the shared and the k * s active columns."""
+        shared = hidden_states[:, : self.shared_width]
+        values = hidden_states.gather(1, plan.columns) * plan.gates  # (M, k * s) gated routed inputs
+        dense = None
+        outputs = []
+        for linear in linears:
+            weight = getattr(linear, "weight", None)
+            if type(linear) is nn.Linear and weight.stride(0) == 1:
+                # column-major (`block_major_`): the shared columns are one contiguous span, and each active column
+                # is a contiguous row of weight.T that embedding_bag scales by its input and sums, reading no other
+                out = F.linear(shared, weight[:, : self.shared_width], linear.bias)
+                routed = F.embedding_bag(
+                    plan.columns, weight.t(), mode="sum", per_sample_weights=values.to(weight.dtype)
+                )
+                outputs.append(out + routed.to(out.dtype))
+                continue
+            # row-major or not a plain linear: column blocks are strided (no cheaper than whole rows), so one dense
+            # matmul on the gated input, zero outside the active blocks (the masked path's computation)
+            if dense is None:
+                dense = F.pad(shared, (0, self.hidden_size - self.shared_width)).scatter(1, plan.columns, values)
+            outputs.append(linear(dense))
+        return outputs
+
+    def _project_out_few(self, hidden_states: torch.Tensor, plan: GatherFewTokensPlan, linear) -> torch.Tensor:
+        """Few-tokens output side: (M, in) -> (M, N, s), the shared rows and each token's k * s active rows."""
+        m = hidden_states.shape[0]
+        padding = (0, self.hidden_size - self.shared_width)
+        if type(linear) is not nn.Linear:
+            dense = linear(hidden_states)
+            out = F.pad(dense[:, : self.shared_width], padding).scatter(1, plan.columns, dense.gather(1, plan.columns))
+            return out.view(m, self.num_sub_dims, self.block)
+        weight, bias = linear.weight, linear.bias
+        shared = F.linear(
+            hidden_states, weight[: self.shared_width], None if bias is None else bias[: self.shared_width]
         )
+        active = weight[self.shared_width :].view(self.num_routed, self.block, weight.shape[1])
+        active = active.index_select(0, plan.block_index.reshape(-1)).view(m, -1, weight.shape[1])  # (M, k * s, in)
+        routed = torch.bmm(active, hidden_states[..., None].to(active.dtype)).view(m, -1)
+        if bias is not None:
+            routed = routed + bias[plan.columns]
+        out = F.pad(shared, padding).scatter(1, plan.columns, routed.to(shared.dtype))
+        return out.view(m, self.num_sub_dims, self.block)
+
+    def _scatter_routed(
+        self, routed: torch.Tensor, plan: GatherPlan, m: int, width: int | None = None
+    ) -> torch.Tensor:
+        """Per-slot pairs (k, M, width) -> (M, N_r * width) dense routed blocks, zero where inactive."""
+        width = self.block if width is None else width
+        positions = (plan.token_index * self.num_routed + plan.block_index).reshape(-1)
+        dense = routed.new_zeros(m * self.num_routed, width)
+        return dense.index_add(0, positions, routed.reshape(-1, width)).view(m, -1)
+
+    @staticmethod
+    def block_major_(model: nn.Module) -> nn.Module:
+        """Stores the input-side projections of every gather-path MoHD sublayer column-major, in place.
+
+        Values, shapes and results are unchanged (up to BLAS summation order); each s-column block of q/k/v/gate/up
+        becomes one contiguous span, so decoding streams only the active blocks. An inference-time layout, like a
+        BLAS weight prepack: call it after loading, before decoding. `weight.data = weight.contiguous()` undoes it.
+        """
+        for module in model.modules():
+            sub_dims = getattr(module, "sub_dims", None)
+            if sub_dims is None or not isinstance(getattr(sub_dims, "dispatch", None), MoHDGatherDispatch):
+                continue
+            for name in MoHDGatherDispatch.input_projections:
+                linear = getattr(module, name, None)
+                if type(linear) is nn.Linear:
+                    linear.weight.data = linear.weight.data.t().contiguous().t()
+        return model
 
 
 MOHD_DISPATCH = {"masked": MoHDMaskedDispatch, "gather": MoHDGatherDispatch}

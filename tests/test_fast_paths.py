@@ -1,0 +1,198 @@
+"""Every fast execution path of MoHD equals the masked reference path, in logits and in gradients (issue 7).
+
+The gather path has two regimes, chosen by the number of tokens M of a forward: per-slot grouped matmuls
+(`GatherPlan`, prefill and training) and direct reads of each token's active blocks (`GatherFewTokensPlan`,
+M <= `few_tokens`, batch-1 decoding); plus the column-major weight layout of `MoHDGatherDispatch.block_major_` and
+the module-call fallback for projections that are not plain `nn.Linear`. All run in float64 (no top-k ties) against
+the masked path on the same weights. No timing here: the benchmarks live in `bench/`.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from hf_mohd import MoHDConfig, MoHDForCausalLM
+from hf_mohd.models.modeling_mohd import GatherFewTokensPlan, GatherPlan, MoHDGatherDispatch
+
+
+VOCAB = 97
+
+
+def config(**overrides) -> MoHDConfig:
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        num_sub_dims=8,
+        num_shared_sub_dims=3,
+        num_routed_sub_dims_per_tok=2,
+        pad_token_id=0,
+    )
+    fields.update(overrides)
+    return MoHDConfig(**fields)
+
+
+def pair(seed: int = 0, **overrides) -> tuple[MoHDForCausalLM, MoHDForCausalLM]:
+    """(gather, masked) float64 models with the same weights: perturbed fusion, spread routers, random biases."""
+    torch.manual_seed(seed)
+    gather = MoHDForCausalLM(config(sparse_implementation="gather", **overrides)).double()
+    with torch.no_grad():
+        for name, param in gather.named_parameters():
+            if "group_fusion" in name:
+                param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.normal_(0, 0.02)
+            elif "router" in name:
+                param.normal_(0, 0.5)
+    masked = MoHDForCausalLM(config(sparse_implementation="masked", **overrides)).double()
+    masked.load_state_dict(gather.state_dict())
+    return gather, masked
+
+
+def ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_training_step(gather, masked, input_ids, **kwargs):
+    """Loss (LM + aux), logits and every parameter gradient agree between the two paths."""
+    outputs = []
+    for model in (gather, masked):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=input_ids, labels=input_ids, output_router_logits=True, use_cache=False, **kwargs)
+        # one token has no next-token label: a loss on the logits (plus the aux loss) then drives the gradients
+        loss = out.loss if input_ids.shape[1] > 1 else out.logits.square().mean() + out.aux_loss
+        loss.backward()
+        outputs.append((out, loss, grads(model)))
+    (out_g, loss_g, grads_g), (out_m, loss_m, grads_m) = outputs
+    torch.testing.assert_close(out_g.logits, out_m.logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(loss_g, loss_m, rtol=1e-10, atol=1e-10)
+    assert grads_g.keys() == grads_m.keys()
+    assert any("router" in name for name in grads_g), "router weights must receive gradients through the gates"
+    for name in grads_g:
+        torch.testing.assert_close(grads_g[name], grads_m[name], rtol=1e-9, atol=1e-10, msg=name)
+
+
+def dispatches(model):
+    return [m.sub_dims.dispatch for m in model.modules() if hasattr(m, "sub_dims")]
+
+
+def test_plans_are_chosen_by_token_count():
+    dispatch = MoHDGatherDispatch(config())
+    assert dispatch.few_tokens == 2  # N_r = 5 routed blocks, k = 2
+    indices = torch.tensor([[3, 7], [5, 4], [7, 3]])
+    weights = torch.rand(3, 2)
+    few = dispatch.plan(indices[:2], weights[:2])
+    assert isinstance(few, GatherFewTokensPlan)
+    assert few.block_index.tolist() == [[0, 4], [2, 1]]
+    plan = dispatch.plan(indices, weights)
+    assert isinstance(plan, GatherPlan)
+    # slot 0 picks routed blocks (0, 2, 4) for tokens (0, 1, 2); slot 1 picks (4, 1, 0): sorted by block per slot
+    assert plan.token_index.tolist() == [[0, 1, 2], [2, 1, 0]]
+    assert plan.block_index.tolist() == [[0, 2, 4], [0, 1, 4]]
+    assert plan.offsets.tolist() == [[1, 1, 2, 2, 3], [1, 2, 2, 2, 3]]
+    torch.testing.assert_close(plan.gates[1, :, 0], weights[[2, 1, 0], 1])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"attention_bias": True, "mlp_bias": True},
+        {"num_routed_sub_dims_per_tok": 1},
+        {"num_routed_sub_dims_per_tok": 3, "routed_gate": "normalized"},
+        {"sparse_modules": ["ffn"], "group_fusion": "none"},
+    ],
+    ids=["default", "biases", "k1", "k3-normalized", "ffn-only"],
+)
+def test_prefill_and_training_step_equal_masked(overrides):
+    gather, masked = pair(**overrides)
+    assert_same_training_step(gather, masked, ids(2, 11))
+
+
+@pytest.mark.parametrize("tokens", [1, 2], ids=["one-token", "two-tokens"])
+def test_few_tokens_path_equal_masked_with_gradients(tokens):
+    gather, masked = pair(attention_bias=True, mlp_bias=True)
+    assert tokens <= dispatches(gather)[0].few_tokens
+    assert_same_training_step(gather, masked, ids(1, tokens))
+
+
+@pytest.mark.parametrize("batch", [1, 3], ids=["batch1-few-tokens", "batch3-grouped"])
+def test_cached_decoding_equals_masked_step_by_step(batch):
+    """Prefill then single-token steps with the routing cache: logits of every step agree, as do the routes."""
+    gather, masked = pair()
+    prompt = ids(batch, 7, seed=1)
+    with torch.no_grad():
+        out_g, out_m = gather(input_ids=prompt, use_cache=True), masked(input_ids=prompt, use_cache=True)
+        torch.testing.assert_close(out_g.logits, out_m.logits, rtol=1e-10, atol=1e-10)
+        for _ in range(5):
+            token = out_g.logits[:, -1:].argmax(-1)
+            out_g = gather(input_ids=token, cache=out_g.cache, use_cache=True)
+            out_m = masked(input_ids=token, cache=out_m.cache, use_cache=True)
+            torch.testing.assert_close(out_g.logits, out_m.logits, rtol=1e-10, atol=1e-10)
+    for key, record in out_g.cache.routing_record.items():
+        assert torch.equal(record.indices, out_m.cache.routing_record[key].indices), key
+
+
+def test_cached_decoding_step_gradients_equal_masked():
+    """A single-token step on top of a cache (the decode path) back-propagates like the masked path."""
+    gather, masked = pair(mlp_bias=True)
+    prompt, token = ids(1, 6), ids(1, 1, seed=3)
+    results = []
+    for model in (gather, masked):
+        with torch.no_grad():
+            cache = model(input_ids=prompt, use_cache=True).cache
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=token, cache=cache, use_cache=True).logits
+        logits.square().sum().backward()
+        results.append((logits, grads(model)))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-10, atol=1e-10)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(grad, results[1][1][name], rtol=1e-9, atol=1e-10, msg=name)
+
+
+def test_generate_equals_masked():
+    gather, masked = pair()
+    prompt = ids(1, 5, seed=2)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(gather.generate(prompt, **kwargs), masked.generate(prompt, **kwargs))
+
+
+def test_block_major_layout_keeps_results():
+    """Column-major input projections (decoding layout) change neither logits nor gradients; shapes stay."""
+    gather, masked = pair(attention_bias=True)
+    MoHDGatherDispatch.block_major_(gather)
+    q_proj = gather.model.layers[0].self_attn.q_proj.weight
+    assert q_proj.shape == (64, 64) and q_proj.stride() == (1, 64)
+    assert gather.model.layers[0].self_attn.o_proj.weight.is_contiguous()
+    assert_same_training_step(gather, masked, ids(2, 5))
+    gather.eval()
+    masked.eval()
+    with torch.no_grad():
+        for length in (1, 9):
+            x = ids(1, length, seed=4)
+            torch.testing.assert_close(gather(input_ids=x).logits, masked(input_ids=x).logits, rtol=1e-10, atol=1e-10)
+
+
+class WrappedLinear(nn.Linear):
+    """Stands for a PEFT/quantised projection: not a plain `nn.Linear`, so the dispatch calls it as a module."""
+
+
+def test_non_plain_linear_fallback_equals_masked():
+    gather, masked = pair(attention_bias=True)
+    for layer in gather.model.layers:
+        for parent, name in ((layer.self_attn, "q_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+            old = getattr(parent, name)
+            new = WrappedLinear(old.in_features, old.out_features, bias=old.bias is not None, dtype=torch.float64)
+            new.load_state_dict(old.state_dict())
+            setattr(parent, name, new)
+    for length in (1, 7):  # few-tokens and grouped plans
+        assert_same_training_step(gather, masked, ids(1, length))
