@@ -220,7 +220,9 @@ def test_cli_overrides_and_help():
     from hf_mohd.commands.train import apply_overrides
 
     values = apply_overrides({"optim": {"lr": 1.0}}, ["optim.lr=3e-4", "max_steps=7", "data.path=a.txt"])
-    assert values == {"optim": {"lr": 3e-4}, "max_steps": 7, "data": {"path": "a.txt"}}
+    assert values == {"optim": {"lr": "3e-4"}, "max_steps": 7, "data": {"path": "a.txt"}}  # YAML 1.1 reading
+    values["model"] = {"architecture": {"model_type": "llama"}}
+    assert train_config_from_dict(values).optim.lr == 3e-4  # numeric strings are accepted for float fields
     with pytest.raises(ValueError, match="FIELD=VALUE"):
         apply_overrides({}, ["max_steps"])
     args = build_parser().parse_args(["train", "c.yaml", "--set", "max_steps=3"])

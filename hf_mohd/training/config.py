@@ -208,6 +208,11 @@ def _build(cls, values: dict, where: str, source: str):
             ok = isinstance(value, base) and not (base in (int, float) and isinstance(value, bool))
             if base is float and isinstance(value, int) and not isinstance(value, bool):
                 value, ok = float(value), True
+            if base is float and isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+                try:
+                    value, ok = float(value), True
+                except ValueError:
+                    pass
             if not ok:
                 raise ValueError(f"{source}: `{name}` must be {base.__name__}, got {value!r}.")
         kwargs[key] = value
