@@ -73,29 +73,35 @@ def curve(result):
 
 def test_resume_after_interruption_reproduces_the_uninterrupted_run(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    full = train(tiny_config(tmp_path, corpus, "full"))
-    assert [r[0] for r in curve(full)] == [1, 2, 3, 4, 5, 6]
+    config = dict(log_every=2, keep_checkpoints=5)  # a record averages 2 steps; resumption can split that window
+    full = train(tiny_config(tmp_path, corpus, "full", **config))
+    assert [r[0] for r in curve(full)] == [2, 4, 6]
     assert curve(full)[-1][1] < curve(full)[0][1], "the loss should fall on this repetitive corpus"
 
-    # First attempt: stops after 5 steps (checkpoints at 2, 4 and at the stop, 5). Then the machine "crashes" while
-    # writing step 5's checkpoint: only a partial temporary folder remains, and the log holds steps 1-5.
-    first = train(tiny_config(tmp_path, corpus, "resumed", stop_after_steps=5, keep_checkpoints=5))
-    assert first.steps == 5 and first.final_model_dir is None
+    # Attempt 1 stops after step 3 (checkpoints 2 and 3), inside the logging window of steps 3-4.
+    first = train(tiny_config(tmp_path, corpus, "resumed", stop_after_steps=3, **config))
+    assert first.steps == 3 and first.final_model_dir is None
+    # Attempt 2 resumes at 3, stops after step 5 (checkpoints 4 and 5)...
+    assert train(tiny_config(tmp_path, corpus, "resumed", stop_after_steps=2, **config)).steps == 5
+    # ...and the machine "crashes" while writing step 5's checkpoint: only a partial temporary folder remains, and a
+    # log record written after checkpoint 4 must not survive the resumption.
     ckpts = tmp_path / "resumed" / "checkpoints"
     shutil.rmtree(ckpts / "step_0000005")
     (ckpts / ".tmp_step_0000005").mkdir()
+    with open(tmp_path / "resumed" / "log.jsonl", "a") as handle:
+        handle.write(json.dumps({"step": 5, "loss": 123.0}) + "\n")
     assert latest_checkpoint(str(tmp_path / "resumed")).endswith("step_0000004")
 
-    second = train(tiny_config(tmp_path, corpus, "resumed"))
-    assert second.steps == 6
-    # Exact in fp32 on CPU: same losses, aux losses, learning rates and gradient norms at every step, and the log
-    # file reads like one run (step 5 of the first attempt was dropped and replayed).
-    assert curve(second) == curve(full)
+    last = train(tiny_config(tmp_path, corpus, "resumed", **config))
+    assert last.steps == 6
+    # Exact in fp32 on CPU: same losses, aux losses, learning rates and gradient norms in every record, and the log
+    # file reads like one run.
+    assert curve(last) == curve(full)
     logged = [json.loads(line) for line in open(tmp_path / "resumed" / "log.jsonl")]
-    assert [r["step"] for r in logged if "loss" in r] == [1, 2, 3, 4, 5, 6]
-    for (name, a), b in zip(full.model.state_dict().items(), second.model.state_dict().values(), strict=True):
+    assert [r["step"] for r in logged if "loss" in r] == [2, 4, 6]
+    for (name, a), b in zip(full.model.state_dict().items(), last.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), f"{name} differs after resumption"
-    assert second.eval_perplexity == full.eval_perplexity
+    assert last.eval_perplexity == full.eval_perplexity
 
 
 def test_config_errors_name_field_and_file(tmp_path):

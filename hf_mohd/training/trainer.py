@@ -37,12 +37,17 @@ class TrainerState:
         step: optimizer steps done.
         epoch, index: data position: the next micro-batch is micro-step `index` of epoch `epoch`.
         tokens: training tokens consumed, all processes together.
+        window_loss, window_aux, window_steps: sums over the optimizer steps since the last log record (this
+            process), so that a run resumed between two records logs the same averages.
     """
 
     step: int = 0
     epoch: int = 0
     index: int = 0
     tokens: int = 0
+    window_loss: float = 0.0
+    window_aux: float = 0.0
+    window_steps: int = 0
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -300,7 +305,7 @@ def train(config: TrainConfig) -> TrainResult:
         desc=os.path.basename(os.path.normpath(config.output_dir)),
     )
     started, steps_this_call = time.perf_counter(), 0
-    window = {"loss": 0.0, "aux": 0.0, "steps": 0, "time": time.perf_counter()}
+    window_started, window_resumed_steps = time.perf_counter(), state.window_steps
     model.train()
     while state.step < config.max_steps:
         for micro in range(config.grad_accum_steps):
@@ -312,8 +317,8 @@ def train(config: TrainConfig) -> TrainResult:
                 accelerator.backward(outputs.loss / config.grad_accum_steps)
             aux = getattr(outputs, "aux_loss", None)
             aux = aux.detach().item() if aux is not None else 0.0
-            window["loss"] += (outputs.loss.item() - aux_coef * aux) / config.grad_accum_steps
-            window["aux"] += aux / config.grad_accum_steps
+            state.window_loss += (outputs.loss.item() - aux_coef * aux) / config.grad_accum_steps
+            state.window_aux += aux / config.grad_accum_steps
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), optim.grad_clip or float("inf"))
         optimizer.step()
         scheduler.step()
@@ -323,31 +328,33 @@ def train(config: TrainConfig) -> TrainResult:
         state.step += 1
         state.tokens += tokens_per_step
         steps_this_call += 1
-        window["steps"] += 1
+        state.window_steps += 1
         bar.update(1)
 
         if state.step % config.log_every == 0 or state.step == config.max_steps:
-            elapsed = time.perf_counter() - window["time"]
-            loss = accelerator.reduce(torch.tensor(window["loss"] / window["steps"]), "mean").item()
+            timed_steps = state.window_steps - window_resumed_steps  # steps run (and timed) in this process call
+            elapsed = time.perf_counter() - window_started
+            loss = accelerator.reduce(torch.tensor(state.window_loss / state.window_steps), "mean").item()
             record = {
                 "step": state.step,
                 "loss": loss,
-                "aux_loss": window["aux"] / window["steps"],
+                "aux_loss": state.window_aux / state.window_steps,
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float("nan") if grad_norm is None else float(grad_norm),  # None: DeepSpeed clips
                 "tokens": state.tokens,
-                "tokens_per_s": window["steps"] * tokens_per_step / max(elapsed, 1e-9),
+                "tokens_per_s": timed_steps * tokens_per_step / max(elapsed, 1e-9),
             }
             log.write(record)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            window = {"loss": 0.0, "aux": 0.0, "steps": 0, "time": time.perf_counter()}
+            state.window_loss, state.window_aux, state.window_steps = 0.0, 0.0, 0
+            window_started, window_resumed_steps = time.perf_counter(), 0
         if config.eval_every and state.step % config.eval_every == 0 and len(eval_blocks):
             eval_started = time.perf_counter()
             eval_loss, ppl = evaluate_perplexity(
                 model, eval_blocks, config.micro_batch_size, accelerator, config.eval_batches
             )
             log.write({"step": state.step, "eval_loss": eval_loss, "eval_perplexity": ppl})
-            window["time"] += time.perf_counter() - eval_started  # tokens/s counts training time only
+            window_started += time.perf_counter() - eval_started  # tokens/s counts training time only
         interrupted = config.stop_after_steps and steps_this_call >= config.stop_after_steps
         if (config.save_every and state.step % config.save_every == 0) or interrupted:
             save_checkpoint(accelerator, config.output_dir, state.step, config.keep_checkpoints)
