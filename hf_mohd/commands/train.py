@@ -37,6 +37,7 @@ def apply_overrides(values: dict, overrides: list[str]) -> dict:
 
 def run(args) -> int:
     import json
+    import os
 
     import yaml
 
@@ -57,5 +58,6 @@ def run(args) -> int:
         "seconds": round(result.seconds, 1),
         "eval_perplexity": result.eval_perplexity,
     }
-    print(json.dumps(summary, indent=2))
+    if int(os.environ.get("RANK", "0")) == 0:  # once, under `accelerate launch` too
+        print(json.dumps(summary, indent=2))
     return 0
