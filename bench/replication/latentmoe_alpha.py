@@ -7,7 +7,9 @@ quality at that matched cost. Both models: the tiny base shape of `runner.BASE` 
 activated width matches the dense FFN (K m + m_s = intermediate_size = 3 D), a full-width shared expert (narrowed in the LatentMoE to absorb its latent
 projections and larger router, see `latent_architecture`), sigmoid
 routing with the aux-loss-free bias update (as in the main demo). The LatentMoE is produced from the standard MoE
-with the library's `alpha_transform_fields`. Two seeds for alpha = 4; alpha = 2 with one seed if time allows.
+with the library's `alpha_transform_fields`. Two seeds for alpha = 4; alpha = 2 with one seed; one control run of
+alpha = 4 whose shared expert is not narrowed (does the narrower shared expert explain the gap?), and one pair with
+the initialisation std raised from 0.02 to 1/sqrt(D) = 0.125 (see `WIDE_INIT`).
 
     nice -n 19 python bench/replication/latentmoe_alpha.py
 """
@@ -71,8 +73,43 @@ def latent_alpha2(seed: int):
     return runner.train_config(COMPARISON, "latent_moe_alpha2", latent_architecture(2), seed)
 
 
-VARIANTS = {"standard_moe": standard, "latent_moe_alpha4": latent_alpha4, "latent_moe_alpha2": latent_alpha2}
-SEEDS = {"standard_moe": [0, 1], "latent_moe_alpha4": [0, 1], "latent_moe_alpha2": [0]}
+def latent_alpha4_full_shared(seed: int):
+    """Control: alpha = 4 with the standard MoE's shared expert (m_s = D, not narrowed; mixer +3% params, +10% MACs)."""
+    architecture = {**latent_architecture(4), "moe_shared_expert_intermediate_size": D}
+    return runner.train_config(COMPARISON, "latent_moe_alpha4_full_shared", architecture, seed)
+
+
+# Control of the initialisation scale: the library initialises every matrix with std `initializer_range` = 0.02,
+# about 1/sqrt(D) at D = 2048-4096 but 6x smaller than 1/sqrt(D) = 0.125 at D = 64; the latent path multiplies two
+# more such matrices (fc1_latent_proj, fc2_latent_proj) than a standard expert, so it starts much weaker.
+WIDE_INIT = {"initializer_range": 0.125}
+
+
+def standard_wide_init(seed: int):
+    return runner.train_config(COMPARISON, "standard_moe_init0.125", standard_moe_architecture(**WIDE_INIT), seed)
+
+
+def latent_alpha4_wide_init(seed: int):
+    architecture = {**latent_architecture(4), **WIDE_INIT}
+    return runner.train_config(COMPARISON, "latent_moe_alpha4_init0.125", architecture, seed)
+
+
+VARIANTS = {
+    "standard_moe": standard,
+    "latent_moe_alpha4": latent_alpha4,
+    "latent_moe_alpha2": latent_alpha2,
+    "latent_moe_alpha4_full_shared": latent_alpha4_full_shared,
+    "standard_moe_init0.125": standard_wide_init,
+    "latent_moe_alpha4_init0.125": latent_alpha4_wide_init,
+}
+SEEDS = {
+    "standard_moe": [0, 1],
+    "latent_moe_alpha4": [0, 1],
+    "latent_moe_alpha2": [0],
+    "latent_moe_alpha4_full_shared": [0],
+    "standard_moe_init0.125": [0],
+    "latent_moe_alpha4_init0.125": [0],
+}
 
 
 def accounting() -> dict:
@@ -84,6 +121,7 @@ def accounting() -> dict:
         ("standard_moe", standard_moe_architecture()),
         ("latent_moe_alpha4", latent_architecture(4)),
         ("latent_moe_alpha2", latent_architecture(2)),
+        ("latent_moe_alpha4_full_shared", {**latent_architecture(4), "moe_shared_expert_intermediate_size": D}),
     ):
         out[name] = mixer_accounting({k: v for k, v in fields.items() if k != "model_type"})
     return out
