@@ -107,6 +107,23 @@ def test_prepare_files_completes_a_bare_folder(tmp_path):
         prepare_files(folder)
 
 
+def test_publish_command_line_parses():
+    from hf_mohd.cli import build_parser
+    from hf_mohd.commands.publish import run
+
+    args = build_parser().parse_args(
+        ["publish", "folder", "me/model", "--dataset", "a", "--dataset", "b", "--base-model", "org/base", "--private"]
+    )
+    assert (args.func, args.folder, args.repo_id, args.dataset, args.base_model, args.private) == (
+        run,
+        "folder",
+        "me/model",
+        ["a", "b"],
+        ["org/base"],
+        True,
+    )
+
+
 def hub_env(local_hub, home) -> dict:
     """Environment of a fresh process that talks to the local Hub (read when huggingface_hub is imported)."""
     return {
@@ -135,6 +152,9 @@ assert cli(["publish", latent, "tester/latent-moe-tiny", "--dataset", "tiny inli
 model = AutoModelForCausalLM.from_pretrained(mohd)
 model.push_to_hub("tester/mohd-pushed")
 AutoTokenizer.from_pretrained(mohd).push_to_hub("tester/mohd-pushed")
+# publish() from a model object and a tokenizer object
+publish(AutoModelForCausalLM.from_pretrained(latent), "tester/latent-moe-object",
+        tokenizer=AutoTokenizer.from_pretrained(latent))
 print(json.dumps({"commit": info.oid}))
 """
 
@@ -178,6 +198,7 @@ def test_publish_then_reload_by_repo_id_without_hf_mohd(tmp_path, local_hub):
         "tester/latent-moe-tiny": save_with_tokenizer(tiny_latent_moe(), tmp_path / "latent"),
     }
     expected["tester/mohd-pushed"] = expected["tester/mohd-tiny"]
+    expected["tester/latent-moe-object"] = expected["tester/latent-moe-tiny"]
     (tmp_path / "results.json").write_text(json.dumps(LM_EVAL_OUTPUT))
 
     proc = subprocess.run(
@@ -192,7 +213,8 @@ def test_publish_then_reload_by_repo_id_without_hf_mohd(tmp_path, local_hub):
     assert proc.returncode == 0, proc.stderr[-6000:]
 
     # What the server holds: weights, config with auto_map, code, tokenizer, generation config, validated card.
-    for repo_id, code in (("tester/mohd-tiny", "mohd"), ("tester/latent-moe-tiny", "latent_moe")):
+    published = [("tester/mohd-tiny", "mohd"), ("tester/latent-moe-tiny", "latent_moe")]
+    for repo_id, code in published + [("tester/latent-moe-object", "latent_moe")]:
         files = set(local_hub.repos[repo_id].commits[local_hub.repos[repo_id].branches["main"]])
         needed = {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "README.md"}
         assert needed | set(remote_code_files(code)[1]) <= files, sorted(files)
