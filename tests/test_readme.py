@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+OTHER_READMES = [ROOT / "model_cards" / "README.md"]  # their runnable blocks run with the fast ones
 FENCE = re.compile(r"^```(?P<lang>\w+) runnable(?P<flags>[^\n]*)\n(?P<code>.*?)^```[ \t]*$", re.S | re.M)
 LANGUAGES = ("python", "bash")
 
@@ -28,10 +30,10 @@ RUNNER = """
 import json, sys, traceback
 for block in json.load(open(sys.argv[1])):
     try:
-        exec(compile("\\n" * block["line"] + block["code"], "README.md", "exec"), {"__name__": "__main__"})
+        exec(compile("\\n" * block["line"] + block["code"], block["source"], "exec"), {"__name__": "__main__"})
     except BaseException:
         traceback.print_exc()
-        sys.exit(f"README.md: the block opened at line {block['line']} failed")
+        sys.exit(f"{block['source']}: the block opened at line {block['line']} failed")
 """
 
 
@@ -41,15 +43,16 @@ class Block:
     flags: frozenset
     code: str
     line: int  # line of the opening fence
+    source: str = "README.md"
 
     @property
     def slow(self) -> bool:
         return "slow" in self.flags or "hub" in self.flags
 
 
-def runnable_blocks(text: str) -> list[Block]:
+def runnable_blocks(text: str, source: str = "README.md") -> list[Block]:
     return [
-        Block(m["lang"], frozenset(m["flags"].split()), m["code"], text.count("\n", 0, m.start()) + 1)
+        Block(m["lang"], frozenset(m["flags"].split()), m["code"], text.count("\n", 0, m.start()) + 1, source)
         for m in FENCE.finditer(text)
     ]
 
@@ -79,16 +82,16 @@ def run_blocks(blocks: list[Block], cwd: Path, hub=None) -> None:
             env.update(hub_env, HF_ENDPOINT=hub.endpoint)
         if group[0].lang == "python":
             spec = cwd / ".readme-blocks.json"
-            spec.write_text(json.dumps([{"line": b.line, "code": b.code} for b in group]))
+            spec.write_text(json.dumps([{"line": b.line, "code": b.code, "source": b.source} for b in group]))
             command = [sys.executable, "-c", RUNNER, str(spec)]
         else:
             command = ["bash", "-euo", "pipefail", "-c", group[0].code]
         proc = subprocess.run(
             command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900
         )
-        lines = ", ".join(str(b.line) for b in group)
+        lines = ", ".join(f"{b.source}:{b.line}" for b in group)
         assert proc.returncode == 0, (
-            f"README.md block(s) at line {lines} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+            f"README block(s) at {lines} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
 
 
@@ -112,7 +115,9 @@ def scratch(tmp_path_factory):
 
 
 def test_fast_readme_blocks_run(scratch):
-    run_blocks([b for b in runnable_blocks(README.read_text()) if not b.slow], scratch["path"])
+    others = [b for p in OTHER_READMES for b in runnable_blocks(p.read_text(), str(p.relative_to(ROOT)))]
+    assert others and not any(b.slow for b in others)
+    run_blocks([b for b in runnable_blocks(README.read_text()) if not b.slow] + others, scratch["path"])
     scratch["fast_done"] = True
 
 
