@@ -302,7 +302,7 @@ def plot_routing(results: dict, path: str) -> bool:
         uniform = 1.0 / matrix.shape[1]
         image = axis.imshow(matrix / uniform, aspect="auto", cmap="coolwarm", vmin=0, vmax=2)
         axis.set_yticks(range(len(loads)), list(loads))
-        unit = "sub-dimension (routed)" if "mohd" in name else "expert"
+        unit = "routed sub-dimension (0 = first block after the shared ones)" if "mohd" in name else "expert"
         axis.set(xlabel=unit, title=f"{name}: load / uniform")
         figure.colorbar(image, ax=axis)
     figure.tight_layout()
