@@ -24,7 +24,7 @@ def tiny_mohd(**kw) -> MoHDForCausalLM:
 def tiny_latent_moe(**kw) -> LatentMoEForCausalLM:
     """Layer 0 dense, layer 1 LatentMoE with a shared expert: every LoRA target kind is present."""
     torch.manual_seed(0)
-    config = LatentMoEConfig(
+    fields = dict(
         vocab_size=97,
         hidden_size=64,
         intermediate_size=96,
@@ -36,8 +36,8 @@ def tiny_latent_moe(**kw) -> LatentMoEForCausalLM:
         moe_latent_size=16,
         moe_shared_expert_intermediate_size=32,
         per_layer_config={0: {"mixer_type": "mlp"}},
-        **kw,
     )
+    config = LatentMoEConfig(**{**fields, **kw})
     model = LatentMoEForCausalLM(config).double().eval()
     model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
     return model
@@ -143,3 +143,25 @@ def test_lora_save_reload_and_merge_keep_outputs(tmp_path, family):
     with torch.no_grad():
         got_merged = merged(INPUT_IDS).logits
     torch.testing.assert_close(got_merged, expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"mlp_gated": False, "hidden_act": "relu2"}, {"moe_latent_size": None}],
+    ids=["ungated-experts", "no-latent"],
+)
+def test_latent_moe_lora_targets_follow_the_config(overrides):
+    """Ungated experts have `up_proj` (not `gate_up_proj`); without a latent width the latent projections are
+    `nn.Identity`, which LoRA cannot wrap, so they are not targeted. Either way the merged model keeps the outputs."""
+    model = tiny_latent_moe(**overrides)
+    modules, parameters = lora_targets(model.config)
+    peft_model = get_peft_model(model, lora_config(model.config)).eval()
+    with torch.no_grad():
+        expected = peft_model(INPUT_IDS).logits
+    adapted = {n for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert any(".experts." in n for n in adapted)
+    assert ("fc1_latent_proj" in modules) == (overrides.get("moe_latent_size", 16) is not None)
+    assert parameters[0] == ("experts.up_proj" if overrides.get("mlp_gated") is False else "experts.gate_up_proj")
+    merged = peft_model.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(INPUT_IDS).logits, expected, rtol=1e-9, atol=1e-9)
