@@ -92,7 +92,8 @@ def test_plans_are_chosen_by_token_count():
     weights = torch.rand(3, 2)
     few = dispatch.plan(indices[:2], weights[:2])
     assert isinstance(few, GatherFewTokensPlan)
-    assert few.block_index.tolist() == [[0, 4], [2, 1]]
+    assert few.block_index.tolist() == [[3, 7], [5, 4]]  # absolute ids: rows of weight.view(N, s, in)
+    assert few.columns.view(2, 2, -1)[:, :, 0].tolist() == [[3 * 8, 7 * 8], [5 * 8, 4 * 8]]  # s = 64 / 8
     plan = dispatch.plan(indices, weights)
     assert isinstance(plan, GatherPlan)
     # slot 0 picks routed blocks (0, 2, 4) for tokens (0, 1, 2); slot 1 picks (4, 1, 0): sorted by block per slot

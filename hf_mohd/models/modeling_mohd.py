@@ -126,13 +126,15 @@ class GatherPlan(NamedTuple):
 class GatherFewTokensPlan(NamedTuple):
     """Routing of a few tokens (decoding) for the gather path: no sort; each token's active blocks are read directly.
 
-    block_index (M, k) routed ids 0..N_r-1 in the router's order; columns (M, k * s) the hidden-width positions of
-    each token's routed blocks (D_s + g s + 0..s-1); gates (M, k * s) the gate of the block of each position.
+    block_index (M, k) absolute block ids in the router's order; columns (M, k * s) the hidden-width positions of
+    each token's routed blocks (g s + 0..s-1 for block g); gates (M, k * s) the gate of the block of each position;
+    bags (M,) the start of each token's k * s positions in `columns.view(-1)` (`embedding_bag` offsets).
     """
 
     block_index: torch.Tensor
     columns: torch.Tensor
     gates: torch.Tensor
+    bags: torch.Tensor
 
 
 class MoHDMaskedDispatch:
@@ -203,14 +205,14 @@ class MoHDGatherDispatch:
 
     def plan(self, indices: torch.Tensor, weights: torch.Tensor) -> GatherPlan | GatherFewTokensPlan:
         """(M, k) absolute block ids and gates -> per-slot pairs sorted by routed block (or the few-tokens plan)."""
-        routed = indices - self.num_shared
         m = indices.shape[0]
         if m <= self.few_tokens:
-            offsets = torch.arange(self.block, device=indices.device)
-            columns = (indices[..., None] * self.block + offsets).reshape(m, -1)
-            gates = weights[..., None].expand(*weights.shape, self.block).reshape(m, -1)
-            return GatherFewTokensPlan(routed, columns, gates)
-        slots = routed.t()
+            width = self.top_k * self.block
+            columns = (indices[..., None] * self.block + torch.arange(self.block, device=indices.device)).view(m, -1)
+            gates = weights[..., None].expand(*weights.shape, self.block).reshape(m, width)
+            bags = torch.arange(0, m * width, width, device=indices.device)
+            return GatherFewTokensPlan(indices, columns, gates, bags)
+        slots = (indices - self.num_shared).t()
         order = torch.argsort(slots, dim=1, stable=True)
         slot_offset = torch.arange(self.top_k, device=indices.device)[:, None] * self.num_routed
         counts = torch.bincount((slots + slot_offset).reshape(-1), minlength=self.top_k * self.num_routed)
@@ -279,18 +281,20 @@ class MoHDGatherDispatch:
         """Few-tokens input side: (M, D) -> one (M, out) per linear from the shared and the k * s active columns."""
         shared = hidden_states[:, : self.shared_width]
         values = hidden_states.gather(1, plan.columns) * plan.gates  # (M, k * s) gated routed inputs
+        columns, flat_values = plan.columns.view(-1), values.view(-1)
         dense = None
         outputs = []
         for linear in linears:
             weight = getattr(linear, "weight", None)
-            if type(linear) is nn.Linear and weight.stride(0) == 1:
+            if type(linear) is nn.Linear and weight.stride(0) == 1 and weight.dtype == values.dtype:
                 # column-major (`block_major_`): the shared columns are one contiguous span, and each active column
                 # is a contiguous row of weight.T that embedding_bag scales by its input and sums, reading no other
-                out = F.linear(shared, weight[:, : self.shared_width], linear.bias)
-                routed = F.embedding_bag(
-                    plan.columns, weight.t(), mode="sum", per_sample_weights=values.to(weight.dtype)
+                routed = F.embedding_bag(columns, weight.t(), plan.bags, mode="sum", per_sample_weights=flat_values)
+                outputs.append(
+                    torch.addmm(routed, shared, weight[:, : self.shared_width].t())
+                    if linear.bias is None
+                    else F.linear(shared, weight[:, : self.shared_width], linear.bias) + routed
                 )
-                outputs.append(out + routed.to(out.dtype))
                 continue
             # row-major or not a plain linear: column blocks are strided (no cheaper than whole rows), so one dense
             # matmul on the gated input, zero outside the active blocks (the masked path's computation)
@@ -311,12 +315,14 @@ class MoHDGatherDispatch:
         shared = F.linear(
             hidden_states, weight[: self.shared_width], None if bias is None else bias[: self.shared_width]
         )
-        active = weight[self.shared_width :].view(self.num_routed, self.block, weight.shape[1])
-        active = active.index_select(0, plan.block_index.reshape(-1)).view(m, -1, weight.shape[1])  # (M, k * s, in)
-        routed = torch.bmm(active, hidden_states[..., None].to(active.dtype)).view(m, -1)
+        active = weight.view(self.num_sub_dims, self.block, weight.shape[1])
+        active = active.index_select(0, plan.block_index.view(-1)).view(m, -1, weight.shape[1])  # (M, k * s, in)
+        routed = torch.bmm(active, hidden_states.to(active.dtype)[..., None]).view(m, -1)
         if bias is not None:
             routed = routed + bias[plan.columns]
-        out = F.pad(shared, padding).scatter(1, plan.columns, routed.to(shared.dtype))
+        out = shared.new_zeros(m, self.hidden_size)
+        out[:, : self.shared_width] = shared
+        out = out.scatter_(1, plan.columns, routed.to(shared.dtype))
         return out.view(m, self.num_sub_dims, self.block)
 
     def _scatter_routed(
