@@ -412,6 +412,7 @@ def test_cli_converts_both_ways_and_reports_errors(tmp_path, input_ids, caplog):
     assert AutoModelForCausalLM.from_pretrained(mohd_out).config.num_active_sub_dims == 12
     card = (Path(mohd_out) / "README.md").read_text()
     assert "| MoHD 50% | 812.500 |" in card and "`python evaluate.py`" in card and "channel_order 'importance'" in card
+    assert "Perplexity without retraining: see *Notes*" in card and "# mohd\n" in card  # titled by the folder
     assert cli_main(["convert", "latent-moe", src, moe_out, "--num-experts", "4", "--verify"]) == 0
     auto_map = json.loads((Path(moe_out) / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModelForCausalLM"] == "modeling_latent_moe.LatentMoEForCausalLM"

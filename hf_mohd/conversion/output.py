@@ -71,6 +71,7 @@ def build_model_card(
     base_model: str | None = None,
     perplexities: Mapping[str, float] | None = None,
     perplexity_note: str | None = None,
+    repo_id: str | None = None,
 ):
     """Model card of a converted model, rendered by `hf_mohd.model_card.render_model_card`.
 
@@ -81,6 +82,7 @@ def build_model_card(
         base_model: Hub id of the source model, when known (metadata `base_model`).
         perplexities: optional {variant name: perplexity} measured on held-out text, shown as a table.
         perplexity_note: what the perplexities were measured on (text, tokens, command).
+        repo_id: name or Hub id the card's title and loading example use (default: the folder's name).
 
     Returns:
         `huggingface_hub.ModelCard`.
@@ -92,12 +94,18 @@ def build_model_card(
         notes += ["", "### Perplexity without retraining", "", _perplexity_table(perplexities)]
         if perplexity_note:
             notes += ["", perplexity_note]
-    return render_model_card(
+    card = render_model_card(
         model,
         base_model=base_model,
         datasets=["None: converted from the source model's weights, no training after conversion."],
         notes="\n".join(notes),
+        repo_id=repo_id,
     )
+    if perplexities:  # the template's Evaluation section knows only lm-eval results; point it at the table
+        card.text = card.text.replace(
+            "No evaluation results recorded.", "Perplexity without retraining: see *Notes* below."
+        )
+    return card
 
 
 def save_converted(
@@ -138,7 +146,13 @@ def save_converted(
         if source.tokenizer is not None:
             source.tokenizer.save_pretrained(staging)
         card = build_model_card(
-            model, source, changes, base_model=base_model, perplexities=perplexities, perplexity_note=perplexity_note
+            model,
+            source,
+            changes,
+            base_model=base_model,
+            perplexities=perplexities,
+            perplexity_note=perplexity_note,
+            repo_id=output.name,
         )
         card.save(staging / "README.md")
         _apply_umask(staging)
