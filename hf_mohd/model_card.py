@@ -20,6 +20,8 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .lora import lora_targets
+
 
 TEMPLATE_NAME = "model_card_template.md"
 LIBRARY_NAME = "transformers"
@@ -27,13 +29,6 @@ LIBRARY_NAME = "transformers"
 NON_METRIC_KEYS = {"alias", "name", "sample_len", "samples", "sample_count"}
 PIPELINE_TAG = "text-generation"
 
-# LoRA targets (DESIGN section 7b, PEFT): attention and dense projections by their module names; the routers
-# (`*.sub_dims.router` in MoHD, `*.gate` in LatentMoE) and MoHD's group fusion are left out by default, since
-# adapting them changes which parameters a token activates. LatentMoE's fused 3-D expert weights are
-# `nn.Parameter`s, reached with PEFT's `target_parameters`.
-ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-MLP_PROJECTIONS = ["gate_proj", "up_proj", "down_proj"]
-LATENT_PROJECTIONS = ["fc1_latent_proj", "fc2_latent_proj"]
 
 # Config fields shown per family; fields a config does not have are skipped, so the card follows the config class.
 ARCHITECTURE_FIELDS = [
@@ -110,28 +105,6 @@ CITATIONS = {
     ),
     "latent_moe": "LatentMoE: arXiv 2601.18089; expert shaping and layerwise capacity: arXiv 2610.14644.",
 }
-
-
-def lora_targets(config) -> tuple[list[str], list[str]]:
-    """Default LoRA `target_modules` and `target_parameters` of a MoHD or LatentMoE config.
-
-    Returns:
-        (target_modules, target_parameters): module-name suffixes of the attention and dense MLP projections (for
-        LatentMoE also the shared expert's, and the latent projections when every MoE layer has a latent width;
-        with `moe_latent_size=None` they are `nn.Identity`, which LoRA cannot wrap), and the parameter names of the
-        fused 3-D expert weights (`experts.gate_up_proj` or `experts.up_proj`, and `experts.down_proj`; none for
-        MoHD). Routers and group fusion are excluded (see `ATTENTION_PROJECTIONS` above).
-    """
-    if getattr(config, "model_type", None) == "mohd":
-        return ATTENTION_PROJECTIONS + MLP_PROJECTIONS, []
-    gated = getattr(config, "mlp_gated", True)
-    modules = ATTENTION_PROJECTIONS + (MLP_PROJECTIONS if gated else ["up_proj", "down_proj"])
-    layers = getattr(config, "per_layer_config", None) or [config]
-    moe_layers = [layer for layer in layers if getattr(layer, "mixer_type", "moe") == "moe"]
-    if moe_layers and all(getattr(layer, "moe_latent_size", None) is not None for layer in moe_layers):
-        modules = modules + LATENT_PROJECTIONS
-    parameters = ["experts.gate_up_proj" if gated else "experts.up_proj", "experts.down_proj"] if moe_layers else []
-    return modules, parameters
 
 
 def lm_eval_to_eval_results(results: Mapping[str, Any], *, task_type: str = PIPELINE_TAG) -> list[EvalResult]:
@@ -326,4 +299,4 @@ def render_model_card(
     )
 
 
-__all__ = ["lm_eval_to_eval_results", "lora_targets", "parameter_counts", "render_model_card", "template_text"]
+__all__ = ["lm_eval_to_eval_results", "parameter_counts", "render_model_card", "template_text"]

@@ -9,7 +9,8 @@ from huggingface_hub.repocard_data import model_index_to_eval_results
 
 from hf_mohd import MoHDConfig
 from hf_mohd.accounting import mohd_accounting
-from hf_mohd.model_card import lm_eval_to_eval_results, lora_targets, render_model_card
+from hf_mohd.lora import lora_targets
+from hf_mohd.model_card import lm_eval_to_eval_results, render_model_card
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

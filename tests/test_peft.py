@@ -9,7 +9,7 @@ peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM  # noqa: E402
-from hf_mohd.model_card import lora_targets  # noqa: E402
+from hf_mohd.lora import lora_targets  # noqa: E402
 from hf_mohd.models.modeling_mohd import MoHDMaskedDispatch  # noqa: E402
 
 

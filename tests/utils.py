@@ -37,6 +37,7 @@ def run_python_without_hf_mohd(code: str, cwd: str, env: dict | None = None, tim
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-c", BLOCK_HF_MOHD + textwrap.dedent(code)],
+        stdin=subprocess.DEVNULL,
         cwd=cwd,
         env=full_env,
         capture_output=True,
