@@ -297,6 +297,13 @@ def arguments(description: str) -> argparse.Namespace:
     parser.add_argument("--seeds", nargs="*", type=int, default=None, help="seeds to train now (default: all)")
     parser.add_argument("--force", action="store_true", help="retrain runs whose summary exists")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help=f"optimizer steps per run instead of {BUDGET['max_steps']} (a larger budget): runs go to "
+        "runs/replication_<N>steps/ and results to <comparison>_<N>steps.json/.png",
+    )
     return parser.parse_args()
 
 
@@ -318,7 +325,14 @@ def run_comparison(
         baseline: the variant differences are reported against.
         meta: extra fields of the results JSON (claim, command, notes).
     """
+    global RUNS
     args = arguments(title)
+    suffix = ""
+    if args.max_steps and args.max_steps != BUDGET["max_steps"]:
+        BUDGET["max_steps"] = args.max_steps
+        BUDGET["warmup_steps"] = max(1, args.max_steps // 10)
+        suffix = f"_{args.max_steps}steps"
+        RUNS = REPO / "runs" / f"replication{suffix}"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     summaries = {}
@@ -341,7 +355,7 @@ def run_comparison(
             summaries[(name, seed)] = json.loads(summary_path.read_text(encoding="utf-8"))
     results = aggregate(comparison, variants, seeds, summaries, baseline, {"title": title, **(meta or {})})
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{comparison}.json"
+    out = RESULTS / f"{comparison}{suffix}.json"
     out.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     plot(results, out.with_suffix(".png"))
     for name, row in results["variants"].items():
