@@ -4,7 +4,7 @@ Claim (MoHD, arXiv 2412.05644, abstract and rebuttal): at equal training tokens,
 the dense model's quality and expansion improves on it. Models from the tiny base shape of `runner.BASE` with the
 project's presets (`MOHD_PRESETS`, DESIGN section 3): compression_50 = width d, 16 sub-dimensions, 6 shared + 2
 routed active; expansion_x2 = width 2d, 16 sub-dimensions of 2d/16, 6 shared + 2 routed active (activated width d).
-Two seeds each.
+Two seeds each; plus one seed of a dense Llama at the expanded width (128), the model expansion x2 approximates.
 
     nice -n 19 python bench/replication/mohd_vs_dense.py
 """
@@ -51,7 +51,19 @@ def expansion_x2(seed: int):
     return runner.train_config(COMPARISON, "mohd_expansion_x2", mohd_architecture("expansion_x2"), seed)
 
 
-VARIANTS = {"llama_dense": dense, "mohd_compression_50": compression_50, "mohd_expansion_x2": expansion_x2}
+def dense_width128(seed: int):
+    """Reference, not a matched baseline: the dense Llama at the expanded width (8 heads of 16, FFN 384), i.e. what
+    MoHD expansion x2 approximates at half the activated decoder parameters."""
+    architecture = runner.dense_architecture(hidden_size=128, num_attention_heads=8, intermediate_size=384)
+    return runner.train_config(COMPARISON, "llama_dense_width128", architecture, seed)
+
+
+VARIANTS = {
+    "llama_dense": dense,
+    "mohd_compression_50": compression_50,
+    "mohd_expansion_x2": expansion_x2,
+    "llama_dense_width128": dense_width128,
+}
 
 
 if __name__ == "__main__":
@@ -59,7 +71,7 @@ if __name__ == "__main__":
         COMPARISON,
         "Item 2: dense Llama vs MoHD compression 50% vs MoHD expansion x2 (equal training tokens)",
         VARIANTS,
-        {name: SEEDS for name in VARIANTS},
+        {name: SEEDS if name != "llama_dense_width128" else [0] for name in VARIANTS},
         baseline="llama_dense",
         meta={
             "claim": "MoHD: compression keeps ~99% of dense quality; expansion x2 improves on dense (arXiv 2412.05644)",
