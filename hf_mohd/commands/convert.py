@@ -36,6 +36,7 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--atol", type=float, default=1e-4, help="Tolerance of --verify (default 1e-4).")
     parser.add_argument(
         "--perplexity-json",
+        nargs="+",
         help="Results of conversion/evaluate_perplexity.py to quote in the model card (perplexity table and command).",
     )
     parser.add_argument("--overwrite", action="store_true", help="Replace OUTPUT if it exists.")
@@ -144,27 +145,40 @@ def _verify(model, source, atol: float, seed: int) -> None:
         raise ConversionError(f"--verify failed: logits differ from the source by {diff:.3g} > atol={atol}.")
 
 
-def _card_perplexities(path: str | None) -> dict:
-    """`perplexities` and `perplexity_note` for `save_converted` from an evaluate_perplexity.py JSON (or nothing)."""
-    if not path:
+def _card_perplexities(paths: list[str] | None) -> dict:
+    """`perplexities` and `perplexity_note` for `save_converted` from evaluate_perplexity.py JSON files (or nothing).
+
+    Tables of several files are merged in order (a variant measured twice keeps its first value); one note per file.
+    """
+    if not paths:
         return {}
     import json
 
     from hf_mohd.conversion import ConversionError
 
-    try:
-        report = json.loads(open(path).read())
-        perplexities = {str(k): float(v) for k, v in report["perplexity"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ConversionError(f"{path}: expected the JSON of conversion/evaluate_perplexity.py ({err}).") from err
-    text = report.get("text", {})
-    note = (
-        f"Measured on {text.get('tokens', '?')} tokens of held-out text ({text.get('corpus', 'not recorded')}; "
-        f"articles: {', '.join(text.get('articles', []))}) in windows of {text.get('window', '?')} tokens, "
-        f"routers seed {report.get('router_seed', '?')}, source {report.get('source', '?')}. "
-        f"Command: `{report.get('command', '?')}`."
-    )
-    return {"perplexities": perplexities, "perplexity_note": note}
+    perplexities, notes = {}, []
+    for path in paths:
+        try:
+            with open(path) as handle:
+                report = json.load(handle)
+            for name, value in report["perplexity"].items():
+                perplexities.setdefault(str(name), float(value))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ConversionError(f"{path}: expected the JSON of conversion/evaluate_perplexity.py ({err}).") from err
+        text, calibration = report.get("text", {}), report.get("calibration")
+        notes.append(
+            f"Measured on {text.get('tokens', '?')} tokens of held-out text ({text.get('corpus', 'not recorded')}; "
+            f"articles: {', '.join(text.get('articles', []))}) in windows of {text.get('window', '?')} tokens, "
+            f"routers seed {report.get('router_seed', '?')}, source {report.get('source', '?')}"
+            + (
+                f"; channel order calibrated on {calibration['tokens']} tokens of other articles "
+                f"({', '.join(calibration['articles'])})"
+                if calibration
+                else ""
+            )
+            + f". Command: `{report.get('command', '?')}`."
+        )
+    return {"perplexities": perplexities, "perplexity_note": "\n\n".join(notes)}
 
 
 def _fail(err) -> int:
