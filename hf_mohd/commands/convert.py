@@ -206,7 +206,8 @@ def run_mohd(args) -> int:
         card = _card_perplexities(args.perplexity_json)
         source = _load(args)
         if args.verify:
-            _verify(llama_to_mohd(source, "full", num_sub_dims=args.num_sub_dims), source, args.atol, args.seed)
+            exact = llama_to_mohd(source, "full", num_sub_dims=args.num_sub_dims, channel_order=args.channel_order)
+            _verify(exact, source, args.atol, args.seed)
         model = llama_to_mohd(source, preset, seed=args.seed, channel_order=args.channel_order, **sparsity)
         save_converted(
             model,
