@@ -272,16 +272,21 @@ def plot_losses(results: dict, path: str) -> None:
     for name, result in results.items():
         log = [r for r in result["log"] if "loss" in r]
         left.plot([r["tokens"] / 1e6 for r in log], [r["loss"] for r in log], label=name)
-        evals = [r for r in result["log"] if "eval_loss" in r]
         tokens = {r["step"]: r["tokens"] for r in log}
-        right.plot(
-            [tokens.get(r["step"], 0) / 1e6 for r in evals], [r["eval_perplexity"] for r in evals], "o-", label=name
-        )
+        periodic = [r for r in result["log"] if "eval_loss" in r and not r.get("eval_full")]
+        line = right.plot(
+            [tokens.get(r["step"], 0) / 1e6 for r in periodic],
+            [r["eval_perplexity"] for r in periodic],
+            "o-",
+            label=f"{name} (first 8 held-out batches)",
+        )[0]
+        final = log[-1]["tokens"] / 1e6 if log else 0
+        right.plot([final], [result["eval_perplexity"]], "*", ms=12, color=line.get_color(), label=f"{name} (all)")
     left.set(xlabel="training tokens (M)", ylabel="train loss (nats/token)", title="Training loss")
     right.set(xlabel="training tokens (M)", ylabel="held-out perplexity", title="Held-out perplexity", yscale="log")
     for axis in (left, right):
         axis.grid(alpha=0.3)
-        axis.legend()
+        axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

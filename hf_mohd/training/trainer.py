@@ -376,7 +376,8 @@ def train(config: TrainConfig) -> TrainResult:
             result.eval_loss, result.eval_perplexity = evaluate_perplexity(
                 model, eval_blocks, config.micro_batch_size, accelerator
             )
-            log.write({"step": state.step, "eval_loss": result.eval_loss, "eval_perplexity": result.eval_perplexity})
+            final = {"eval_loss": result.eval_loss, "eval_perplexity": result.eval_perplexity, "eval_full": True}
+            log.write({"step": state.step, **final})
         if not latest_checkpoint(config.output_dir) or not latest_checkpoint(config.output_dir).endswith(
             f"step_{state.step:07d}"
         ):
