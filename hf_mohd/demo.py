@@ -59,11 +59,11 @@ class DemoConfig:
     vocab_size: int = 4096
     seq_len: int = 128
     micro_batch_size: int = 16
-    max_steps: int = 150
+    max_steps: int = 600
     lr: float = 3e-3
-    warmup_steps: int = 15
+    warmup_steps: int = 30
     eval_tasks: str = "all"
-    eval_limit: int = 40
+    eval_limit: int = 100
     routing_blocks: int = 16
     max_documents: int = 0
     seed: int = 0
