@@ -2,7 +2,7 @@
 
 The gather path has two regimes, chosen by the number of tokens M of a forward: per-slot grouped matmuls
 (`GatherPlan`, prefill and training) and direct reads of each token's active blocks (`GatherFewTokensPlan`,
-M <= `few_tokens`, batch-1 decoding); plus the column-major weight layout of `MoHDGatherDispatch.block_major_` and
+M <= `few_tokens`, batch-1 decoding); plus both weight layouts of `MoHDPreTrainedModel.set_weight_layout` and
 the module-call fallback for projections that are not plain `nn.Linear`. All run in float64 (no top-k ties) against
 the masked path on the same weights. No timing here: the benchmarks live in `bench/`.
 """
@@ -167,20 +167,56 @@ def test_generate_equals_masked():
     assert torch.equal(gather.generate(prompt, **kwargs), masked.generate(prompt, **kwargs))
 
 
-def test_block_major_layout_keeps_results():
-    """Column-major input projections (decoding layout) change neither logits nor gradients; shapes stay."""
+@pytest.mark.parametrize("layout", ["block_major", "row_major"])
+def test_weight_layouts_keep_results(layout):
+    """Both input-projection layouts give the masked path's logits and gradients; shapes and state dict stay."""
     gather, masked = pair(attention_bias=True)
-    MoHDGatherDispatch.block_major_(gather)
+    gather.set_weight_layout(layout)
     q_proj = gather.model.layers[0].self_attn.q_proj.weight
-    assert q_proj.shape == (64, 64) and q_proj.stride() == (1, 64)
-    assert gather.model.layers[0].self_attn.o_proj.weight.is_contiguous()
+    assert q_proj.shape == (64, 64) and q_proj.stride() == ((1, 64) if layout == "block_major" else (64, 1))
+    assert gather.model.layers[0].self_attn.o_proj.weight.is_contiguous()  # output side stays row-major
     assert_same_training_step(gather, masked, ids(2, 5))
     gather.eval()
     masked.eval()
     with torch.no_grad():
-        for length in (1, 9):
+        for length in (1, 2, 9):  # few-tokens reads (1, 2) and the grouped plan (9)
             x = ids(1, length, seed=4)
             torch.testing.assert_close(gather(input_ids=x).logits, masked(input_ids=x).logits, rtol=1e-10, atol=1e-10)
+
+
+def test_block_major_is_the_default_and_invisible_on_disk(tmp_path):
+    """A new model and a reloaded one decode in the block-major layout; the checkpoint holds row-major tensors
+    equal to the weights, and a masked-path model (the reference) keeps the plain layout."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    gather, masked = pair()
+    assert gather.model.layers[1].mlp.up_proj.weight.stride() == (1, 96)  # (out, in) = (96, 64)
+    assert masked.model.layers[1].mlp.up_proj.weight.is_contiguous()
+    gather.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    for name, param in gather.state_dict().items():
+        assert saved[name].is_contiguous() and torch.equal(saved[name], param), name
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert reloaded.model.layers[0].self_attn.k_proj.weight.stride() == (1, 32)  # 2 kv heads of 16
+    reloaded.eval(), masked.eval()
+    with torch.no_grad():
+        x = ids(1, 1, seed=5)
+        torch.testing.assert_close(reloaded(input_ids=x).logits, masked(input_ids=x).logits, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        gather.set_weight_layout("column")
+
+
+def test_few_tokens_reads_without_host_ids_equal_masked(monkeypatch):
+    """Under `torch.compile` (and on accelerators) the plan carries no host block ids: the output side then copies
+    the active rows with `index_select`. That form equals the masked path too."""
+    gather, masked = pair(attention_bias=True, mlp_bias=True)
+    dispatch = dispatches(gather)[0]
+    plan = dispatch.plan(torch.tensor([[3, 7]]), torch.rand(1, 2))
+    assert plan.host_block_index == ((3, 7),)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert dispatch.plan(torch.tensor([[3, 7]]), torch.rand(1, 2)).host_block_index is None
+    assert_same_training_step(gather, masked, ids(1, 1))
 
 
 class WrappedLinear(nn.Linear):

@@ -129,12 +129,15 @@ class GatherFewTokensPlan(NamedTuple):
     block_index (M, k) absolute block ids in the router's order; columns (M, k * s) the hidden-width positions of
     each token's routed blocks (g s + 0..s-1 for block g); gates (M, k * s) the gate of the block of each position;
     bags (M,) the start of each token's k * s positions in `columns.view(-1)` (`embedding_bag` offsets).
+    host_block_index: the same ids as Python ints, M tuples of k, when the plan runs eagerly on a CPU (reading them
+    costs no device synchronisation there); None under `torch.compile` and on accelerators.
     """
 
     block_index: torch.Tensor
     columns: torch.Tensor
     gates: torch.Tensor
     bags: torch.Tensor
+    host_block_index: tuple[tuple[int, ...], ...] | None = None
 
 
 class MoHDMaskedDispatch:
@@ -176,7 +179,9 @@ class MoHDGatherDispatch:
     `index_add_` back (DESIGN section 3, "Execution paths"). For at most `few_tokens` tokens (batch-1 decoding) the
     k active blocks of each token are read directly, with no sort and no per-group calls, the memory-bound case
     (Deja Vu, PowerInfer): input side `embedding_bag` over the active columns (rows of `weight.T`), output side
-    one `index_select` of the k * s active rows and a batched matmul.
+    one GEMV per active block on its s contiguous rows, read in place (eager CPU; under `torch.compile` or on an
+    accelerator, where reading the block ids to the host would break the graph or synchronise, one `index_select` of
+    the k * s active rows and a batched matmul).
 
     A projection that is not a plain `nn.Linear` (a PEFT LoRA layer, a quantised linear) computes something other
     than its `.weight`, so it is called as a module on the gated dense input, or its dense output is masked: exact,
@@ -184,9 +189,11 @@ class MoHDGatherDispatch:
 
     Weight layout: the input side (q/k/v, gate/up) reads column blocks; in the row-major `nn.Linear` layout a block
     is s contiguous floats per row, which a CPU streams at a fraction of the contiguous bandwidth (measured here:
-    64 columns at 3-5 GB/s against ~16 GB/s for whole rows). `MoHDGatherDispatch.block_major_(model)` stores those
-    weights column-major (same values and shapes, `weight.t()` contiguous), which makes every block contiguous; the
-    few-tokens path needs it to be memory-bound rather than latency-bound.
+    64 columns at 3-5 GB/s against ~16 GB/s for whole rows). MoHD models therefore store those weights column-major
+    (`MoHDPreTrainedModel.set_weight_layout("block_major")`, the default after `__init__` and `from_pretrained`:
+    same values and shapes, `weight.t()` contiguous), which makes every block contiguous. The path follows the
+    layout each weight actually has, so a weight replaced by another layout (FSDP2's unsharded parameters, a
+    `load_state_dict(assign=True)`) stays exact, only slower: row-major input weights take the dense matmul.
     """
 
     input_projections = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -211,7 +218,10 @@ class MoHDGatherDispatch:
             columns = (indices[..., None] * self.block + torch.arange(self.block, device=indices.device)).view(m, -1)
             gates = weights[..., None].expand(*weights.shape, self.block).reshape(m, width)
             bags = torch.arange(0, m * width, width, device=indices.device)
-            return GatherFewTokensPlan(indices, columns, gates, bags)
+            host = None
+            if indices.device.type == "cpu" and not torch.compiler.is_compiling():
+                host = tuple(tuple(row) for row in indices.tolist())
+            return GatherFewTokensPlan(indices, columns, gates, bags, host)
         slots = (indices - self.num_shared).t()
         order = torch.argsort(slots, dim=1, stable=True)
         slot_offset = torch.arange(self.top_k, device=indices.device)[:, None] * self.num_routed
@@ -287,7 +297,7 @@ class MoHDGatherDispatch:
         for linear in linears:
             weight = getattr(linear, "weight", None)
             if type(linear) is nn.Linear and weight.stride(0) == 1 and weight.dtype == values.dtype:
-                # column-major (`block_major_`): the shared columns are one contiguous span, and each active column
+                # column-major ("block_major"): the shared columns are one contiguous span, and each active column
                 # is a contiguous row of weight.T that embedding_bag scales by its input and sums, reading no other
                 routed = F.embedding_bag(columns, weight.t(), plan.bags, mode="sum", per_sample_weights=flat_values)
                 outputs.append(
@@ -315,6 +325,17 @@ class MoHDGatherDispatch:
         shared = F.linear(
             hidden_states, weight[: self.shared_width], None if bias is None else bias[: self.shared_width]
         )
+        if plan.host_block_index is not None:
+            # eager CPU: each active block is a contiguous span of s rows, read in place (no copy of the k * s rows)
+            out = shared.new_zeros(m, self.num_sub_dims, self.block)
+            out[:, : self.num_shared] = shared.view(m, self.num_shared, self.block)
+            for token, blocks in enumerate(plan.host_block_index):
+                for block in blocks:
+                    rows = slice(block * self.block, (block + 1) * self.block)
+                    out[token, block] = F.linear(
+                        hidden_states[token], weight[rows], None if bias is None else bias[rows]
+                    ).to(out.dtype)
+            return out
         active = weight.view(self.num_sub_dims, self.block, weight.shape[1])
         active = active.index_select(0, plan.block_index.view(-1)).view(m, -1, weight.shape[1])  # (M, k * s, in)
         routed = torch.bmm(active, hidden_states.to(active.dtype)[..., None]).view(m, -1)
@@ -334,26 +355,25 @@ class MoHDGatherDispatch:
         dense = routed.new_zeros(m * self.num_routed, width)
         return dense.index_add(0, positions, routed.reshape(-1, width)).view(m, -1)
 
-    @staticmethod
-    def block_major_(model: nn.Module) -> nn.Module:
-        """Stores the input-side projections of every gather-path MoHD sublayer column-major, in place.
-
-        Values, shapes and results are unchanged (up to BLAS summation order); each s-column block of q/k/v/gate/up
-        becomes one contiguous span, so decoding streams only the active blocks. An inference-time layout, like a
-        BLAS weight prepack: call it after loading, before decoding. `weight.data = weight.contiguous()` undoes it.
-        """
-        for module in model.modules():
-            sub_dims = getattr(module, "sub_dims", None)
-            if sub_dims is None or not isinstance(getattr(sub_dims, "dispatch", None), MoHDGatherDispatch):
-                continue
-            for name in MoHDGatherDispatch.input_projections:
-                linear = getattr(module, name, None)
-                if type(linear) is nn.Linear:
-                    linear.weight.data = linear.weight.data.t().contiguous().t()
-        return model
-
 
 MOHD_DISPATCH = {"masked": MoHDMaskedDispatch, "gather": MoHDGatherDispatch}
+
+WEIGHT_LAYOUTS = ("block_major", "row_major")
+
+
+def set_linear_layout_(linear: nn.Module, layout: str) -> None:
+    """Stores a plain `nn.Linear` weight (out, in) column-major ("block_major") or row-major, in place.
+
+    Values and shape are unchanged; only the strides change ((1, out) or (in, 1)). Other modules (PEFT, quantised
+    linears), meta tensors and distributed tensors are left as they are.
+    """
+    weight = getattr(linear, "weight", None)
+    if type(linear) is not nn.Linear or type(weight.data) is not torch.Tensor or weight.is_meta:
+        return
+    if layout == "block_major" and weight.stride(0) != 1:
+        weight.data = weight.data.t().contiguous().t()
+    elif layout == "row_major" and not weight.is_contiguous():
+        weight.data = weight.data.contiguous()
 
 
 class MoHDSubDimensions(nn.Module):
@@ -458,6 +478,42 @@ class MoHDPreTrainedModel(PreTrainedModel):
         "hidden_states": MoHDDecoderLayer,
         "attentions": Attention,
     }
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, then the decoding layout `set_weight_layout("block_major")`.
+
+        Checkpoints on disk keep the standard row-major `nn.Linear` layout (`save_pretrained` writes contiguous
+        copies); the layout is chosen here, at load, as a BLAS library prepacks weights.
+        """
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, loading_info) with output_loading_info
+        model.set_weight_layout("block_major")
+        return loaded
+
+    def post_init(self):
+        super().post_init()
+        self.set_weight_layout("block_major")
+
+    def set_weight_layout(self, layout: str = "block_major"):
+        """Chooses how the input-side projections (q/k/v, gate/up) of the gather-path sublayers are stored.
+
+        "block_major" (default): column-major, `weight.t()` contiguous, so each s-column sub-dimension block is one
+        contiguous span and batch-1 decoding streams only the active blocks. "row_major": the plain `nn.Linear`
+        layout. Values, shapes, parameters, `state_dict` and saved checkpoints are the same for both; results agree up
+        to BLAS summation order. Masked-path sublayers and projections that are not plain `nn.Linear` are left alone.
+
+        Raises:
+            ValueError: `layout` is not one of "block_major", "row_major".
+        """
+        if layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"set_weight_layout: layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
+        for module in self.modules():
+            sub_dims = getattr(module, "sub_dims", None)
+            if isinstance(sub_dims, MoHDSubDimensions) and isinstance(sub_dims.dispatch, MoHDGatherDispatch):
+                for name in MoHDGatherDispatch.input_projections:
+                    set_linear_layout_(getattr(module, name, None), layout)
+        return self
 
     def _init_weights(self, module):
         super()._init_weights(module)
