@@ -11,26 +11,23 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""MoHD benchmarks of issue 7: prefill, training step and batch-1 decoding against transformers' LlamaForCausalLM.
+"""MoHD prefill and training step against transformers' LlamaForCausalLM (decoding: `bench_mohd_decode.py`).
 
 Models (fp32, CPU, sdpa attention), all built in this run from the fixed bench shape:
 - `llama`: transformers' `LlamaForCausalLM` of the same total width (the baseline);
-- `mohd_gather` / `mohd_masked`: MoHD at the 50% compression preset (16 blocks, 6 shared, top-2), same weights;
-- `mohd_gather_bm`: the gather path with `MoHDGatherDispatch.block_major_` (column-major q/k/v/gate/up storage, the
-  decoding layout), same weights (prefill and decoding only);
+- `mohd_gather` / `mohd_masked`: MoHD at the 50% compression preset (16 blocks, 6 shared, top-2), same weights
+  (the gather model in its default block-major layout);
 - `llama_active`: `LlamaForCausalLM` at the activated width (hidden 512, same heads and FFN; reference only).
 
 Ceilings come from `hf_mohd.accounting.mohd_accounting`: forward FLOPs per token (decoder at the mean causal context
-(T + 1) / 2, plus the LM head) for prefill and training, and weight bytes read per decoded token for decoding.
+(T + 1) / 2, plus the LM head).
 
     python bench/bench_mohd.py            # fixed shape, writes bench/results/mohd.json and mohd.png
     python bench/bench_mohd.py --quick    # 2 layers, batch 2 x seq 128 (development)
 """
 
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -42,7 +39,7 @@ import common  # noqa: E402
 
 from hf_mohd.accounting import mohd_accounting  # noqa: E402
 from hf_mohd.models.configuration_mohd import MoHDConfig  # noqa: E402
-from hf_mohd.models.modeling_mohd import MoHDForCausalLM, MoHDGatherDispatch  # noqa: E402
+from hf_mohd.models.modeling_mohd import MoHDForCausalLM  # noqa: E402
 
 
 PRESET = "compression_50"
@@ -77,24 +74,19 @@ def build_models(shape: dict) -> tuple[dict, dict]:
         ),
         "llama_active": active,
     }
-    configs["mohd_gather_bm"] = configs["mohd_gather"]
     models = {
         "llama": LlamaForCausalLM(base),
         "mohd_gather": MoHDForCausalLM(configs["mohd_gather"]),
-        "mohd_gather_bm": MoHDForCausalLM(configs["mohd_gather"]),
         "mohd_masked": MoHDForCausalLM(configs["mohd_masked"]),
         "llama_active": LlamaForCausalLM(active),
     }
-    for name in ("mohd_masked", "mohd_gather_bm"):
-        models[name].load_state_dict(models["mohd_gather"].state_dict())
-    MoHDGatherDispatch.block_major_(models["mohd_gather_bm"])
+    models["mohd_masked"].load_state_dict(models["mohd_gather"].state_dict())
     return {name: model.eval() for name, model in models.items()}, configs
 
 
 MODELS_PER_MODE = {
-    "prefill": ("llama", "mohd_gather", "mohd_gather_bm", "mohd_masked", "llama_active"),
+    "prefill": ("llama", "mohd_gather", "mohd_masked", "llama_active"),
     "train": ("llama", "mohd_gather", "mohd_masked", "llama_active"),
-    "decode": ("llama", "mohd_gather", "mohd_gather_bm", "mohd_masked", "llama_active"),
 }
 
 
@@ -120,48 +112,6 @@ def train_fn(model, ids):
     return run
 
 
-def decode_fn(model, prompt, new_tokens: int):
-    """Greedy batch-1 decoding with the model's default cache: prefill `prompt`, then `new_tokens` single steps.
-
-    Returns a function that runs the decode steps only (the prefill runs untimed inside a setup call each time).
-    """
-
-    def run():
-        with torch.inference_mode():
-            out = model(input_ids=prompt, use_cache=True)
-            cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-            start = time.perf_counter(), time.process_time()
-            for _ in range(new_tokens):
-                out = model(input_ids=token, cache=cache, use_cache=True)
-                cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-            run.last = (time.perf_counter() - start[0], time.process_time() - start[1])
-
-    return run
-
-
-def measure_decode(model, prompt, new_tokens: int, reps: int) -> dict:
-    """Tokens per second of the decode steps (prefill excluded), median over `reps` after one warm-up."""
-    run = decode_fn(model, prompt, new_tokens)
-    stats = common.measure(run, reps=1, warmup=1)  # peak memory of one generation
-    walls, cpus = [run.last[0]], [run.last[1]]
-    for _ in range(reps - 1):
-        run()
-        walls.append(run.last[0])
-        cpus.append(run.last[1])
-    wall, cpu = statistics.median(walls), statistics.median(cpus)
-    return {
-        "peak_rss_above_start_mib": stats["peak_rss_above_start_mib"],
-        "new_tokens": new_tokens,
-        "prompt_tokens": prompt.shape[1],
-        "wall_tok_s": new_tokens / wall,
-        "cpu_tok_s": new_tokens / cpu,
-        "wall_s": wall,
-        "cpu_s": cpu,
-        "reps": reps,
-        "peak_rss_mib": stats["peak_rss_mib"],
-    }
-
-
 def check_equivalence(models, ids) -> float:
     """Max |logits| difference between the gather and masked paths on the same weights (sanity; tests are exact)."""
     with torch.inference_mode():
@@ -172,9 +122,7 @@ def check_equivalence(models, ids) -> float:
 
 def main():
     parser = common.base_arguments(__doc__.splitlines()[0])
-    parser.add_argument("--decode-new-tokens", type=int, default=32)
-    parser.add_argument("--decode-prompt", type=int, default=32)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["prefill", "train", "decode"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["prefill", "train"])
     args = parser.parse_args()
     shape = common.setup(args)
     clock = f"{args.clock}_s"
@@ -192,7 +140,7 @@ def main():
 
     flops = {name: prefill_flops(cfg, seq) for name, cfg in configs.items()}
     flop_ceiling = flops["llama"] / flops["mohd_gather"]
-    results = {"prefill": {}, "train": {}, "decode": {}}
+    results = {"prefill": {}, "train": {}}
     for mode, make in (("prefill", prefill_fn), ("train", train_fn)):
         if mode in args.skip:
             continue
@@ -207,26 +155,9 @@ def main():
             res["flop_ceiling_vs_llama"] = flops["llama"] / flops[name]
             res["tokens_per_s"] = batch * seq / res[clock]
 
-    acc = {name: mohd_accounting(cfg, context_length=args.decode_prompt) for name, cfg in configs.items()}
-    weight_bytes = {name: a.decode_weight_bytes_per_token(4) for name, a in acc.items()}
-    bw = bandwidth[f"{args.clock}_best_gb_s"] * 1e9
-    if "decode" not in args.skip:
-        prompt = torch.randint(0, shape["vocab_size"], (shape["decode_batch"], args.decode_prompt))
-        for name in MODELS_PER_MODE["decode"]:
-            res = measure_decode(models[name], prompt, args.decode_new_tokens, args.reps)
-            res["weight_bytes_per_token"] = weight_bytes[name]
-            res["bandwidth_bound_tok_s"] = bw / weight_bytes[name]
-            res["fraction_of_bandwidth_bound"] = res[f"{args.clock}_tok_s"] / res["bandwidth_bound_tok_s"]
-            results["decode"][name] = res
-            print(f"decode   {name:13s} {res}", flush=True)
-        base = results["decode"]["llama"][f"{args.clock}_tok_s"]
-        for name, res in results["decode"].items():
-            res["speedup_vs_llama"] = res[f"{args.clock}_tok_s"] / base
-            res["byte_ceiling_vs_llama"] = weight_bytes["llama"] / weight_bytes[name]
-
     sweep = {} if args.no_sweep else run_sweep(models, shape, args)
 
-    summary = summarize(results, flop_ceiling, weight_bytes)
+    summary = summarize(results, flop_ceiling)
     print("\n" + "\n".join(summary))
     output = args.output or common.RESULTS_DIR / ("mohd_quick.json" if args.quick else "mohd.json")
     payload = {
@@ -244,8 +175,6 @@ def main():
         "ceilings": {
             "prefill_flops_per_token": flops,
             "flop_ceiling_gather_vs_llama": flop_ceiling,
-            "decode_weight_bytes_per_token": weight_bytes,
-            "byte_ceiling_gather_vs_llama": weight_bytes["llama"] / weight_bytes["mohd_gather"],
         },
         "results": results,
         "sweep": sweep,
@@ -257,22 +186,11 @@ def main():
 
 
 def run_sweep(models, shape, args) -> dict:
-    """Prefill time over sequence length (at the bench batch) and over batch (at the bench sequence length), and
-    batch-1 decoding speed over the prompt (cache) length."""
+    """Prefill time over sequence length (at the bench batch) and over batch (at the bench sequence length)."""
     seqs = [shape["seq"] // 4, shape["seq"] // 2, shape["seq"]]
     batches = [1, 2, shape["batch"]]
     points = sorted({(shape["batch"], s) for s in seqs} | {(b, shape["seq"]) for b in batches})
     sweep = {"points": [list(p) for p in points], "prefill": {}}
-    sweep["decode"] = {}
-    for name in ("llama", "mohd_gather_bm"):
-        sweep["decode"][name] = []
-        for prompt_len in (16, 128, 512):
-            prompt = torch.randint(0, shape["vocab_size"], (1, prompt_len))
-            res = measure_decode(models[name], prompt, 16, reps=1)
-            sweep["decode"][name].append(res)
-            print(
-                f"sweep    {name:13s} decode prompt {prompt_len}: {res[f'{args.clock}_tok_s']:.1f} tok/s", flush=True
-            )
     for name in ("llama", "mohd_gather", "mohd_masked"):
         sweep["prefill"][name] = []
         for batch, seq in points:
@@ -283,7 +201,7 @@ def run_sweep(models, shape, args) -> dict:
     return sweep
 
 
-def summarize(results, flop_ceiling, weight_bytes) -> list[str]:
+def summarize(results, flop_ceiling) -> list[str]:
     lines = []
     for mode in ("prefill", "train"):
         for name, res in results[mode].items():
@@ -293,27 +211,10 @@ def summarize(results, flop_ceiling, weight_bytes) -> list[str]:
                 f"{res['speedup_vs_llama'] / res['flop_ceiling_vs_llama']:.0%} of it), "
                 f"{res['tokens_per_s']:.0f} tok/s, peak RSS +{res['peak_rss_above_start_mib']} MiB over the loaded models"
             )
-    for name, res in results["decode"].items():
-        lines.append(
-            f"decode   {name:13s} speedup vs llama {res['speedup_vs_llama']:.3f} "
-            f"(byte ceiling {res['byte_ceiling_vs_llama']:.3f}, "
-            f"{res['speedup_vs_llama'] / res['byte_ceiling_vs_llama']:.0%} of it), "
-            f"{res['cpu_tok_s']:.1f} tok/s cpu-clock, {res['wall_tok_s']:.1f} wall, "
-            f"{res['fraction_of_bandwidth_bound']:.0%} of bandwidth bound, peak RSS +{res['peak_rss_above_start_mib']} MiB"
-        )
     for mode in ("prefill", "train"):
         if "mohd_gather" in results[mode]:
             got = results[mode]["mohd_gather"]["speedup_vs_llama"] / flop_ceiling
             lines.append(f"target: gather {mode} >= 80% of the FLOP ceiling {flop_ceiling:.3f}: {got:.0%}")
-    byte_ceiling = weight_bytes["llama"] / weight_bytes["mohd_gather"]
-    for name in ("mohd_gather", "mohd_gather_bm"):
-        if name in results["decode"]:
-            res = results["decode"][name]
-            lines.append(
-                f"target: {name} decode >= 85% of the byte ceiling {byte_ceiling:.3f}: "
-                f"{res['speedup_vs_llama'] / byte_ceiling:.0%}; >= 60% of the bandwidth bound: "
-                f"{res['fraction_of_bandwidth_bound']:.0%}"
-            )
     return lines
 
 
@@ -324,18 +225,17 @@ def plot(payload: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     results, clock = payload["results"], payload["clock_for_ratios"]
-    fig, axes = plt.subplots(1, 4, figsize=(21, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     ax = axes[0]
-    names = ["llama", "mohd_gather", "mohd_gather_bm", "mohd_masked", "llama_active"]
-    width = 0.25
-    for i, mode in enumerate(("prefill", "train", "decode")):
+    names = ["llama", "mohd_gather", "mohd_masked", "llama_active"]
+    width = 0.35
+    for i, mode in enumerate(("prefill", "train")):
         if not results[mode]:
             continue
         values = [results[mode][n]["speedup_vs_llama"] if n in results[mode] else 0.0 for n in names]
-        ax.bar([j + (i - 1) * width for j in range(len(names))], values, width, label=mode)
+        ax.bar([j + (i - 0.5) * width for j in range(len(names))], values, width, label=mode)
     ceiling = payload["ceilings"]
     ax.axhline(ceiling["flop_ceiling_gather_vs_llama"], color="k", ls="--", lw=1, label="MoHD FLOP ceiling")
-    ax.axhline(ceiling["byte_ceiling_gather_vs_llama"], color="k", ls=":", lw=1, label="MoHD byte ceiling")
     ax.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
     ax.set_ylabel(f"speedup vs LlamaForCausalLM ({clock} clock)")
     ax.legend(fontsize=8)
@@ -354,15 +254,6 @@ def plot(payload: dict, path: Path) -> None:
             ax.set_ylabel(f"prefill time, s ({clock} clock)")
             ax.set_title(f"prefill vs {label} ({fixed[0]} {fixed[1]})")
             ax.legend(fontsize=8)
-        ax = axes[3]
-        for name, points in sweep.get("decode", {}).items():
-            ax.plot(
-                [p["prompt_tokens"] for p in points], [p[f"{clock}_tok_s"] for p in points], marker="o", label=name
-            )
-        ax.set_xlabel("prompt (cached) tokens")
-        ax.set_ylabel(f"batch-1 decoding, tokens/s ({clock} clock)")
-        ax.set_title("decoding vs context length")
-        ax.legend(fontsize=8)
     m = payload["machine"]
     fig.suptitle(
         f"MoHD {payload['preset']} vs Llama, {'quick' if payload['quick'] else 'fixed'} shape, "
