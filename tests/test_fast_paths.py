@@ -1,8 +1,8 @@
 """Every fast execution path of MoHD equals the masked reference path, in logits and in gradients (issue 7).
 
-The gather path has two regimes, chosen by the number of tokens M of a forward: per-slot grouped matmuls
-(`GatherPlan`, prefill and training) and direct reads of each token's active blocks (`GatherFewTokensPlan`,
-M <= `few_tokens`, batch-1 decoding); plus both weight layouts of `MoHDPreTrainedModel.set_weight_layout` and
+The gather path has three regimes, chosen by the number of tokens M of a forward: per-slot grouped matmuls
+(`GatherPlan`, prefill and training) and direct reads of each token's active blocks for M <= `few_tokens` (decoding),
+by host block ids on an eager CPU run (`GatherHostPlan`) or by index tensors (`GatherFewTokensPlan`, compiled); plus both weight layouts of `MoHDPreTrainedModel.set_weight_layout` and
 the module-call fallback for projections that are not plain `nn.Linear`. All run in float64 (no top-k ties) against
 the masked path on the same weights. No timing here: the benchmarks live in `bench/`.
 """
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hf_mohd import MoHDConfig, MoHDForCausalLM
-from hf_mohd.models.modeling_mohd import GatherFewTokensPlan, GatherPlan, MoHDGatherDispatch
+from hf_mohd.models.modeling_mohd import GatherFewTokensPlan, GatherHostPlan, GatherPlan, MoHDGatherDispatch
 
 
 VOCAB = 97
@@ -85,12 +85,17 @@ def dispatches(model):
     return [m.sub_dims.dispatch for m in model.modules() if hasattr(m, "sub_dims")]
 
 
-def test_plans_are_chosen_by_token_count():
+def test_plans_are_chosen_by_token_count(monkeypatch):
     dispatch = MoHDGatherDispatch(config())
     assert dispatch.few_tokens == 2  # N_r = 5 routed blocks, k = 2
     indices = torch.tensor([[3, 7], [5, 4], [7, 3]])
     weights = torch.rand(3, 2)
-    few = dispatch.plan(indices[:2], weights[:2])
+    host = dispatch.plan(indices[:2], weights[:2])
+    assert isinstance(host, GatherHostPlan)  # eager CPU: block ids read as Python ints
+    assert host.host_block_index == ((3, 7), (5, 4))
+    with monkeypatch.context() as patch:  # under torch.compile: index tensors instead
+        patch.setattr(torch.compiler, "is_compiling", lambda: True)
+        few = dispatch.plan(indices[:2], weights[:2])
     assert isinstance(few, GatherFewTokensPlan)
     assert few.block_index.tolist() == [[3, 7], [5, 4]]  # absolute ids: rows of weight.view(N, s, in)
     assert few.columns.view(2, 2, -1)[:, :, 0].tolist() == [[3 * 8, 7 * 8], [5 * 8, 4 * 8]]  # s = 64 / 8
@@ -207,16 +212,16 @@ def test_block_major_is_the_default_and_invisible_on_disk(tmp_path):
         gather.set_weight_layout("column")
 
 
-def test_few_tokens_reads_without_host_ids_equal_masked(monkeypatch):
-    """Under `torch.compile` (and on accelerators) the plan carries no host block ids: the output side then copies
-    the active rows with `index_select`. That form equals the masked path too."""
+@pytest.mark.parametrize("layout", ["block_major", "row_major"])
+@pytest.mark.parametrize("tokens", [1, 2], ids=["one-token", "two-tokens"])
+def test_few_tokens_reads_by_index_tensors_equal_masked(monkeypatch, tokens, layout):
+    """Under `torch.compile` (and on accelerators) the few-tokens plan reads the blocks through index tensors
+    (`embedding_bag`, `index_select`) instead of host ids; that form equals the masked path too."""
     gather, masked = pair(attention_bias=True, mlp_bias=True)
-    dispatch = dispatches(gather)[0]
-    plan = dispatch.plan(torch.tensor([[3, 7]]), torch.rand(1, 2))
-    assert plan.host_block_index == ((3, 7),)
+    gather.set_weight_layout(layout)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert dispatch.plan(torch.tensor([[3, 7]]), torch.rand(1, 2)).host_block_index is None
-    assert_same_training_step(gather, masked, ids(1, 1))
+    assert isinstance(dispatches(gather)[0].plan(torch.tensor([[3, 7]]), torch.rand(1, 2)), GatherFewTokensPlan)
+    assert_same_training_step(gather, masked, ids(1, tokens))
 
 
 class WrappedLinear(nn.Linear):

@@ -129,15 +129,26 @@ class GatherFewTokensPlan(NamedTuple):
     block_index (M, k) absolute block ids in the router's order; columns (M, k * s) the hidden-width positions of
     each token's routed blocks (g s + 0..s-1 for block g); gates (M, k * s) the gate of the block of each position;
     bags (M,) the start of each token's k * s positions in `columns.view(-1)` (`embedding_bag` offsets).
-    host_block_index: the same ids as Python ints, M tuples of k, when the plan runs eagerly on a CPU (reading them
-    costs no device synchronisation there); None under `torch.compile` and on accelerators.
+    The form used under `torch.compile` and on accelerators; eager CPU runs use `GatherHostPlan`.
     """
 
     block_index: torch.Tensor
     columns: torch.Tensor
     gates: torch.Tensor
     bags: torch.Tensor
-    host_block_index: tuple[tuple[int, ...], ...] | None = None
+
+
+class GatherHostPlan(NamedTuple):
+    """Routing of a few tokens on an eager CPU run: the block ids are read to Python ints (no device to synchronise),
+    so each active block is addressed as a contiguous slice of the weights, with no index tensors and no copies.
+
+    block_index (M, k) absolute block ids and gates (M, k) as tensors (the gates keep their gradient);
+    host_block_index the same ids as M tuples of k Python ints.
+    """
+
+    block_index: torch.Tensor
+    gates: torch.Tensor
+    host_block_index: tuple[tuple[int, ...], ...]
 
 
 class MoHDMaskedDispatch:
@@ -210,18 +221,19 @@ class MoHDGatherDispatch:
         # blocks (M * k <= N_r): the grouped path would then run mostly empty groups.
         self.few_tokens = max(1, self.num_routed // max(self.top_k, 1))
 
-    def plan(self, indices: torch.Tensor, weights: torch.Tensor) -> GatherPlan | GatherFewTokensPlan:
-        """(M, k) absolute block ids and gates -> per-slot pairs sorted by routed block (or the few-tokens plan)."""
+    def plan(self, indices: torch.Tensor, weights: torch.Tensor) -> GatherPlan | GatherFewTokensPlan | GatherHostPlan:
+        """(M, k) absolute block ids and gates -> per-slot pairs sorted by routed block (many tokens), or a direct
+        read of each token's blocks (at most `few_tokens` tokens: by host ids on an eager CPU run, else by index
+        tensors)."""
         m = indices.shape[0]
+        if m <= self.few_tokens and indices.device.type == "cpu" and not torch.compiler.is_compiling():
+            return GatherHostPlan(indices, weights, tuple(tuple(row) for row in indices.tolist()))
         if m <= self.few_tokens:
             width = self.top_k * self.block
             columns = (indices[..., None] * self.block + torch.arange(self.block, device=indices.device)).view(m, -1)
             gates = weights[..., None].expand(*weights.shape, self.block).reshape(m, width)
             bags = torch.arange(0, m * width, width, device=indices.device)
-            host = None
-            if indices.device.type == "cpu" and not torch.compiler.is_compiling():
-                host = tuple(tuple(row) for row in indices.tolist())
-            return GatherFewTokensPlan(indices, columns, gates, bags, host)
+            return GatherFewTokensPlan(indices, columns, gates, bags)
         slots = (indices - self.num_shared).t()
         order = torch.argsort(slots, dim=1, stable=True)
         slot_offset = torch.arange(self.top_k, device=indices.device)[:, None] * self.num_routed
@@ -230,9 +242,11 @@ class MoHDGatherDispatch:
         return GatherPlan(order, slots.gather(1, order), weights.t().gather(1, order)[..., None], offsets)
 
     def project_in(
-        self, hidden_states: torch.Tensor, plan: GatherPlan | GatherFewTokensPlan, linears
+        self, hidden_states: torch.Tensor, plan: GatherPlan | GatherFewTokensPlan | GatherHostPlan, linears
     ) -> list[torch.Tensor]:
         """(M, D) -> one (M, out) tensor per linear: shared columns dense, routed columns grouped or gathered."""
+        if isinstance(plan, GatherHostPlan):
+            return self._project_in_host(hidden_states, plan, linears)
         if isinstance(plan, GatherFewTokensPlan):
             return self._project_in_few(hidden_states, plan, linears)
         m = hidden_states.shape[0]
@@ -258,9 +272,11 @@ class MoHDGatherDispatch:
         return outputs
 
     def project_out(
-        self, hidden_states: torch.Tensor, plan: GatherPlan | GatherFewTokensPlan, linear: nn.Linear
+        self, hidden_states: torch.Tensor, plan: GatherPlan | GatherFewTokensPlan | GatherHostPlan, linear: nn.Linear
     ) -> torch.Tensor:
         """(M, in) -> (M, N, s): shared rows dense, each token's routed rows grouped or gathered, other blocks 0."""
+        if isinstance(plan, GatherHostPlan):
+            return self._project_out_host(hidden_states, plan, linear)
         if isinstance(plan, GatherFewTokensPlan):
             return self._project_out_few(hidden_states, plan, linear)
         m = hidden_states.shape[0]
@@ -325,17 +341,6 @@ class MoHDGatherDispatch:
         shared = F.linear(
             hidden_states, weight[: self.shared_width], None if bias is None else bias[: self.shared_width]
         )
-        if plan.host_block_index is not None:
-            # eager CPU: each active block is a contiguous span of s rows, read in place (no copy of the k * s rows)
-            out = shared.new_zeros(m, self.num_sub_dims, self.block)
-            out[:, : self.num_shared] = shared.view(m, self.num_shared, self.block)
-            for token, blocks in enumerate(plan.host_block_index):
-                for block in blocks:
-                    rows = slice(block * self.block, (block + 1) * self.block)
-                    out[token, block] = F.linear(
-                        hidden_states[token], weight[rows], None if bias is None else bias[rows]
-                    ).to(out.dtype)
-            return out
         active = weight.view(self.num_sub_dims, self.block, weight.shape[1])
         active = active.index_select(0, plan.block_index.view(-1)).view(m, -1, weight.shape[1])  # (M, k * s, in)
         routed = torch.bmm(active, hidden_states.to(active.dtype)[..., None]).view(m, -1)
@@ -345,6 +350,68 @@ class MoHDGatherDispatch:
         out[:, : self.shared_width] = shared
         out = out.scatter_(1, plan.columns, routed.to(shared.dtype))
         return out.view(m, self.num_sub_dims, self.block)
+
+    def _project_in_host(self, hidden_states: torch.Tensor, plan: GatherHostPlan, linears) -> list[torch.Tensor]:
+        """Host-ids input side: (M, D) -> one (M, out) per linear. In the block-major layout each active block is s
+        contiguous rows of `weight.T`: the shared span is one GEMM for all M tokens, each routed block one
+        accumulating GEMV (`addmm`) on the token's gated block input."""
+        m = hidden_states.shape[0]
+        shared = hidden_states[:, : self.shared_width]
+        # gated routed inputs, one (1, s) row per (token, block), in the plan's order
+        pieces = [
+            [
+                hidden_states[token : token + 1, block * self.block : (block + 1) * self.block]
+                * plan.gates[token : token + 1, slot : slot + 1]
+                for slot, block in enumerate(blocks)
+            ]
+            for token, blocks in enumerate(plan.host_block_index)
+        ]
+        dense = None
+        outputs = []
+        for linear in linears:
+            weight = getattr(linear, "weight", None)
+            if type(linear) is nn.Linear and weight.stride(0) == 1 and weight.dtype == hidden_states.dtype:
+                weight_t = weight.t()  # (D, out), rows contiguous: block g is rows g s .. (g + 1) s - 1
+                out = F.linear(shared, weight[:, : self.shared_width], linear.bias)
+                rows = []
+                for token, blocks in enumerate(plan.host_block_index):
+                    row = out[token : token + 1]
+                    for piece, block in zip(pieces[token], blocks, strict=True):
+                        row = torch.addmm(row, piece, weight_t[block * self.block : (block + 1) * self.block])
+                    rows.append(row)
+                outputs.append(rows[0] if m == 1 else torch.cat(rows))
+                continue
+            # row-major or not a plain linear: one dense matmul on the gated input (the masked path's computation)
+            if dense is None:
+                dense = F.pad(shared, (0, self.hidden_size - self.shared_width)).view(m, self.num_sub_dims, self.block)
+                for token, blocks in enumerate(plan.host_block_index):
+                    for piece, block in zip(pieces[token], blocks, strict=True):
+                        dense[token, block] = piece[0]
+                dense = dense.view(m, -1)
+            outputs.append(linear(dense))
+        return outputs
+
+    def _project_out_host(self, hidden_states: torch.Tensor, plan: GatherHostPlan, linear) -> torch.Tensor:
+        """Host-ids output side: (M, in) -> (M, N, s); each active block is s contiguous rows of the row-major
+        weight, read in place (one GEMV per token and block), other blocks 0."""
+        m = hidden_states.shape[0]
+        if type(linear) is not nn.Linear:
+            dense = linear(hidden_states).view(m, self.num_sub_dims, self.block)
+            out = F.pad(dense[:, : self.num_shared], (0, 0, 0, self.num_routed))
+            for token, blocks in enumerate(plan.host_block_index):
+                for block in blocks:
+                    out[token, block] = dense[token, block]
+            return out
+        weight, bias = linear.weight, linear.bias
+        shared = F.linear(
+            hidden_states, weight[: self.shared_width], None if bias is None else bias[: self.shared_width]
+        )
+        out = F.pad(shared.view(m, self.num_shared, self.block), (0, 0, 0, self.num_routed))
+        for token, blocks in enumerate(plan.host_block_index):
+            for block in blocks:
+                rows = slice(block * self.block, (block + 1) * self.block)
+                out[token, block] = F.linear(hidden_states[token], weight[rows], None if bias is None else bias[rows])
+        return out
 
     def _scatter_routed(
         self, routed: torch.Tensor, plan: GatherPlan, m: int, width: int | None = None
