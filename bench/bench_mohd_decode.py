@@ -16,7 +16,7 @@
 Models (fixed bench shape of `common.BENCH_SHAPE`, MoHD `compression_50` preset, fp32, sdpa):
 - `llama`: `LlamaForCausalLM` of the same total width, the baseline of every ratio.
 - `mohd`: `MoHDForCausalLM` as a user gets it from `from_pretrained` (gather path, block-major layout chosen at load).
-- `mohd_row_major`: the same checkpoint after `set_weight_layout("row_major")` (the plain `nn.Linear` layout), for
+- `mohd_row_major`: the same checkpoint after `to_weight_layout("row_major")` (the plain `nn.Linear` layout), for
   reference.
 - `llama_active`: `LlamaForCausalLM` at the activated width (hidden 512): what a dense model reading MoHD's active
   width achieves per byte on this machine.
@@ -90,7 +90,7 @@ def build_and_reload(shape: dict, folder: str) -> tuple[dict, dict]:
     models["mohd_row_major"] = AutoModelForCausalLM.from_pretrained(
         os.path.join(folder, "mohd"), attn_implementation="sdpa"
     ).eval()
-    models["mohd_row_major"].set_weight_layout("row_major")
+    models["mohd_row_major"].to_weight_layout("row_major")
     configs["mohd_row_major"] = configs["mohd"]
     return models, configs
 

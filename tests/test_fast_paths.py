@@ -1,9 +1,10 @@
-"""Every fast execution path of MoHD equals the masked reference path, in logits and in gradients (issue 7).
+"""Every fast execution path of MoHD equals the masked reference path, in logits and in gradients.
 
 The gather path has three regimes, chosen by the number of tokens M of a forward: per-slot grouped matmuls
 (`GatherPlan`, prefill and training) and direct reads of each token's active blocks for M <= `few_tokens` (decoding),
-by host block ids on an eager CPU run (`GatherHostPlan`) or by index tensors (`GatherFewTokensPlan`, compiled); plus both weight layouts of `MoHDPreTrainedModel.set_weight_layout` and
-the module-call fallback for projections that are not plain `nn.Linear`. All run in float64 (no top-k ties) against
+by host block ids on an eager CPU run (`GatherHostPlan`) or by index tensors (`GatherFewTokensPlan`, compiled);
+plus both weight layouts of `MoHDPreTrainedModel.to_weight_layout` and the module-call fallback for projections that
+are not plain `nn.Linear`. All run in float64 (no top-k ties) against
 the masked path on the same weights. No timing here: the benchmarks live in `bench/`.
 """
 
@@ -176,7 +177,7 @@ def test_generate_equals_masked():
 def test_weight_layouts_keep_results(layout):
     """Both input-projection layouts give the masked path's logits and gradients; shapes and state dict stay."""
     gather, masked = pair(attention_bias=True)
-    gather.set_weight_layout(layout)
+    gather.to_weight_layout(layout)
     q_proj = gather.model.layers[0].self_attn.q_proj.weight
     assert q_proj.shape == (64, 64) and q_proj.stride() == ((1, 64) if layout == "block_major" else (64, 1))
     assert gather.model.layers[0].self_attn.o_proj.weight.is_contiguous()  # output side stays row-major
@@ -209,7 +210,7 @@ def test_block_major_is_the_default_and_invisible_on_disk(tmp_path):
         x = ids(1, 1, seed=5)
         torch.testing.assert_close(reloaded(input_ids=x).logits, masked(input_ids=x).logits, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="layout must be one of"):
-        gather.set_weight_layout("column")
+        gather.to_weight_layout("column")
 
 
 @pytest.mark.parametrize("layout", ["block_major", "row_major"])
@@ -218,7 +219,7 @@ def test_few_tokens_reads_by_index_tensors_equal_masked(monkeypatch, tokens, lay
     """Under `torch.compile` (and on accelerators) the few-tokens plan reads the blocks through index tensors
     (`embedding_bag`, `index_select`) instead of host ids; that form equals the masked path too."""
     gather, masked = pair(attention_bias=True, mlp_bias=True)
-    gather.set_weight_layout(layout)
+    gather.to_weight_layout(layout)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert isinstance(dispatches(gather)[0].plan(torch.tensor([[3, 7]]), torch.rand(1, 2)), GatherFewTokensPlan)
     assert_same_training_step(gather, masked, ids(1, tokens))

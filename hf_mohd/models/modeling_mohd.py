@@ -201,7 +201,7 @@ class MoHDGatherDispatch:
     Weight layout: the input side (q/k/v, gate/up) reads column blocks; in the row-major `nn.Linear` layout a block
     is s contiguous floats per row, which a CPU streams at a fraction of the contiguous bandwidth (measured here:
     64 columns at 3-5 GB/s against ~16 GB/s for whole rows). MoHD models therefore store those weights column-major
-    (`MoHDPreTrainedModel.set_weight_layout("block_major")`, the default after `__init__` and `from_pretrained`:
+    (`MoHDPreTrainedModel.to_weight_layout("block_major")`, the default after `__init__` and `from_pretrained`:
     same values and shapes, `weight.t()` contiguous), which makes every block contiguous. The path follows the
     layout each weight actually has, so a weight replaced by another layout (FSDP2's unsharded parameters, a
     `load_state_dict(assign=True)`) stays exact, only slower: row-major input weights take the dense matmul.
@@ -548,22 +548,23 @@ class MoHDPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, then the decoding layout `set_weight_layout("block_major")`.
+        """`PreTrainedModel.from_pretrained`, then the decoding layout `to_weight_layout("block_major")`.
 
         Checkpoints on disk keep the standard row-major `nn.Linear` layout (`save_pretrained` writes contiguous
         copies); the layout is chosen here, at load, as a BLAS library prepacks weights.
         """
         loaded = super().from_pretrained(*args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, loading_info) with output_loading_info
-        model.set_weight_layout("block_major")
+        model.to_weight_layout("block_major")
         return loaded
 
     def post_init(self):
         super().post_init()
-        self.set_weight_layout("block_major")
+        self.to_weight_layout("block_major")
 
-    def set_weight_layout(self, layout: str = "block_major"):
-        """Chooses how the input-side projections (q/k/v, gate/up) of the gather-path sublayers are stored.
+    def to_weight_layout(self, layout: str = "block_major"):
+        """Stores the input-side projections (q/k/v, gate/up) of the gather-path sublayers in `layout`, in place,
+        like `Module.to(memory_format=...)`: a storage format, not a hyperparameter (results do not depend on it).
 
         "block_major" (default): column-major, `weight.t()` contiguous, so each s-column sub-dimension block is one
         contiguous span and batch-1 decoding streams only the active blocks. "row_major": the plain `nn.Linear`
@@ -574,7 +575,7 @@ class MoHDPreTrainedModel(PreTrainedModel):
             ValueError: `layout` is not one of "block_major", "row_major".
         """
         if layout not in WEIGHT_LAYOUTS:
-            raise ValueError(f"set_weight_layout: layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
+            raise ValueError(f"to_weight_layout: layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
         for module in self.modules():
             sub_dims = getattr(module, "sub_dims", None)
             if isinstance(sub_dims, MoHDSubDimensions) and isinstance(sub_dims.dispatch, MoHDGatherDispatch):
