@@ -277,6 +277,7 @@ class LatentMoEPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    _can_compile_fullgraph = True
     _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
     _can_record_outputs = {
         "router_logits": OutputRecorder(LatentMoERouter, index=0),

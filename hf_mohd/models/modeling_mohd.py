@@ -540,6 +540,7 @@ class MoHDPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    _can_compile_fullgraph = True
     _can_record_outputs = {
         "router_logits": OutputRecorder(MoHDRouter, index=0),
         "hidden_states": MoHDDecoderLayer,
