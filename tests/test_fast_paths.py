@@ -93,15 +93,19 @@ def test_plans_are_chosen_by_token_count(monkeypatch):
     weights = torch.rand(3, 2)
     host = dispatch.plan(indices[:2], weights[:2])
     assert isinstance(host, GatherHostPlan)  # eager CPU: block ids read as Python ints
-    assert host.host_block_index == ((3, 7), (5, 4))
+    assert host.blocks == (3, 4, 5, 7)  # routed blocks picked by any token, each read once
+    assert host.keep.tolist() == [[1, 0, 0, 0, 1], [0, 1, 1, 0, 0]]  # routed blocks 3..7 of tokens 0 and 1
+    torch.testing.assert_close(host.gates[0], torch.tensor([1, 1, 1, weights[0, 0], 0, 0, 0, weights[0, 1]]))
+    assert dispatch.host_tokens == 8
     with monkeypatch.context() as patch:  # under torch.compile: index tensors instead
         patch.setattr(torch.compiler, "is_compiling", lambda: True)
         few = dispatch.plan(indices[:2], weights[:2])
-    assert isinstance(few, GatherFewTokensPlan)
-    assert few.block_index.tolist() == [[3, 7], [5, 4]]  # absolute ids: rows of weight.view(N, s, in)
-    assert few.columns.view(2, 2, -1)[:, :, 0].tolist() == [[3 * 8, 7 * 8], [5 * 8, 4 * 8]]  # s = 64 / 8
-    plan = dispatch.plan(indices, weights)
+        assert isinstance(few, GatherFewTokensPlan)
+        assert few.block_index.tolist() == [[3, 7], [5, 4]]  # absolute ids: rows of weight.view(N, s, in)
+        assert few.columns.view(2, 2, -1)[:, :, 0].tolist() == [[3 * 8, 7 * 8], [5 * 8, 4 * 8]]  # s = 64 / 8
+        plan = dispatch.plan(indices, weights)  # 3 tokens > few_tokens: grouped when compiled
     assert isinstance(plan, GatherPlan)
+    assert isinstance(dispatch.plan(indices.repeat(3, 1), weights.repeat(3, 1)), GatherPlan)  # 9 > host_tokens
     # slot 0 picks routed blocks (0, 2, 4) for tokens (0, 1, 2); slot 1 picks (4, 1, 0): sorted by block per slot
     assert plan.token_index.tolist() == [[0, 1, 2], [2, 1, 0]]
     assert plan.block_index.tolist() == [[0, 2, 4], [0, 1, 4]]
@@ -125,14 +129,14 @@ def test_prefill_and_training_step_equal_masked(overrides):
     assert_same_training_step(gather, masked, ids(2, 11))
 
 
-@pytest.mark.parametrize("tokens", [1, 2], ids=["one-token", "two-tokens"])
+@pytest.mark.parametrize("tokens", [1, 2, 8], ids=["one-token", "two-tokens", "eight-tokens"])
 def test_few_tokens_path_equal_masked_with_gradients(tokens):
     gather, masked = pair(attention_bias=True, mlp_bias=True)
-    assert tokens <= dispatches(gather)[0].few_tokens
+    assert tokens <= dispatches(gather)[0].host_tokens
     assert_same_training_step(gather, masked, ids(1, tokens))
 
 
-@pytest.mark.parametrize("batch", [1, 3], ids=["batch1-few-tokens", "batch3-grouped"])
+@pytest.mark.parametrize("batch", [1, 3, 9], ids=["batch1-few-tokens", "batch3-few-tokens", "batch9-grouped"])
 def test_cached_decoding_equals_masked_step_by_step(batch):
     """Prefill then single-token steps with the routing cache: logits of every step agree, as do the routes."""
     gather, masked = pair()

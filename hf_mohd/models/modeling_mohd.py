@@ -140,15 +140,17 @@ class GatherFewTokensPlan(NamedTuple):
 
 class GatherHostPlan(NamedTuple):
     """Routing of a few tokens on an eager CPU run: the block ids are read to Python ints (no device to synchronise),
-    so each active block is addressed as a contiguous slice of the weights, with no index tensors and no copies.
+    so each routed block any of the M tokens picked is addressed as a contiguous slice of the weights and read once
+    for all M tokens, with no index tensors and no copies of weights.
 
-    block_index (M, k) absolute block ids and gates (M, k) as tensors (the gates keep their gradient);
-    host_block_index the same ids as M tuples of k Python ints.
+    gates (M, N): every block's input gate per token (1 shared, g_j selected, 0 otherwise; keeps the router's
+    gradient); keep (M, N_r) 1.0 where the token picked the routed block (None when M == 1: every block of `blocks`
+    is the token's); blocks: the sorted absolute ids of the routed blocks picked by at least one token.
     """
 
-    block_index: torch.Tensor
     gates: torch.Tensor
-    host_block_index: tuple[tuple[int, ...], ...]
+    keep: torch.Tensor | None
+    blocks: tuple[int, ...]
 
 
 class MoHDMaskedDispatch:
@@ -220,14 +222,21 @@ class MoHDGatherDispatch:
         # Reading each token's k blocks directly beats sorting while the blocks read are fewer than the routed
         # blocks (M * k <= N_r): the grouped path would then run mostly empty groups.
         self.few_tokens = max(1, self.num_routed // max(self.top_k, 1))
+        # With host ids each picked block is read once for all tokens, so the direct read stays ahead of the grouped
+        # path (which reads a block once per routing slot) over the small batches of decoding and draft verification.
+        self.host_tokens = max(self.few_tokens, 8)
 
     def plan(self, indices: torch.Tensor, weights: torch.Tensor) -> GatherPlan | GatherFewTokensPlan | GatherHostPlan:
         """(M, k) absolute block ids and gates -> per-slot pairs sorted by routed block (many tokens), or a direct
         read of each token's blocks (at most `few_tokens` tokens: by host ids on an eager CPU run, else by index
         tensors)."""
         m = indices.shape[0]
-        if m <= self.few_tokens and indices.device.type == "cpu" and not torch.compiler.is_compiling():
-            return GatherHostPlan(indices, weights, tuple(tuple(row) for row in indices.tolist()))
+        if m <= self.host_tokens and indices.device.type == "cpu" and not torch.compiler.is_compiling():
+            gates = F.pad(weights.new_ones(m, self.num_shared), (0, self.num_routed)).scatter(1, indices, weights)
+            keep = None
+            if m > 1:
+                keep = weights.new_zeros(m, self.num_sub_dims).scatter_(1, indices, 1.0)[:, self.num_shared :]
+            return GatherHostPlan(gates, keep, tuple(sorted(set(indices.view(-1).tolist()))))
         if m <= self.few_tokens:
             width = self.top_k * self.block
             columns = (indices[..., None] * self.block + torch.arange(self.block, device=indices.device)).view(m, -1)
@@ -352,65 +361,47 @@ class MoHDGatherDispatch:
         return out.view(m, self.num_sub_dims, self.block)
 
     def _project_in_host(self, hidden_states: torch.Tensor, plan: GatherHostPlan, linears) -> list[torch.Tensor]:
-        """Host-ids input side: (M, D) -> one (M, out) per linear. In the block-major layout each active block is s
-        contiguous rows of `weight.T`: the shared span is one GEMM for all M tokens, each routed block one
-        accumulating GEMV (`addmm`) on the token's gated block input."""
+        """Host-ids input side: (M, D) -> one (M, out) per linear. In the block-major layout each block is s
+        contiguous rows of `weight.T`: the shared span is one GEMM, each picked routed block one accumulating GEMM
+        (`addmm`) on the gated input, whose rows are 0 for the tokens that did not pick it."""
         m = hidden_states.shape[0]
-        shared = hidden_states[:, : self.shared_width]
-        # gated routed inputs, one (1, s) row per (token, block), in the plan's order
-        pieces = [
-            [
-                hidden_states[token : token + 1, block * self.block : (block + 1) * self.block]
-                * plan.gates[token : token + 1, slot : slot + 1]
-                for slot, block in enumerate(blocks)
-            ]
-            for token, blocks in enumerate(plan.host_block_index)
-        ]
-        dense = None
+        gated = (hidden_states.view(m, self.num_sub_dims, self.block) * plan.gates[..., None]).view(m, -1)
+        shared = gated[:, : self.shared_width]
         outputs = []
         for linear in linears:
             weight = getattr(linear, "weight", None)
             if type(linear) is nn.Linear and weight.stride(0) == 1 and weight.dtype == hidden_states.dtype:
                 weight_t = weight.t()  # (D, out), rows contiguous: block g is rows g s .. (g + 1) s - 1
                 out = F.linear(shared, weight[:, : self.shared_width], linear.bias)
-                rows = []
-                for token, blocks in enumerate(plan.host_block_index):
-                    row = out[token : token + 1]
-                    for piece, block in zip(pieces[token], blocks, strict=True):
-                        row = torch.addmm(row, piece, weight_t[block * self.block : (block + 1) * self.block])
-                    rows.append(row)
-                outputs.append(rows[0] if m == 1 else torch.cat(rows))
-                continue
-            # row-major or not a plain linear: one dense matmul on the gated input (the masked path's computation)
-            if dense is None:
-                dense = F.pad(shared, (0, self.hidden_size - self.shared_width)).view(m, self.num_sub_dims, self.block)
-                for token, blocks in enumerate(plan.host_block_index):
-                    for piece, block in zip(pieces[token], blocks, strict=True):
-                        dense[token, block] = piece[0]
-                dense = dense.view(m, -1)
-            outputs.append(linear(dense))
+                for block in plan.blocks:
+                    columns = slice(block * self.block, (block + 1) * self.block)
+                    out = torch.addmm(out, gated[:, columns], weight_t[columns])
+                outputs.append(out)
+            else:  # row-major or not a plain linear: one dense matmul on the gated input (the masked computation)
+                outputs.append(linear(gated))
         return outputs
 
     def _project_out_host(self, hidden_states: torch.Tensor, plan: GatherHostPlan, linear) -> torch.Tensor:
-        """Host-ids output side: (M, in) -> (M, N, s); each active block is s contiguous rows of the row-major
-        weight, read in place (one GEMV per token and block), other blocks 0."""
+        """Host-ids output side: (M, in) -> (M, N, s); each picked block is s contiguous rows of the row-major
+        weight, read in place once for all M tokens and kept for the tokens that picked it; other blocks 0."""
         m = hidden_states.shape[0]
         if type(linear) is not nn.Linear:
             dense = linear(hidden_states).view(m, self.num_sub_dims, self.block)
-            out = F.pad(dense[:, : self.num_shared], (0, 0, 0, self.num_routed))
-            for token, blocks in enumerate(plan.host_block_index):
-                for block in blocks:
-                    out[token, block] = dense[token, block]
-            return out
+            keep = plan.keep if plan.keep is not None else dense.new_zeros(m, self.num_routed)
+            if plan.keep is None:
+                keep[:, [block - self.num_shared for block in plan.blocks]] = 1
+            return torch.cat([dense[:, : self.num_shared], dense[:, self.num_shared :] * keep[..., None]], dim=1)
         weight, bias = linear.weight, linear.bias
         shared = F.linear(
             hidden_states, weight[: self.shared_width], None if bias is None else bias[: self.shared_width]
         )
         out = F.pad(shared.view(m, self.num_shared, self.block), (0, 0, 0, self.num_routed))
-        for token, blocks in enumerate(plan.host_block_index):
-            for block in blocks:
-                rows = slice(block * self.block, (block + 1) * self.block)
-                out[token, block] = F.linear(hidden_states[token], weight[rows], None if bias is None else bias[rows])
+        for block in plan.blocks:
+            rows = slice(block * self.block, (block + 1) * self.block)
+            routed = F.linear(hidden_states, weight[rows], None if bias is None else bias[rows])
+            if plan.keep is not None:
+                routed = routed * plan.keep[:, block - self.num_shared, None]
+            out[:, block] = routed
         return out
 
     def _scatter_routed(
