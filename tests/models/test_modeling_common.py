@@ -8,6 +8,7 @@ the families (config fields, the fast and the reference path) in `ModelFamily`.
 """
 
 import copy
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
+from transformers.distributed import DistributedConfig
 
 import hf_mohd  # noqa: F401  (registers the Auto classes)
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
@@ -302,12 +304,24 @@ def test_grouped_matmul_equals_per_group_matmul(dtype, contraction, out_features
 # --- modules kept in fp32 -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("router_score_func", ["softmax", "sigmoid"])
-def test_keep_in_fp32_modules_are_all_in_the_model(family, router_score_func):
+# Config variants that build different module sets: (family, variant id, overrides).
+MODULE_VARIANTS = [
+    ("mohd", "default", {}),
+    ("mohd", "attention_only", {"sparse_modules": ["attention"]}),
+    ("latent_moe", "softmax", {"router_score_func": "softmax"}),
+    ("latent_moe", "sigmoid", {"router_score_func": "sigmoid"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("family_name", "overrides"),
+    [(name, overrides) for name, _, overrides in MODULE_VARIANTS],
+    ids=[f"{name}-{variant}" for name, variant, _ in MODULE_VARIANTS],
+)
+def test_keep_in_fp32_modules_are_all_in_the_model(family_name, overrides):
     """transformers' rule: every name in `_keep_in_fp32_modules_strict` is a module (or parameter/buffer) name of the
-    model; the default model (softmax routing) has no correction bias, so must not list it."""
-    overrides = {"router_score_func": router_score_func} if family.name == "latent_moe" else {}
-    model = family.model(dtype=torch.float32, **overrides)
+    model built from the config; LatentMoE's correction bias is listed exactly where it is built (sigmoid routing)."""
+    model = FAMILIES[family_name].model(dtype=torch.float32, **overrides)
     names = {
         part
         for name, _ in [*model.named_modules(), *model.named_parameters(), *model.named_buffers()]
@@ -317,7 +331,7 @@ def test_keep_in_fp32_modules_are_all_in_the_model(family, router_score_func):
     assert listed <= names, listed - names
     has_bias = any(getattr(m, "e_score_correction_bias", None) is not None for m in model.modules())
     assert ("e_score_correction_bias" in listed) == has_bias
-    assert has_bias == (router_score_func == "sigmoid" and family.name == "latent_moe")
+    assert has_bias == (overrides.get("router_score_func") == "sigmoid")
 
 
 def test_sigmoid_correction_bias_loads_in_fp32_with_bf16_weights(tmp_path):
@@ -357,3 +371,42 @@ def test_tied_weights_are_sharded_together_as_in_llama(family, tied):
     reference = llama(tie_word_embeddings=tied).tp_plan
     for module in ("model.embed_tokens", "lm_head"):
         assert plan.get(module) == reference.get(module), module
+
+
+def _tensor_parallel_rank(rank: int, family_name: str, folder: str, init_file: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")  # as torchrun sets them
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    family = FAMILIES[family_name]
+    model = family.model_class.from_pretrained(
+        folder, distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.float32
+    )
+    family.prepare(model)
+    ids = torch.load(f"{folder}/ids.pt")
+    embedding = model.model.embed_tokens.weight
+    torch.save(
+        {
+            "logits": model.eval()(ids).logits,
+            "placements": [(type(p).__name__, getattr(p, "dim", None)) for p in getattr(embedding, "placements", [])],
+        },
+        f"{folder}/rank{rank}.pt",
+    )
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_on_two_processes_equals_one(family, tmp_path):
+    """`from_pretrained(distributed_config=DistributedConfig(tp_plan="auto"))` on 2 gloo processes: the tied
+    embedding / LM head is sharded on the vocabulary and every rank's logits equal the single-process ones."""
+    model = family.model(dtype=torch.float32, tie_word_embeddings=True, vocab_size=96)  # vocabulary divisible by 2
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    model.save_pretrained(tmp_path)
+    torch.save(ids, tmp_path / "ids.pt")
+    expected = model(ids).logits
+    torch.multiprocessing.spawn(
+        _tensor_parallel_rank, args=(family.name, str(tmp_path), str(tmp_path / "init")), nprocs=2
+    )
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["placements"] == [("Shard", 0)]  # a DTensor sharded on the vocabulary
+        torch.testing.assert_close(result["logits"], expected, atol=1e-5, rtol=1e-5)
