@@ -316,16 +316,20 @@ def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _grouped_mm_aligned(tensor: torch.Tensor) -> bool:
-    """Whether `torch.nn.functional.grouped_mm` accepts `tensor` as an operand: 16-byte aligned data pointer and a
-    leading stride (of the last two dims, the one that is not 1) that is a multiple of 16 bytes.
+    """Whether `torch.nn.functional.grouped_mm` accepts `tensor` as an operand: a 16-byte aligned start and a leading
+    stride (of the last two dims, the one that is not 1) that is a multiple of 16 bytes.
 
     The rule of ATen's `check_valid_strides_and_return_transposed` (`aten/src/ATen/native/GroupedMMUtils.h`), which
-    raises "strides should be multiple of 16 bytes" otherwise.
+    raises "strides should be multiple of 16 bytes" otherwise. The start is checked as the view's offset into its
+    storage (the allocator aligns storages themselves); under torch.compile, where reading the offset would break
+    the graph, only the strides are: the MoHD views start at N_s * s columns or N_s * s rows of a weight, aligned
+    whenever their strides are.
     """
     alignment = 16 // tensor.element_size()
     rows, columns = tensor.stride()[-2:]
     leading = columns if rows == 1 else rows
-    return tensor.data_ptr() % 16 == 0 and leading % alignment == 0
+    start_aligned = torch.compiler.is_compiling() or tensor.storage_offset() % alignment == 0
+    return start_aligned and leading % alignment == 0
 
 
 def grouped_matmul(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
