@@ -340,12 +340,12 @@ def grouped_matmul(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Te
     (equivalence tests).
 
     The kernel needs 16-byte aligned operands (`_grouped_mm_aligned`), in the backward too, where the output's
-    gradient (R, O) is one. MoHD's operands are views of an `nn.Linear`
-    weight cut into sub-dimension blocks of s scalars, so a block of s * element_size bytes that is not a multiple of
-    16 (s = 36 in bf16: SmolLM2-135M's hidden 576 at 16 sub-dimensions) breaks that rule. Such operands are padded
-    with zeros to K', O' multiples of 16 bytes (the zero rows and columns add nothing to the products) and the
-    result is cut back to O columns. The padding copies `inputs` and `weight`, and autograd keeps the padded weight
-    for the backward; aligned operands (any multiple of 4 scalars in float32) take the kernel directly, with no copy.
+    gradient (R, O) is one. MoHD's operands are views of an `nn.Linear` weight cut into sub-dimension blocks of s
+    scalars, so a block of s * element_size bytes that is not a multiple of 16 (s = 36 in bf16 or fp16:
+    SmolLM2-135M's hidden 576 at 16 sub-dimensions) breaks that rule. Such operands are padded with zeros to K', O'
+    multiples of 16 bytes (the zero rows and columns add nothing to the products) and the result is cut back to O
+    columns. The padding copies `inputs` and `weight`, and autograd keeps the padded weight for the backward; aligned
+    operands (s a multiple of 4 in float32, of 8 in bf16/fp16) take the kernel directly, with no copy.
     """
     if inputs.dtype == torch.float64:
         return torch.ops.transformers.grouped_mm_fallback(inputs, weight, offsets)

@@ -316,8 +316,8 @@ class LatentMoEPreTrainedModel(PreTrainedModel):
     def post_init(self):
         """Lists `e_score_correction_bias` in `_keep_in_fp32_modules_strict` only for sigmoid routing, the only routing
         that builds the buffer: `from_pretrained(dtype=torch.bfloat16)` then loads it in fp32 (steps of gamma = 1e-3 on
-        a bias of order 1 vanish in bf16), and the list names no module that the model lacks (transformers checks
-        that every listed module exists)."""
+        a bias of order 1 vanish in bf16), and the list names no module that the model lacks (transformers' model
+        checks require every listed module to exist)."""
         # CODEPATH: sigmoid routers (DeepSeek-V3 / Nemotron-H style) hold the fp32 selection bias; softmax ones do not.
         if self.config.router_score_func == "sigmoid":
             self._keep_in_fp32_modules_strict = ["e_score_correction_bias"]
