@@ -41,7 +41,8 @@ from hf_mohd.shaping import (
 HAS_LATENT_MOE = importlib.util.find_spec("hf_mohd.models.configuration_latent_moe") is not None
 
 # A small config: D = 64, H = 4, H_kv = 2 (head_dim 16), l = 16, m = 32, N = 8, K = 2, m_s = 48; layer 1 dense
-# (I = 128), layer 2 a standard MoE (no latent), layer 3 non-gated.
+# (I = 128), layer 2 a standard MoE (no latent), layer 3 smaller (N = 4, K = 1, no shared expert). Only fields of
+# `PER_LAYER_FIELDS` vary per layer, as `LatentMoEConfig` requires (`mlp_gated` is one value for the whole model).
 DICT_CONFIG = {
     "vocab_size": 100,
     "hidden_size": 64,
@@ -57,7 +58,11 @@ DICT_CONFIG = {
     "mlp_gated": True,
     "mixer_type": "moe",
     "tie_word_embeddings": False,
-    "per_layer_config": {"1": {"mixer_type": "mlp"}, "2": {"moe_latent_size": None}, "3": {"mlp_gated": False}},
+    "per_layer_config": {
+        "1": {"mixer_type": "mlp"},
+        "2": {"moe_latent_size": None},
+        "3": {"num_experts": 4, "num_experts_per_tok": 1, "moe_shared_expert_intermediate_size": 0},
+    },
 }
 
 
@@ -84,7 +89,7 @@ def test_component_formulas_match_hand_counts():
 
 def test_layer_and_model_accounting_of_a_dict_config():
     layers = latent_moe_accounting(DICT_CONFIG).layers
-    latent, dense, standard, ungated = layers
+    latent, dense, standard, small = layers
     assert latent.total_params == 12288 + 12288 + 2048 + 512 + 9216 + 128
     assert latent.activated_params == 12288 + 3 * 2 * 16 * 32 + 2048 + 512 + 9216 + 128
     assert (latent.mixer_macs, latent.all_to_all_scalars) == (14848, 64)
@@ -92,18 +97,57 @@ def test_layer_and_model_accounting_of_a_dict_config():
     assert (dense.mixer_macs, dense.all_to_all_scalars) == (3 * 64 * 128, 0)
     assert standard.routed_expert_params == 3 * 8 * 64 * 32 and standard.latent_projection_params == 0
     assert (standard.mixer_macs, standard.all_to_all_scalars) == (3 * 2 * 64 * 32 + 512 + 9216, 2 * 2 * 64)
-    assert ungated.routed_expert_params == 2 * 8 * 16 * 32 and ungated.shared_expert_params == 2 * 64 * 48
+    # N = 4, K = 1, m_s = 0: routed 3 * 4 * 16 * 32, router 64 * 4, latent projections 2 * 64 * 16, no shared expert
+    assert small.total_params == 12288 + 6144 + 2048 + 256 + 128
+    assert small.activated_params == 12288 + 3 * 1 * 16 * 32 + 2048 + 256 + 128
+    assert (small.shared_expert_params, small.mixer_macs, small.all_to_all_scalars) == (0, 1536 + 2048 + 256, 32)
     total = latent_moe_accounting(DICT_CONFIG)
     assert total.total_params == sum(layer.total_params for layer in layers) + 64 + 2 * 100 * 64
-    assert total.all_to_all_scalars == 64 + 0 + 256 + 64
+    assert total.all_to_all_scalars == 64 + 0 + 256 + 32
+    # non-gated experts and shared expert (`mlp_gated=False`, global): c = 2
+    ungated = latent_moe_accounting({**DICT_CONFIG, "mlp_gated": False}).layers[0]
+    assert ungated.routed_expert_params == 2 * 8 * 16 * 32 and ungated.shared_expert_params == 2 * 64 * 48
     with_context = layer_accounting(DICT_CONFIG, 0, context_length=10)
     assert with_context.attention_macs == 12288 + 2 * 4 * 16 * 10
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"mlp_gated": False},
+        {"hidden_size": 32},
+        {"num_attention_heads": 2},
+        {"attention_bias": True},
+        {"skip": ["mlp"]},
+    ],
+)
+def test_accounting_rejects_per_layer_overrides_the_config_rejects(overrides):
+    from hf_mohd.models.configuration_latent_moe import LatentMoEConfig
+
+    fields = {k: v for k, v in DICT_CONFIG.items() if k != "per_layer_config"}
+    with pytest.raises(ValueError, match=r"per_layer_config\[3\]` overrides") as from_config:
+        LatentMoEConfig(**fields, per_layer_config={3: overrides})
+    for per_layer in ({"3": overrides}, {3: overrides}):
+        with pytest.raises(ValueError) as from_accounting:
+            model_accounting({**fields, "per_layer_config": per_layer})
+        assert str(from_accounting.value) == str(from_config.value)
+    # every layer's fields are checked, not only the layer asked for
+    with pytest.raises(ValueError, match=r"per_layer_config\[3\]` overrides"):
+        layer_accounting({**fields, "per_layer_config": {"3": overrides}}, 0)
+
+
+def test_dict_fixture_is_a_valid_latent_moe_config():
+    from hf_mohd.models.configuration_latent_moe import LatentMoEConfig
+
+    config = LatentMoEConfig.from_dict(DICT_CONFIG)
+    assert [layer.num_experts for layer in config.per_layer_config] == [8, 8, 8, 4]
+    assert model_accounting(config).as_dict() == latent_moe_accounting(DICT_CONFIG).as_dict()
 
 
 def test_accounting_errors_name_layer_and_field():
     bad = json.loads(json.dumps(DICT_CONFIG))
     bad["per_layer_config"]["3"]["num_experts_per_tok"] = 9
-    with pytest.raises(ValueError, match=r"layer 3: `num_experts_per_tok` must be at most `num_experts` \(8\)"):
+    with pytest.raises(ValueError, match=r"layer 3: `num_experts_per_tok` must be at most `num_experts` \(4\)"):
         model_accounting(bad)
     bad["per_layer_config"]["3"] = {"mixer_type": "attention"}
     with pytest.raises(ValueError, match="layer 3: `mixer_type` must be one of"):

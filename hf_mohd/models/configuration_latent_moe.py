@@ -19,23 +19,12 @@ from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils import auto_docstring
 from transformers.utils.type_validators import interval
 
-from .latent_moe_accounting import layer_accounting, model_accounting
+from .latent_moe_accounting import check_layer_overrides, layer_accounting, model_accounting
 
 
 MIXER_TYPES = ("moe", "mlp")
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
 POSITION_EMBEDDING_TYPES = ("rope", "none")
-# Fields a `per_layer_config` entry may override (DESIGN section 4, item 7): the mixer of the layer and its shape.
-PER_LAYER_FIELDS = (
-    "mixer_type",
-    "intermediate_size",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "moe_latent_size",
-    "moe_shared_expert_intermediate_size",
-    "routed_scaling_factor",
-)
 
 
 @auto_docstring(
@@ -46,7 +35,8 @@ PER_LAYER_FIELDS = (
     `hidden_size`, `fc1_latent_proj` maps each token to `moe_latent_size` once, the routed experts run and are combined
     at that latent width, and `fc2_latent_proj` maps back; a shared expert works at full width (as Nemotron 3 /
     transformers' `NemotronHMoE`). `moe_latent_size=None` is the standard fine-grained MoE baseline.
-    Any layer may override the fields in `PER_LAYER_FIELDS` through transformers' native `per_layer_config`
+    Any layer may override the fields in `PER_LAYER_FIELDS` (latent_moe_accounting.py, one list for the config and
+    the accounting) through transformers' native `per_layer_config`
     (a sparse map {layer index: {field: value}}), e.g. `per_layer_config={0: {"mixer_type": "mlp"}}`.
     """,
 )
@@ -156,12 +146,7 @@ class LatentMoEConfig(PreTrainedConfig):
         """Cross-field rules; each `ValueError` names the field, the allowed values and, per layer, the layer index."""
         spec = self.__dict__.get("_heterogeneity_spec")
         for layer_idx, overrides in (spec.per_layer_overrides if spec is not None else {}).items():
-            unknown = sorted(set(overrides) - set(PER_LAYER_FIELDS))
-            if unknown:
-                raise ValueError(
-                    f"`per_layer_config[{layer_idx}]` overrides {unknown}, which cannot vary per layer; "
-                    f"allowed fields: {list(PER_LAYER_FIELDS)}."
-                )
+            check_layer_overrides(layer_idx, overrides)
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)!r}.")

@@ -45,7 +45,21 @@ from dataclasses import asdict, dataclass
 
 MIXER_TYPES = ("moe", "mlp")
 
-# Fields a layer may override through `per_layer_config`, with the value used when a config lacks them.
+# Fields a `per_layer_config` entry may override: the mixer of the layer and its shape. `LatentMoEConfig` imports
+# this list (configuration_latent_moe.py), so that the config and the accounting accept and reject the same overrides;
+# everything else (width, attention, `mlp_gated`, routing function) is one value for the whole model.
+PER_LAYER_FIELDS = (
+    "mixer_type",
+    "intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "moe_latent_size",
+    "moe_shared_expert_intermediate_size",
+    "routed_scaling_factor",
+)
+
+# Fields the accounting of a layer reads, with the value used when a config lacks them.
 LAYER_FIELD_DEFAULTS = {
     "hidden_size": None,
     "moe_intermediate_size": None,
@@ -61,6 +75,22 @@ LAYER_FIELD_DEFAULTS = {
     "head_dim": None,
     "attention_bias": False,
 }
+
+
+def check_layer_overrides(layer_idx, overrides: Mapping) -> None:
+    """Rejects a `per_layer_config` entry that overrides a field outside `PER_LAYER_FIELDS`.
+
+    Used by `LatentMoEConfig.validate_architecture` and by `layer_fields` (config dicts, other config-like objects).
+
+    Raises:
+        ValueError: naming the layer, the fields that cannot vary per layer and the allowed ones.
+    """
+    unknown = sorted(set(overrides) - set(PER_LAYER_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"`per_layer_config[{layer_idx}]` overrides {unknown}, which cannot vary per layer; "
+            f"allowed fields: {list(PER_LAYER_FIELDS)}."
+        )
 
 
 def _check_positive(name: str, value, where: str = "") -> int:
@@ -249,11 +279,13 @@ def layer_fields(config, layer_idx: int) -> dict:
 
     A `PreTrainedConfig` is read through `config.per_layer_config[layer_idx]` (transformers' heterogeneous view);
     a `dict` or other object with a mapping `per_layer_config` ({index (int or str): {field: value}}) gets that
-    layer's overrides applied on top of the global values. Derived defaults follow LLaMA: `num_key_value_heads`
-    = `num_attention_heads`, `head_dim` = D / H.
+    layer's overrides applied on top of the global values, each entry checked as `LatentMoEConfig` checks it
+    (`check_layer_overrides`: only `PER_LAYER_FIELDS` may vary). Derived defaults follow LLaMA:
+    `num_key_value_heads` = `num_attention_heads`, `head_dim` = D / H.
 
     Raises:
-        ValueError: `layer_idx` is outside [0, num_hidden_layers), or a `per_layer_config` key is not an index.
+        ValueError: `layer_idx` is outside [0, num_hidden_layers), a `per_layer_config` key is not an index, or an
+            entry overrides a field outside `PER_LAYER_FIELDS`.
     """
     num_layers = _num_layers(config)
     if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < num_layers:
@@ -268,6 +300,7 @@ def layer_fields(config, layer_idx: int) -> dict:
                     "`per_layer_config` must map layer indices (int or digit strings) to field overrides, "
                     f"got {key!r}: {value!r}."
                 )
+            check_layer_overrides(int(key), value)
             if int(key) == layer_idx:
                 overrides = dict(value)
     elif per_layer is not None:

@@ -23,6 +23,7 @@ This file is copied next to the weights by `save_pretrained` (remote code), so i
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache, StaticCache
@@ -34,6 +35,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_u
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -41,6 +43,13 @@ from .routing_cache import RoutingCache
 
 
 logger = logging.get_logger(__name__)
+
+# transformers 5.x renamed the forward argument `past_key_values` to `cache`; LLaMA's modules (attention, decoder
+# layer, base model, causal LM) accept the old name with a `FutureWarning` and pass it on as `cache`
+# (`modeling_llama.py`: `@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")`). The same decorator on the
+# same modules here gives the same behaviour and message; without it the old name would fall into `**kwargs` and the
+# cache would be ignored.
+deprecate_past_key_values = deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
 
 
 class RMSNorm(nn.Module):
@@ -210,6 +219,7 @@ class Attention(nn.Module):
         )
         return attn_output.reshape(*input_shape, -1).contiguous(), attn_weights
 
+    @deprecate_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -273,6 +283,7 @@ class DecoderLayer(GradientCheckpointingLayer):
     `post_attention_layernorm`; the cache reaches the mixer too, so that routers can record into it.
     """
 
+    @deprecate_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -304,15 +315,51 @@ def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def _grouped_mm_aligned(tensor: torch.Tensor) -> bool:
+    """Whether `torch.nn.functional.grouped_mm` accepts `tensor` as an operand: a 16-byte aligned start and a leading
+    stride (of the last two dims, the one that is not 1) that is a multiple of 16 bytes.
+
+    The rule of ATen's `check_valid_strides_and_return_transposed` (`aten/src/ATen/native/GroupedMMUtils.h`), which
+    raises "strides should be multiple of 16 bytes" otherwise. The start is checked as the view's offset into its
+    storage (the allocator aligns storages themselves); under torch.compile, where reading the offset would break
+    the graph, only the strides are: the MoHD views start at N_s * s columns or N_s * s rows of a weight, aligned
+    whenever their strides are.
+    """
+    alignment = 16 // tensor.element_size()
+    rows, columns = tensor.stride()[-2:]
+    leading = columns if rows == 1 else rows
+    start_aligned = torch.compiler.is_compiling() or tensor.storage_offset() % alignment == 0
+    return start_aligned and leading % alignment == 0
+
+
 def grouped_matmul(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Grouped matmul: rows `offsets[g-1]:offsets[g]` of `inputs` (R, K) times `weight[g]` (G, K, O) -> (R, O).
 
-    Uses `torch.nn.functional.grouped_mm` (CPU and CUDA kernels in torch >= 2.10, float32/bf16/fp16) and falls
-    back to transformers' registered loop operator for other dtypes (float64 in equivalence tests).
+    Uses `torch.nn.functional.grouped_mm` (CPU and CUDA kernels in torch >= 2.10, float32/bf16/fp16) through
+    transformers' `integrations.moe._grouped_mm`, and transformers' registered loop operator for float64
+    (equivalence tests).
+
+    The kernel needs 16-byte aligned operands (`_grouped_mm_aligned`), in the backward too, where the output's
+    gradient (R, O) is one. MoHD's operands are views of an `nn.Linear` weight cut into sub-dimension blocks of s
+    scalars, so a block of s * element_size bytes that is not a multiple of 16 (s = 36 in bf16 or fp16:
+    SmolLM2-135M's hidden 576 at 16 sub-dimensions) breaks that rule. Such operands are padded with zeros to K', O'
+    multiples of 16 bytes (the zero rows and columns add nothing to the products) and the result is cut back to O
+    columns. The padding copies `inputs` and `weight`, and autograd keeps the padded weight for the backward; aligned
+    operands (s a multiple of 4 in float32, of 8 in bf16/fp16) take the kernel directly, with no copy.
     """
     if inputs.dtype == torch.float64:
         return torch.ops.transformers.grouped_mm_fallback(inputs, weight, offsets)
-    return transformers_moe._grouped_mm(inputs, weight, offsets)
+    inputs = inputs.to(weight.dtype)  # transformers' `_grouped_mm` casts the same way (autocast leaves fp32 inputs)
+    alignment = 16 // weight.element_size()
+    contraction, out_features = weight.shape[-2:]
+    # the output's gradient (R, O), contiguous, is an operand of the backward: O must be aligned too
+    if _grouped_mm_aligned(inputs) and _grouped_mm_aligned(weight) and out_features % alignment == 0:
+        return transformers_moe._grouped_mm(inputs, weight, offsets)
+    pad_contraction, pad_out = -contraction % alignment, -out_features % alignment
+    # F.pad returns new contiguous (hence 16-byte aligned) tensors, even when a pad is 0
+    inputs = F.pad(inputs, (0, pad_contraction))
+    weight = F.pad(weight, (0, pad_out, 0, pad_contraction))
+    return transformers_moe._grouped_mm(inputs, weight, offsets)[:, :out_features]
 
 
 def load_balancing_loss(
@@ -385,6 +432,7 @@ class RoutedDecoderMixin:
     `rotary_emb` (a module returning None when the family has no positional embedding).
     """
 
+    @deprecate_past_key_values
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -448,6 +496,7 @@ class RoutedCausalLMMixin(RoutingGenerationMixin):
     `output_router_logits` (the family returns None where routing is balanced otherwise).
     """
 
+    @deprecate_past_key_values
     @can_return_tuple
     def forward(
         self,

@@ -30,8 +30,9 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
+from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 from transformers.modeling_utils import PreTrainedModel
-from transformers.utils import auto_docstring
+from transformers.utils import auto_docstring, logging
 from transformers.utils.output_capturing import OutputRecorder
 
 from .configuration_latent_moe import LatentMoEConfig
@@ -48,6 +49,8 @@ from .modeling_common import (
 )
 from .routing_cache import RoutingCache
 
+
+logger = logging.get_logger(__name__)
 
 ROUTER_NAME = "moe"
 ROUTER_SCORE_FUNCTIONS = {"softmax": partial(torch.softmax, dim=-1), "sigmoid": torch.sigmoid}
@@ -164,7 +167,34 @@ class LatentMoEExpertsBase(nn.Module):
         return final_hidden_states.to(hidden_states.dtype)
 
 
-@use_experts_implementation
+def aligned_grouped_mm_experts_forward(
+    self: LatentMoEExpertsBase, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """`experts_implementation="grouped_mm"`: transformers' `grouped_mm_experts_forward` when the expert widths suit
+    the kernel, the eager loop (`LatentMoEExpertsBase.forward`, same result) otherwise.
+
+    `torch.nn.functional.grouped_mm` needs every operand's leading stride to be a multiple of 16 bytes (ATen's
+    `check_valid_strides_and_return_transposed`, "strides should be multiple of 16 bytes"); its operands here are
+    (tokens, l) and (tokens, m) activations and (E, ., l) / (E, ., m) weights, so l and m must be multiples of
+    16 / element_size scalars: of 8 in bf16 and fp16 (l = 36 is not), of 4 in float32.
+    """
+    alignment = 16 // self.down_proj.element_size()
+    if self.hidden_dim % alignment or self.intermediate_dim % alignment:
+        logger.warning_once(
+            f"LatentMoE experts of width l={self.hidden_dim}, m={self.intermediate_dim} in {self.down_proj.dtype} do "
+            f"not suit the grouped_mm kernel (l and m must be multiples of {alignment}); using the eager experts loop."
+        )
+        return LatentMoEExpertsBase.forward(self, hidden_states, top_k_index, top_k_weights)
+    return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+# transformers' experts implementations, with "grouped_mm" falling back where the kernel cannot run (a local override
+# of `ExpertsInterface`, as its docstring intends; the other implementations are transformers' own)
+LATENT_MOE_EXPERTS_FUNCTIONS = ExpertsInterface()
+LATENT_MOE_EXPERTS_FUNCTIONS["grouped_mm"] = aligned_grouped_mm_experts_forward
+
+
+@use_experts_implementation(experts_interface=LATENT_MOE_EXPERTS_FUNCTIONS)
 class LatentMoEExperts(LatentMoEExpertsBase):
     """Gated routed experts as fused 3-D weights: `gate_up_proj` (E, 2m, l) = [gate; up], `down_proj` (E, l, m).
 
@@ -186,7 +216,7 @@ class LatentMoEExperts(LatentMoEExpertsBase):
         return F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])
 
 
-@use_experts_implementation(has_gate=False)
+@use_experts_implementation(experts_interface=LATENT_MOE_EXPERTS_FUNCTIONS, has_gate=False)
 class LatentMoEUngatedExperts(LatentMoEExpertsBase):
     """Non-gated routed experts (`mlp_gated=False`, e.g. relu2 as Nemotron 3, same layout as `NemotronHExperts`):
     `up_proj` (E, m, l), `down_proj` (E, l, m); expert e maps x to down_e(act(up_e x)) (2 N l m parameters).
@@ -278,12 +308,21 @@ class LatentMoEPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
-    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
     _can_record_outputs = {
         "router_logits": OutputRecorder(LatentMoERouter, index=0),
         "hidden_states": LatentMoEDecoderLayer,
         "attentions": Attention,
     }
+
+    def post_init(self):
+        """Lists `e_score_correction_bias` in `_keep_in_fp32_modules_strict` only for sigmoid routing, the only routing
+        that builds the buffer: `from_pretrained(dtype=torch.bfloat16)` then loads it in fp32 (steps of gamma = 1e-3 on
+        a bias of order 1 vanish in bf16), and the list names no module that the model lacks (transformers' model
+        checks require every listed module to exist)."""
+        # CODEPATH: sigmoid routers (DeepSeek-V3 / Nemotron-H style) hold the fp32 selection bias; softmax ones do not.
+        if self.config.router_score_func == "sigmoid":
+            self._keep_in_fp32_modules_strict = ["e_score_correction_bias"]
+        super().post_init()
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -320,7 +359,8 @@ class LatentMoEModel(RoutedDecoderMixin, LatentMoEPreTrainedModel):
 @auto_docstring
 class LatentMoEForCausalLM(RoutedCausalLMMixin, LatentMoEPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
+    # both tied weights sharded on the vocabulary, as in `LlamaForCausalLM.tp_plan`
+    _tp_plan = {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: LatentMoEConfig):

@@ -55,7 +55,8 @@ class MoHDRouter(nn.Module):
     keeps its gradient). With a `RoutingCache` the routing of these tokens is appended to the record.
 
     Returns:
-        logits (B*T, N_r) fp32, weights (B, T, k) in the input dtype, indices (B, T, k) absolute block ids.
+        logits (B*T, N_r) fp32 (or the input dtype when wider), also under autocast, weights (B, T, k) in the input
+        dtype, indices (B, T, k) absolute block ids.
     """
 
     def __init__(self, config: MoHDConfig, layer_idx: int, router_name: str):
@@ -69,7 +70,10 @@ class MoHDRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cache=None, routing_replay=None, **kwargs):
         compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        logits = F.linear(hidden_states.to(compute_dtype), self.weight.to(compute_dtype))
+        # fp32 logits even under bf16 autocast (which would run F.linear in bf16): top-k selection is sensitive to
+        # rounding (the same rule as `LatentMoERouter` in modeling_latent_moe.py)
+        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+            logits = F.linear(hidden_states.to(compute_dtype), self.weight.to(compute_dtype))
         probs = torch.softmax(logits, dim=-1)
         if routing_replay is not None:
             routed = routing_replay[(self.layer_idx, self.router_name)].indices.to(probs.device) - self.num_shared
@@ -602,7 +606,8 @@ class MoHDModel(RoutedDecoderMixin, MoHDPreTrainedModel):
 @auto_docstring
 class MoHDForCausalLM(RoutedCausalLMMixin, MoHDPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
+    # both tied weights sharded on the vocabulary, as in `LlamaForCausalLM.tp_plan`
+    _tp_plan = {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: MoHDConfig):

@@ -1,0 +1,412 @@
+"""Checks common to both model families (MoHD and LatentMoE), each test parametrised over the family, as
+transformers' `ModelTesterMixin` runs its common checks for every model. Oracles: LlamaForCausalLM (cache argument,
+warnings, parallel plan), the uncached forward, each family's reference path (MoHD masked, LatentMoE eager experts),
+an fp32 recomputation of the router logits, and the saved model itself.
+
+To add a common check: take the `family` fixture and build models with `family.model(...)`; put what differs between
+the families (config fields, the fast and the reference path) in `ModelFamily`.
+"""
+
+import copy
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from itertools import pairwise
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import DynamicCache
+from transformers.distributed import DistributedConfig
+
+import hf_mohd  # noqa: F401  (registers the Auto classes)
+from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
+from hf_mohd.models.modeling_common import _grouped_mm_aligned, grouped_matmul
+from hf_mohd.models.modeling_latent_moe import LatentMoERouter
+from hf_mohd.models.modeling_mohd import MoHDRouter
+
+
+VOCAB = 97
+# The LLaMA part of every tiny config; `LlamaForCausalLM` of these fields is the oracle of the LLaMA behaviours.
+LLAMA_FIELDS = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """How to build tiny models of one family.
+
+    Args:
+        name: test id.
+        config_class, model_class: the family's config and causal LM.
+        router_class: the router module (its forward returns the recorded logits first).
+        fields: config fields on top of `LLAMA_FIELDS`.
+        unaligned_fields: fields giving widths whose bytes in bf16/fp16 are not a multiple of 16 (36 scalars).
+        fast_and_reference: (fast, reference) keyword overrides of the same model: two execution paths that must
+            agree (`model(**overrides)`).
+        prepare: applied to each built model (e.g. pick the experts implementation).
+    """
+
+    name: str
+    config_class: type
+    model_class: type
+    router_class: type
+    fields: dict
+    unaligned_fields: dict
+    fast_and_reference: tuple[dict, dict]
+    prepare: Callable = field(default=lambda model, **overrides: model)
+
+    def config(self, **overrides):
+        return self.config_class(**{**LLAMA_FIELDS, **self.fields, **overrides})
+
+    def model(self, seed: int = 0, dtype=torch.float64, **overrides):
+        """A tiny model in eval mode; float64 by default (no top-k ties between paths); routers spread (std 0.5)
+        so that routing matters."""
+        build = {k: v for k, v in overrides.items() if k != "experts_implementation"}
+        torch.manual_seed(seed)
+        model = self.model_class(self.config(**build)).to(dtype).eval()
+        model = self.prepare(model, **overrides)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, self.router_class):
+                    module.weight.normal_(0, 0.5)
+        return model
+
+
+def _prepare_latent_moe(model, experts_implementation="eager", **overrides):
+    model.set_experts_implementation(experts_implementation)
+    return model
+
+
+FAMILIES = {
+    "mohd": ModelFamily(
+        name="mohd",
+        config_class=MoHDConfig,
+        model_class=MoHDForCausalLM,
+        router_class=MoHDRouter,
+        fields=dict(num_sub_dims=8, num_shared_sub_dims=3, num_routed_sub_dims_per_tok=2),
+        # hidden 144 in 4 sub-dimensions: s = 36 (SmolLM2-135M's 576 at 16 sub-dimensions)
+        unaligned_fields=dict(hidden_size=144, num_sub_dims=4, num_shared_sub_dims=1, num_routed_sub_dims_per_tok=2),
+        fast_and_reference=({"sparse_implementation": "gather"}, {"sparse_implementation": "masked"}),
+    ),
+    "latent_moe": ModelFamily(
+        name="latent_moe",
+        config_class=LatentMoEConfig,
+        model_class=LatentMoEForCausalLM,
+        router_class=LatentMoERouter,
+        fields=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            moe_latent_size=8,
+            moe_shared_expert_intermediate_size=24,
+            per_layer_config={1: {"num_experts": 6, "num_experts_per_tok": 3, "moe_latent_size": None}},
+        ),
+        # latent width and expert width 36
+        unaligned_fields=dict(hidden_size=144, moe_latent_size=36, moe_intermediate_size=36, per_layer_config=None),
+        fast_and_reference=({"experts_implementation": "grouped_mm"}, {"experts_implementation": "eager"}),
+        prepare=_prepare_latent_moe,
+    ),
+}
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request) -> ModelFamily:
+    return FAMILIES[request.param]
+
+
+def input_ids(batch=2, length=9, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+def llama(**overrides) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**LLAMA_FIELDS, **overrides})).eval()
+
+
+def caught_warnings(fn, *args, **kwargs):
+    """(result, [(category, message)]) of `fn(*args, **kwargs)`, every warning recorded."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn(*args, **kwargs)
+    return result, [(w.category, str(w.message)) for w in caught]
+
+
+def as_llama_would(llama_warnings, model) -> list:
+    """LLaMA's warnings with its class name replaced by `model`'s (the deprecation message names the class)."""
+    return [
+        (category, message.replace("LlamaForCausalLM", type(model).__name__)) for category, message in llama_warnings
+    ]
+
+
+# --- cache passed as `past_key_values` ------------------------------------------------------------------------
+
+
+def test_past_key_values_argument_fills_the_cache_and_warns_as_llama(family):
+    """transformers 5.x renamed `past_key_values` to `cache`; LLaMA still takes the old name (with a FutureWarning)."""
+    model, reference = family.model(), llama()
+    ids = input_ids()
+    full_logits = model(ids).logits
+    _, llama_warnings = caught_warnings(
+        reference, ids[:, :-1], past_key_values=DynamicCache(config=reference.config), use_cache=True
+    )
+    assert [category for category, _ in llama_warnings] == [FutureWarning]  # the oracle warns once
+    cache = DynamicCache(config=model.config)
+    prefix, model_warnings = caught_warnings(model, ids[:, :-1], past_key_values=cache, use_cache=True)
+    assert model_warnings == as_llama_would(llama_warnings, model)
+    assert prefix.cache is cache and cache.get_seq_length() == ids.shape[1] - 1
+    with pytest.warns(FutureWarning, match="`past_key_values` is deprecated"):
+        step = model(ids[:, -1:], past_key_values=cache, use_cache=True)
+    torch.testing.assert_close(step.logits[:, -1], full_logits[:, -1], atol=1e-10, rtol=1e-10)
+    # the base model takes the old name too
+    base_cache = DynamicCache(config=model.config)
+    with pytest.warns(FutureWarning, match=f"`past_key_values` is deprecated .* for `{type(model.model).__name__}"):
+        model.model(ids, past_key_values=base_cache, use_cache=True)
+    assert base_cache.get_seq_length() == ids.shape[1]
+
+
+def test_generate_with_past_key_values_argument_equals_generate_and_warns_as_llama(family):
+    model, reference = family.model(), llama()
+    prompt = input_ids(batch=1, length=5)
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    _, llama_warnings = caught_warnings(
+        reference.generate, prompt, past_key_values=DynamicCache(config=reference.config), **options
+    )
+    llama_warnings = [w for w in llama_warnings if "past_key_values" in w[1]]
+    assert [category for category, _ in llama_warnings] == [FutureWarning]
+    cache = DynamicCache(config=model.config)
+    out, model_warnings = caught_warnings(model.generate, prompt, past_key_values=cache, **options)
+    assert [w for w in model_warnings if "past_key_values" in w[1]] == as_llama_would(llama_warnings, model)
+    assert torch.equal(out, model.generate(prompt, **options))
+    assert cache.get_seq_length() == prompt.shape[1] + options["max_new_tokens"] - 1
+
+
+# --- router precision -----------------------------------------------------------------------------------------
+
+
+def test_router_logits_fp32_under_autocast(family):
+    """Under bf16 autocast (the trainer's GPU setting) the routers still compute fp32 logits from their input."""
+    model = family.model(dtype=torch.float32)
+    inputs = []
+    hooks = [
+        module.register_forward_pre_hook(lambda module, args: inputs.append((module, args[0])))
+        for module in model.modules()
+        if isinstance(module, family.router_class)
+    ]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids(), output_router_logits=True)
+    for hook in hooks:
+        hook.remove()
+    assert out.logits.dtype == torch.bfloat16, "autocast must be active"
+    assert len(out.router_logits) == len(inputs) == len(hooks)
+    for logits, (router, hidden_states) in zip(out.router_logits, inputs, strict=True):
+        assert logits.dtype == torch.float32
+        expected = F.linear(hidden_states.float(), router.weight.float())
+        torch.testing.assert_close(logits, expected.reshape(logits.shape), atol=1e-6, rtol=1e-6)
+
+
+# --- fast path at widths the grouped_mm kernel does not take --------------------------------------------------
+
+
+DTYPE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def logits_and_gradients(model, ids, decode: bool):
+    """Logits and parameter gradients (float64) of a training step: the LM loss over `ids` (prefill), or, for
+    decode, the mean squared logits of the last token computed with the cache of the others (no gradient into
+    that prefill)."""
+    model.train()  # gradients; no dropout in these configs
+    model.zero_grad()
+    if decode:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :-1], cache=cache, use_cache=True)
+        out = model(ids[:, -1:], cache=cache, use_cache=True)
+        loss = out.logits.float().square().mean()
+    else:
+        out = model(ids, labels=ids)
+        loss = out.loss
+    loss.backward()
+    return out.logits.double(), {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPE_TOLERANCE), ids=str)
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_fast_path_equals_reference_at_unaligned_widths(family, dtype, decode):
+    """Widths of 36 scalars (72 bytes in bf16/fp16, not a multiple of 16, which torch's grouped_mm rejects): the fast
+    path runs in every dtype and is as accurate as the reference path, in logits and in every gradient.
+
+    Truth: the reference model's (rounded) weights in float64. The fast path's error may exceed the reference path's
+    by a small factor (different summation order), not by the size of the values as a wrong computation would.
+    Decode is batch 1 (MoHD: the few-tokens path), prefill batch 2 (the grouped path).
+    """
+    fast_overrides, reference_overrides = family.fast_and_reference
+    ids = input_ids(batch=1 if decode else 2, length=9)
+    fast = family.model(dtype=dtype, **family.unaligned_fields, **fast_overrides)
+    reference = family.model(dtype=dtype, **family.unaligned_fields, **reference_overrides)
+    truth = family.prepare(copy.deepcopy(reference).double(), **reference_overrides)
+    (fast_logits, fast_grads), (reference_logits, reference_grads), (true_logits, true_grads) = (
+        logits_and_gradients(model, ids, decode) for model in (fast, reference, truth)
+    )
+    assert fast_grads.keys() == reference_grads.keys() == true_grads.keys()
+    eps = torch.finfo(dtype).eps
+    for name, got, want, true in [
+        ("logits", fast_logits, reference_logits, true_logits),
+        *((name, fast_grads[name], reference_grads[name], true_grads[name]) for name in true_grads),
+    ]:
+        fast_error, reference_error = (got - true).abs().max().item(), (want - true).abs().max().item()
+        floor = 4 * eps * true.abs().max().item()
+        assert fast_error <= 8 * reference_error + floor, (name, fast_error, reference_error)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPE_TOLERANCE), ids=str)
+@pytest.mark.parametrize(("contraction", "out_features"), [(36, 64), (64, 36), (9, 64), (64, 64)])
+def test_grouped_matmul_equals_per_group_matmul(dtype, contraction, out_features):
+    """`grouped_matmul` on views of a wider weight, as the MoHD gather path passes them, equals one matmul per group,
+    in value and gradients; aligned operands take the kernel with no padding copy."""
+    groups, rows = 3, 10
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(rows, contraction, generator=generator).to(dtype).requires_grad_()
+    weight = torch.randn(out_features, 8 + groups * contraction, generator=generator).to(dtype).requires_grad_()
+    grouped = weight[:, 8:].view(out_features, groups, contraction).permute(1, 2, 0)  # (G, K, O), strided
+    offsets = torch.tensor([3, 3, rows], dtype=torch.int32)  # one empty group
+    grad_output = torch.randn(rows, out_features, generator=generator).to(dtype)
+    result = grouped_matmul(inputs, grouped, offsets)
+    (grad_inputs, grad_weight) = torch.autograd.grad(result, (inputs, weight), grad_output)
+    bounds = [0, *offsets.tolist()]
+    expected = torch.cat(
+        [inputs[start:end].double() @ grouped[g].double() for g, (start, end) in enumerate(pairwise(bounds))]
+    )
+    expected_grads = torch.autograd.grad(expected, (inputs, weight), grad_output.double())
+    tolerance = DTYPE_TOLERANCE[dtype]
+    torch.testing.assert_close(result.double(), expected, atol=tolerance * 10, rtol=tolerance)
+    for got, want in zip((grad_inputs, grad_weight), expected_grads, strict=True):
+        torch.testing.assert_close(got.double(), want.double(), atol=tolerance * 10, rtol=tolerance)
+    alignment = 16 // torch.tensor([], dtype=dtype).element_size()
+    if contraction % alignment == 0 and out_features % alignment == 0:
+        assert _grouped_mm_aligned(inputs) and _grouped_mm_aligned(grouped)  # the kernel directly, no copy
+
+
+# --- modules kept in fp32 -------------------------------------------------------------------------------------
+
+
+# Config variants that build different module sets: (family, variant id, overrides).
+MODULE_VARIANTS = [
+    ("mohd", "default", {}),
+    ("mohd", "attention_only", {"sparse_modules": ["attention"]}),
+    ("latent_moe", "softmax", {"router_score_func": "softmax"}),
+    ("latent_moe", "sigmoid", {"router_score_func": "sigmoid"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("family_name", "overrides"),
+    [(name, overrides) for name, _, overrides in MODULE_VARIANTS],
+    ids=[f"{name}-{variant}" for name, variant, _ in MODULE_VARIANTS],
+)
+def test_keep_in_fp32_modules_are_all_in_the_model(family_name, overrides):
+    """transformers' rule: every name in `_keep_in_fp32_modules_strict` is a module (or parameter/buffer) name of the
+    model built from the config; LatentMoE's correction bias is listed exactly where it is built (sigmoid routing)."""
+    model = FAMILIES[family_name].model(dtype=torch.float32, **overrides)
+    names = {
+        part
+        for name, _ in [*model.named_modules(), *model.named_parameters(), *model.named_buffers()]
+        for part in name.split(".")
+    }
+    listed = set(model._keep_in_fp32_modules_strict)
+    assert listed <= names, listed - names
+    has_bias = any(getattr(m, "e_score_correction_bias", None) is not None for m in model.modules())
+    assert ("e_score_correction_bias" in listed) == has_bias
+    assert has_bias == (overrides.get("router_score_func") == "sigmoid")
+
+
+def test_sigmoid_correction_bias_loads_in_fp32_with_bf16_weights(tmp_path):
+    """LatentMoE only (MoHD has no fp32 buffer): the bias survives `from_pretrained(dtype=torch.bfloat16)` exactly."""
+    model = FAMILIES["latent_moe"].model(dtype=torch.float32, router_score_func="sigmoid")
+    bias = 1.0 + 1e-3 * torch.arange(8, dtype=torch.float32)  # 1.001 .. 1.007 round to 1.0 or 1.0078 in bf16
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate.e_score_correction_bias.copy_(bias)
+    model.save_pretrained(tmp_path)
+    loaded = LatentMoEForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    router = loaded.model.layers[0].mlp.gate
+    assert router.weight.dtype == torch.bfloat16 and loaded.lm_head.weight.dtype == torch.bfloat16
+    assert router.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(router.e_score_correction_bias, bias)
+    assert loaded._get_dtype_plan(torch.bfloat16) == {"e_score_correction_bias": torch.float32}
+
+
+# --- tensor-parallel plan -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tied_weights_are_sharded_together_as_in_llama(family, tied):
+    """A plan shards both tied weights (embedding and LM head, same (V, D) tensor) or neither; here both on the
+    vocabulary, with the styles `LlamaForCausalLM.tp_plan` gives them."""
+    model = family.model(dtype=torch.float32, tie_word_embeddings=tied)
+    tied_model = model if tied else family.model(dtype=torch.float32, tie_word_embeddings=True)
+    plan = model.tp_plan
+
+    def style(parameter: str):
+        module = parameter.rsplit(".", 1)[0]
+        matches = [value for pattern, value in plan.items() if fnmatch(module, pattern)]
+        return matches[0] if matches else None
+
+    assert tied_model.all_tied_weights_keys, "the tied config must tie the LM head to the embedding"
+    for target, source in tied_model.all_tied_weights_keys.items():
+        assert (style(target) is None) == (style(source) is None), (target, source, plan)
+    reference = llama(tie_word_embeddings=tied).tp_plan
+    for module in ("model.embed_tokens", "lm_head"):
+        assert plan.get(module) == reference.get(module), module
+
+
+def _tensor_parallel_rank(rank: int, family_name: str, folder: str, init_file: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")  # as torchrun sets them
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    family = FAMILIES[family_name]
+    model = family.model_class.from_pretrained(
+        folder, distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.float32
+    )
+    family.prepare(model)
+    ids = torch.load(f"{folder}/ids.pt")
+    embedding = model.model.embed_tokens.weight
+    torch.save(
+        {
+            "logits": model.eval()(ids).logits,
+            "placements": [(type(p).__name__, getattr(p, "dim", None)) for p in getattr(embedding, "placements", [])],
+        },
+        f"{folder}/rank{rank}.pt",
+    )
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_on_two_processes_equals_one(family, tmp_path):
+    """`from_pretrained(distributed_config=DistributedConfig(tp_plan="auto"))` on 2 gloo processes: the tied
+    embedding / LM head is sharded on the vocabulary and every rank's logits equal the single-process ones."""
+    model = family.model(dtype=torch.float32, tie_word_embeddings=True, vocab_size=96)  # vocabulary divisible by 2
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    model.save_pretrained(tmp_path)
+    torch.save(ids, tmp_path / "ids.pt")
+    expected = model(ids).logits
+    torch.multiprocessing.spawn(
+        _tensor_parallel_rank, args=(family.name, str(tmp_path), str(tmp_path / "init")), nprocs=2
+    )
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["placements"] == [("Shard", 0)]  # a DTensor sharded on the vocabulary
+        torch.testing.assert_close(result["logits"], expected, atol=1e-5, rtol=1e-5)
