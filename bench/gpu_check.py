@@ -1,0 +1,313 @@
+# Copyright 2026 The hf-mohd Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""CUDA correctness checks and GPU-sized benchmark ratios for both families, in one short run (run by gpu_check.sh).
+
+Checks (each raises, never skips, when it fails):
+1. MoHD gather == masked on CUDA: logits and every gradient, float64 (no top-k ties), prefill and one-token decode.
+2. LatentMoE grouped_mm == eager experts on CUDA (float64 reference loop vs kernel in fp32, tolerance 1e-4).
+3. A few AdamW steps of both families under bf16 autocast: finite decreasing loss, router logits recorded in fp32.
+4. `generate` on CUDA: greedy with the default cache == greedy without cache (float64), and a static cache.
+Benchmarks (CUDA events, medians of `--reps`): MoHD `compression_50` vs LlamaForCausalLM of the same width at
+hidden 2048 (prefill B8 x T1024 in bf16, a bf16-autocast training step, batch-1 greedy `generate` in bf16), and
+LatentMoE vs the standard MoE at equal activated MACs (prefill). Results go to `--output` (JSON) and stdout.
+
+    python bench/gpu_check.py --output gpu_check.json          # CUDA required
+    python bench/gpu_check.py --device cpu --quick             # smoke run of the same code on a CPU
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_mohd
+from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
+
+
+def tiny_mohd(device, dtype, **overrides) -> tuple[MoHDForCausalLM, MoHDForCausalLM]:
+    """(gather, masked) with the same weights: spread routers, perturbed fusion."""
+    fields = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_sub_dims=8,
+        num_shared_sub_dims=3,
+        num_routed_sub_dims_per_tok=2,
+        max_position_embeddings=128,
+    )
+    fields.update(overrides)
+    torch.manual_seed(0)
+    gather = MoHDForCausalLM(MoHDConfig(**fields, sparse_implementation="gather"))
+    with torch.no_grad():
+        for name, param in gather.named_parameters():
+            if "router" in name:
+                param.normal_(0, 0.5)
+            elif "group_fusion" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    masked = MoHDForCausalLM(MoHDConfig(**fields, sparse_implementation="masked"))
+    masked.load_state_dict(gather.state_dict())
+    return gather.to(device, dtype), masked.to(device, dtype)
+
+
+def check_gather_equals_masked(device) -> dict:
+    gather, masked = tiny_mohd(device, torch.float64)
+    ids = torch.randint(3, 97, (2, 11), device=device)
+    results = {}
+    for label, inputs in (("prefill", ids), ("one_token", ids[:1, :1])):
+        grads = []
+        for model in (gather, masked):
+            model.zero_grad(set_to_none=True)
+            out = model(input_ids=inputs, use_cache=False, output_router_logits=True)
+            (out.logits.square().mean() + out.aux_loss).backward()
+            grads.append((out.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        (logits_g, grads_g), (logits_m, grads_m) = grads
+        torch.testing.assert_close(logits_g, logits_m, rtol=1e-10, atol=1e-10)
+        assert grads_g.keys() == grads_m.keys(), "gather and masked differ in which parameters get gradients"
+        for name in grads_g:
+            torch.testing.assert_close(grads_g[name], grads_m[name], rtol=1e-9, atol=1e-10, msg=name)
+        results[label] = float((logits_g - logits_m).abs().max().detach())
+    return results
+
+
+def check_latent_moe_kernels(device) -> float:
+    config = LatentMoEConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_latent_size=32,
+    )
+    torch.manual_seed(0)
+    model = LatentMoEForCausalLM(config).to(device).eval()
+    ids = torch.randint(3, 97, (2, 16), device=device)
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        reference = model(input_ids=ids).logits
+        model.set_experts_implementation("grouped_mm")
+        fast = model(input_ids=ids).logits
+    torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-4)
+    return float((fast - reference).abs().max())
+
+
+def check_bf16_autocast_training(device) -> dict:
+    results = {}
+    for family in ("mohd", "latent_moe"):
+        if family == "mohd":
+            model = tiny_mohd(device, torch.float32)[0]
+        else:
+            torch.manual_seed(0)
+            model = LatentMoEForCausalLM(
+                LatentMoEConfig(
+                    vocab_size=97,
+                    hidden_size=64,
+                    intermediate_size=96,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_experts=8,
+                    num_experts_per_tok=2,
+                    moe_intermediate_size=32,
+                    moe_latent_size=32,
+                    router_score_func="sigmoid",
+                )
+            ).to(device)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        ids = torch.randint(3, 97, (4, 32), device=device, generator=None)
+        losses = []
+        for _ in range(5):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                out = model(input_ids=ids, labels=ids, output_router_logits=True)
+            assert all(logits.dtype == torch.float32 for logits in out.router_logits), (
+                f"{family}: router logits not fp32 under bf16 autocast: {[t.dtype for t in out.router_logits]}"
+            )
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if hasattr(model, "update_router_biases"):
+                model.update_router_biases()
+            losses.append(float(out.loss))
+        assert all(torch.isfinite(torch.tensor(losses))), f"{family}: non-finite loss {losses}"
+        assert losses[-1] < losses[0], f"{family}: loss did not decrease over 5 steps: {losses}"
+        results[family] = losses
+    return results
+
+
+def check_generate(device) -> dict:
+    gather = tiny_mohd(device, torch.float64)[0].eval()
+    prompt = torch.randint(3, 97, (1, 5), device=device)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    cached = gather.generate(prompt, **kwargs)
+    uncached = gather.generate(prompt, use_cache=False, **kwargs)
+    static = gather.generate(prompt, cache_implementation="static", **kwargs)
+    assert torch.equal(cached, uncached), f"cached {cached.tolist()} != uncached {uncached.tolist()}"
+    assert torch.equal(cached, static), f"dynamic cache {cached.tolist()} != static cache {static.tolist()}"
+    return {"tokens": cached[0].tolist()}
+
+
+def timed(fn, device, reps: int) -> float:
+    """Median seconds of `fn` over `reps` runs after two warm-ups (CUDA events on a GPU, process clock on a CPU)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.process_time()
+            fn()
+            times.append(time.process_time() - t0)
+    return statistics.median(times)
+
+
+def benchmark(device, quick: bool, reps: int) -> dict:
+    hidden = 256 if quick else 2048
+    base = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=2 if quick else 8,
+        num_attention_heads=hidden // 64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    batch, seq = (2, 128) if quick else (8, 1024)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(base).to(device, dtype)
+    mohd = MoHDForCausalLM(MoHDConfig.from_llama_config(base, "compression_50", attn_implementation="sdpa"))
+    mohd = mohd.to(device, dtype)
+    ids = torch.randint(3, 32000, (batch, seq), device=device)
+    prompt = ids[:1, :32]
+    out = {"shape": {"hidden": hidden, "layers": base.num_hidden_layers, "batch": batch, "seq": seq}}
+
+    def prefill(model):
+        def run():
+            with torch.inference_mode():
+                model(input_ids=ids, use_cache=False)
+
+        return run
+
+    def train_step(model):
+        model.train()
+
+        def run():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = model(input_ids=ids[:, : seq // 2], labels=ids[:, : seq // 2], use_cache=False).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        return run
+
+    def decode(model):
+        model.eval()
+
+        def run():
+            with torch.inference_mode():
+                model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+
+        return run
+
+    for mode, make in (("prefill", prefill), ("train", train_step), ("decode_generate_32", decode)):
+        llama_s, mohd_s = timed(make(llama), device, reps), timed(make(mohd), device, reps)
+        out[mode] = {"llama_s": llama_s, "mohd_s": mohd_s, "mohd_speedup_vs_llama": llama_s / mohd_s}
+        print(
+            f"{mode:20s} llama {llama_s * 1e3:8.2f} ms  mohd {mohd_s * 1e3:8.2f} ms  speedup {llama_s / mohd_s:.3f}x"
+        )
+    del llama, mohd
+    standard = LatentMoEConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=base.num_hidden_layers,
+        num_attention_heads=hidden // 64,
+        num_experts=16,
+        num_experts_per_tok=2,
+        moe_intermediate_size=hidden,
+        moe_latent_size=None,
+        attn_implementation="sdpa",
+    )
+    latent = LatentMoEConfig(
+        **{**standard.to_dict(), "num_experts": 64, "num_experts_per_tok": 8, "moe_latent_size": hidden // 4},
+    )
+    for name, config in (("standard_moe", standard), ("latent_moe", latent)):
+        torch.manual_seed(0)
+        model = LatentMoEForCausalLM(config).to(device, dtype)
+        out.setdefault("latent_moe_prefill", {})[name] = timed(prefill(model), device, reps)
+        del model
+    times = out["latent_moe_prefill"]
+    times["latent_vs_standard"] = times["standard_moe"] / times["latent_moe"]
+    print(f"latent_moe prefill vs standard MoE: {times['latent_vs_standard']:.3f}x")
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default; required to be available) or cpu (smoke)")
+    parser.add_argument("--quick", action="store_true", help="small benchmark shape")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--output", default=None, help="JSON result path")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: CUDA is not available to this torch build; nothing was checked (exit 1)")
+    device = torch.device(args.device)
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "hf_mohd": getattr(hf_mohd, "__version__", "source"),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+    }
+    print(json.dumps(versions))
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    results = {"versions": versions}
+    for name, check in (
+        ("gather_equals_masked", check_gather_equals_masked),
+        ("latent_moe_grouped_mm_equals_eager", check_latent_moe_kernels),
+        ("bf16_autocast_training", check_bf16_autocast_training),
+        ("generate", check_generate),
+    ):
+        results[name] = check(device)
+        print(f"check {name}: ok {results[name]}", flush=True)
+    results["benchmark"] = benchmark(device, args.quick, args.reps)
+    results["load_average_1_5_15"] = list(os.getloadavg())
+    if args.output:
+        with open(args.output, "w") as handle:
+            json.dump(results, handle, indent=2)
+    print("gpu_check: all checks passed")
+
+
+if __name__ == "__main__":
+    main()
