@@ -157,6 +157,56 @@ class GatherHostPlan(NamedTuple):
     blocks: tuple[int, ...]
 
 
+class RowIndexAdd(torch.autograd.Function):
+    """`out.index_add_(0, index, source)` whose backward keeps only `index`: grad_out passes through, and
+    grad_source = grad_out[index].
+
+    torch's own `index_add_` saves the whole `source` (M x out per routing slot and projection) for its backward,
+    which only needs its shape: at the bench shape that doubled the activation memory of a MoHD training step.
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.mark_dirty(out)
+        return out.index_add_(0, index, source)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad, None, grad.index_select(0, index)
+
+
+class GatheredGroupedMatmul(torch.autograd.Function):
+    """`grouped_matmul(inputs[index], weight, offsets)` that keeps `inputs` and `index`, not the gathered rows.
+
+    The output side of the grouped path gathers, per routing slot, the M token rows (M x in) in block order; autograd
+    would keep that copy for the weight gradient although `inputs` itself is kept anyway (by the shared-rows GEMM).
+    The backward gathers again and recomputes the grouped product with autograd (one extra output-side routed GEMM
+    per slot, a few percent of a training step) to get both gradients.
+    Shapes: inputs (M, in), index (R,), weight (G, in, s), offsets (G,) int32 group ends -> (R, s).
+    """
+
+    @staticmethod
+    def forward(ctx, inputs, index, weight, offsets):
+        ctx.save_for_backward(inputs, index, weight, offsets)
+        return grouped_matmul(inputs.index_select(0, index), weight, offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs, index, weight, offsets = ctx.saved_tensors
+        rows = inputs.detach().index_select(0, index).requires_grad_(ctx.needs_input_grad[0])
+        leaf_weight = weight.detach().requires_grad_(ctx.needs_input_grad[2])
+        with torch.enable_grad():
+            out = grouped_matmul(rows, leaf_weight, offsets)
+        wanted = [t for t in (rows, leaf_weight) if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        grad_rows = next(grads) if rows.requires_grad else None
+        grad_weight = next(grads) if leaf_weight.requires_grad else None
+        grad_inputs = None if grad_rows is None else torch.zeros_like(inputs).index_add_(0, index, grad_rows)
+        return grad_inputs, None, grad_weight, None
+
+
 class MoHDMaskedDispatch:
     """Reference path: dense matmuls on the gated input, binary mask on the output (`sparse_implementation="masked"`)."""
 
@@ -280,7 +330,7 @@ class MoHDGatherDispatch:
             routed_weight = routed_weight.permute(1, 2, 0)
             for slot in range(self.top_k):
                 routed_out = grouped_matmul(routed[slot], routed_weight, plan.offsets[slot])
-                out = out.index_add_(0, plan.token_index[slot], routed_out.to(out.dtype))
+                out = RowIndexAdd.apply(out, plan.token_index[slot], routed_out.to(out.dtype))
             outputs.append(out)
         return outputs
 
@@ -307,7 +357,7 @@ class MoHDGatherDispatch:
         routed_blocks = hidden_states.new_zeros(m * self.num_routed, self.block)
         for slot in range(self.top_k):
             tokens = plan.token_index[slot]
-            routed = grouped_matmul(hidden_states.index_select(0, tokens), routed_weight, plan.offsets[slot])
+            routed = GatheredGroupedMatmul.apply(hidden_states, tokens, routed_weight, plan.offsets[slot])
             if routed_bias is not None:
                 routed = routed + routed_bias[plan.block_index[slot]]
             routed_blocks = routed_blocks.index_add_(
