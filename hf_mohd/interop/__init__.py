@@ -1,5 +1,6 @@
 """Interoperability with other model families' checkpoints (DESIGN section 4, "Interop")."""
 
+from .gguf_export import LlamaCppExportError, check_llama_cpp_compatible, export_to_gguf
 from .nemotron_h import (
     NemotronHInteropError,
     export_to_nemotron_h,
@@ -12,7 +13,10 @@ from .nemotron_h import (
 
 
 __all__ = [
+    "LlamaCppExportError",
     "NemotronHInteropError",
+    "check_llama_cpp_compatible",
+    "export_to_gguf",
     "export_to_nemotron_h",
     "from_nemotron_h",
     "import_from_nemotron_h",
