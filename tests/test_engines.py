@@ -89,9 +89,8 @@ def test_gguf_export_names_a_missing_converter_outtype_and_existing_file(tmp_pat
 def test_vllm_transformers_backend_requirements(tmp_path, family):
     """vLLM docs/models/supported_models.md, "Writing custom models": kwargs passed down from the base model to the
     attention, attention through `ALL_ATTENTION_FUNCTIONS` (vLLM registers its own and sets
-    `config._attn_implementation`), `_supports_attention_backend = True` on the base model. (Its fourth requirement,
-    `auto_map.AutoModel` in config.json, is not met yet: `save_pretrained` of the causal LM writes only
-    `AutoConfig` and `AutoModelForCausalLM`; the base class is in the copied code file, checked here.)"""
+    `config._attn_implementation`), `_supports_attention_backend = True` on the base model, and
+    `auto_map.AutoModel` in config.json naming the base class of the copied code file."""
     from transformers import AttentionInterface, AutoModel
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -102,6 +101,7 @@ def test_vllm_transformers_backend_requirements(tmp_path, family):
     config = json.loads((tmp_path / "config.json").read_text())
     module, _ = config["auto_map"]["AutoModelForCausalLM"].split(".")
     base = AutoModel.from_pretrained(tmp_path).eval()
+    assert config["auto_map"]["AutoModel"] == f"{module}.{type(base).__name__}"
     assert f"class {type(base).__name__}(" in (tmp_path / f"{module}.py").read_text()
     assert type(base).is_backend_compatible() and type(base)._supports_attention_backend
     calls = []

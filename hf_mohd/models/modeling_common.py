@@ -496,6 +496,20 @@ class RoutedCausalLMMixin(RoutingGenerationMixin):
     `output_router_logits` (the family returns None where routing is balanced otherwise).
     """
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, with `auto_map.AutoModel` naming the base model class too.
+
+        transformers writes `auto_map` entries for the saved class only (`AutoModelForCausalLM`); serving engines that
+        load remote code through `AutoModel` (vLLM's Transformers modeling backend) need the base class as well, which
+        sits in the same copied code file.
+        """
+        base = type(self.model)
+        if getattr(base, "_auto_class", None) == "AutoModel":
+            auto_map = dict(getattr(self.config, "auto_map", None) or {})
+            auto_map.setdefault("AutoModel", f"{base.__module__.rsplit('.', 1)[-1]}.{base.__name__}")
+            self.config.auto_map = auto_map
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     @deprecate_past_key_values
     @can_return_tuple
     def forward(
