@@ -224,3 +224,26 @@ def test_lm_eval_cli_evaluates_a_saved_folder_offline(tmp_path, corpus, family):
     card = render_model_card(model, eval_results=results, repo_id=f"tester/{family}-tiny")
     (entry,) = card.data.eval_results
     assert (entry.dataset_name, entry.metric_type, entry.metric_value) == ("hf_mohd_tiny_choice", "acc", acc)
+
+
+def test_python_dash_m_runs_the_cli(tmp_path):
+    """`python -m hf_mohd` is the `hf-mohd` command: same output for a real sub-command, same exit status."""
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4).save_pretrained(
+        tmp_path
+    )
+    command = ["accounting", str(tmp_path / "config.json"), "--preset", "compression_50"]
+    as_module = subprocess.run([sys.executable, "-m", "hf_mohd", *command], capture_output=True, text=True, check=True)
+    as_script = subprocess.run(
+        [sys.executable, "-c", "import sys; from hf_mohd.cli import main; sys.exit(main(sys.argv[1:]))", *command],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert as_module.stdout == as_script.stdout and as_module.stdout.strip()
+    assert "compression_50" in as_module.stdout or "activated" in as_module.stdout.lower()
+    assert subprocess.run([sys.executable, "-m", "hf_mohd"], capture_output=True).returncode == 2  # no sub-command
