@@ -44,16 +44,35 @@ class RoutingCache(DynamicCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.routing_record: dict[tuple[int, str], RoutingRecord] = {}
+        self._record: dict[tuple[int, str], RoutingRecord] = {}
+        # routing of the forwards since the record was last read, concatenated when it is read: a decoding step
+        # appends to a list instead of copying the whole record (two concatenations per router and step)
+        self._pending: dict[tuple[int, str], list[RoutingRecord]] = {}
+
+    @property
+    def routing_record(self) -> dict[tuple[int, str], RoutingRecord]:
+        """The record, (layer index, router name) -> `RoutingRecord` of every cached token, (B, S, k) each."""
+        for key, chunks in self._pending.items():
+            previous = self._record.get(key)
+            if previous is not None:
+                chunks = [previous, *chunks]
+            dtype = chunks[0].weights.dtype
+            self._record[key] = RoutingRecord(
+                torch.cat([chunk.indices for chunk in chunks], dim=1) if len(chunks) > 1 else chunks[0].indices,
+                torch.cat([chunk.weights.to(dtype) for chunk in chunks], dim=1)
+                if len(chunks) > 1
+                else chunks[0].weights,
+            )
+        self._pending = {}
+        return self._record
+
+    @routing_record.setter
+    def routing_record(self, record: dict[tuple[int, str], RoutingRecord]) -> None:
+        self._record, self._pending = record, {}
 
     def update_routing(self, layer_idx: int, router: str, indices: torch.Tensor, weights: torch.Tensor) -> None:
         """Appends (B, T, k) `indices` and `weights` of the tokens of this forward to the record."""
-        key = (layer_idx, router)
-        previous = self.routing_record.get(key)
-        if previous is not None:
-            indices = torch.cat([previous.indices, indices], dim=1)
-            weights = torch.cat([previous.weights, weights.to(previous.weights.dtype)], dim=1)
-        self.routing_record[key] = RoutingRecord(indices, weights.detach())
+        self._pending.setdefault((layer_idx, router), []).append(RoutingRecord(indices, weights.detach()))
 
     def get_routing(self, layer_idx: int, router: str) -> RoutingRecord | None:
         """The record of one router, or None if nothing was routed there yet."""
