@@ -7,9 +7,11 @@ import and open nothing outside torch, transformers, the standard library and th
 The README table "What bad input gives" lists the inputs tried here and the messages they give.
 """
 
+import errno
 import math
 
 import pytest
+import torch
 
 from hf_mohd import LatentMoEConfig, MoHDConfig
 
@@ -179,3 +181,49 @@ def test_field_type_errors_are_still_strict_errors_and_apply_on_assignment():
     with pytest.raises(ValueError, match="`use_cache`"):
         config.use_cache = "yes"
     assert config.hidden_size == 64 and config.use_cache is True
+
+
+# --- 4. a full disk during a checkpoint ---------------------------------------------------------------------------
+
+
+def _folder_bytes(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_full_disk_during_checkpoint_keeps_previous_and_resumes_exactly(tmp_path, monkeypatch):
+    """ENOSPC while `save_state` writes step 4's optimizer file: step 2 stays byte-identical, no partial folder is
+    left, the error names both checkpoints, and the rerun resumes from step 2 to the uninterrupted run's curve."""
+    import accelerate.checkpointing
+    from test_training import curve, tiny_config, write_corpus
+
+    from hf_mohd.training import latest_checkpoint, train
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    settings = dict(log_every=2, keep_checkpoints=5)
+    full = train(tiny_config(tmp_path, corpus, "full", **settings))
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    real_save, seen = accelerate.checkpointing.save, {}
+
+    def save_until_disk_full(obj, f, *args, **kwargs):
+        if ".tmp_step_0000004" in str(f) and "optimizer" in str(f):
+            seen["before"] = _folder_bytes(checkpoints / "step_0000002")
+            real_save(obj, f, *args, **kwargs)
+            with open(f, "r+b") as handle:  # the disk filled up halfway through this file
+                handle.truncate(handle.seek(0, 2) // 2)
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(accelerate.checkpointing, "save", save_until_disk_full)
+    with pytest.raises(OSError, match=r"step_0000004 failed.*No space left.*step_0000002 is intact") as raised:
+        train(tiny_config(tmp_path, corpus, "run", **settings))
+    assert raised.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_0000002"]  # the partial .tmp folder is gone
+    assert _folder_bytes(checkpoints / "step_0000002") == seen["before"]
+    assert latest_checkpoint(str(tmp_path / "run")).endswith("step_0000002")
+
+    monkeypatch.setattr(accelerate.checkpointing, "save", real_save)  # space freed
+    resumed = train(tiny_config(tmp_path, corpus, "run", **settings))
+    assert curve(resumed) == curve(full)  # the records of steps 2, 4, 6, exactly
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), f"{name} differs after resuming from the checkpoint kept through ENOSPC"

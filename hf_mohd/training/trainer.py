@@ -211,7 +211,15 @@ class RunLog:
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
-    """`save_state` into a temporary folder, then rename it to `checkpoints/step_<n>` (atomic on POSIX) and prune."""
+    """`save_state` into a temporary folder, then rename it to `checkpoints/step_<n>` (atomic on POSIX) and prune.
+
+    Older checkpoints are pruned (down to `keep`) only once the new one is in place, so at every moment the newest
+    `step_<n>` folder is complete (`latest_checkpoint` never sees the `.tmp_step_<n>` folder being written).
+
+    Raises:
+        OSError: writing failed (e.g. `errno.ENOSPC`, a full disk); the partial temporary folder is removed, the
+            previous checkpoints are untouched, and the message names both, so a rerun resumes from the previous one.
+    """
     root = os.path.join(output_dir, "checkpoints")
     final = os.path.join(root, f"step_{step:07d}")
     tmp = os.path.join(root, f".tmp_step_{step:07d}")
@@ -219,7 +227,17 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(root, exist_ok=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
+    try:
+        accelerator.save_state(tmp)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial files took
+        previous = latest_checkpoint(output_dir)
+        kept = f"the previous checkpoint {previous} is intact" if previous else "there is no previous checkpoint"
+        raise OSError(
+            error.errno,
+            f"Writing checkpoint {final} failed ({error.strerror or error}); {kept}, and a rerun with resume='auto' "
+            "starts from it.",
+        ) from error
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shutil.rmtree(final, ignore_errors=True)
@@ -229,6 +247,31 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def save_final_model(accelerator, model, tokenizer, final_dir: str) -> None:
+    """`save_pretrained` of the unwrapped model and the tokenizer into a temporary sibling of `final_dir`, renamed
+    into place when complete (an older `final_dir` is replaced only then), so that an interruption never leaves a
+    partial folder that `from_pretrained` would load. Every process must call it (FSDP / ZeRO-3 gather the weights).
+    """
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)  # gathers FSDP / ZeRO-3 shards; every process calls it
+    if accelerator.is_main_process:
+        final_dir = os.path.normpath(final_dir)
+        tmp, retired = f"{final_dir}.partial", f"{final_dir}.old"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict)
+            tokenizer.save_pretrained(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(retired, ignore_errors=True)
+        if os.path.exists(final_dir):
+            os.replace(final_dir, retired)
+        os.replace(tmp, final_dir)
+        shutil.rmtree(retired, ignore_errors=True)
+    accelerator.wait_for_everyone()
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -384,12 +427,7 @@ def train(config: TrainConfig) -> TrainResult:
             save_checkpoint(accelerator, config.output_dir, state.step, config.keep_checkpoints)
         if config.save_final:
             result.final_model_dir = os.path.join(config.output_dir, "final")
-            accelerator.wait_for_everyone()
-            state_dict = accelerator.get_state_dict(model)  # gathers FSDP / ZeRO-3 shards; every process calls it
-            if accelerator.is_main_process:
-                accelerator.unwrap_model(model).save_pretrained(result.final_model_dir, state_dict=state_dict)
-                tokenizer.save_pretrained(result.final_model_dir)
-            accelerator.wait_for_everyone()
+            save_final_model(accelerator, model, tokenizer, result.final_model_dir)
     result.model = accelerator.unwrap_model(model)
     accelerator.end_training()
     return result
