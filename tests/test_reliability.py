@@ -8,6 +8,7 @@ The README table "What bad input gives" lists the inputs tried here and the mess
 """
 
 import errno
+import json
 import math
 
 import pytest
@@ -227,3 +228,245 @@ def test_full_disk_during_checkpoint_keeps_previous_and_resumes_exactly(tmp_path
     assert curve(resumed) == curve(full)  # the records of steps 2, 4, 6, exactly
     for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), f"{name} differs after resuming from the checkpoint kept through ENOSPC"
+
+
+# --- 3. damaged input: every reader names the file and what it expected ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    """A tiny dense LLaMA folder (safetensors, no tokenizer): the undamaged input each case below breaks one way."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    )
+    folder = tmp_path_factory.mktemp("llama") / "llama"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def _edit_json(path, **changes):
+    values = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            values.pop(key)
+        else:
+            values[key] = value
+    path.write_text(json.dumps(values))
+
+
+def _truncate(path, keep=0.5):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def _corrupt_header(path):
+    data = bytearray(path.read_bytes())
+    data[8:40] = b"\xff" * 32  # the JSON header starts at byte 8
+    path.write_bytes(bytes(data))
+
+
+def _wrong_shape(path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    tensors["model.norm.weight"] = torch.ones(31)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _index_naming_missing_shard(folder):
+    weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+# (case, damage applied to a copy of `llama_folder`, regex the `ConversionError` message must match: file + expected)
+LLAMA_SOURCE_DAMAGE = [
+    ("config.json not JSON", lambda d: (d / "config.json").write_text("{"), r"config\.json: not valid JSON"),
+    (
+        "config.json wrong type",
+        lambda d: _edit_json(d / "config.json", hidden_size="32"),
+        r"config\.json: not a valid LlamaConfig.*hidden_size.*expected int",
+    ),
+    (
+        "config.json missing field",
+        lambda d: _edit_json(d / "config.json", hidden_size=None),
+        r"config\.json: missing field\(s\) \['hidden_size'\]",
+    ),
+    (
+        "config.json of another model",
+        lambda d: _edit_json(d / "config.json", model_type="mistral"),
+        r"config\.json: model_type is 'mistral'.*only dense LLaMA",
+    ),
+    (
+        "truncated safetensors",
+        lambda d: _truncate(d / "model.safetensors"),
+        r"model\.safetensors: not a complete safetensors file.*expected a JSON header and every tensor",
+    ),
+    (
+        "corrupted safetensors header",
+        lambda d: _corrupt_header(d / "model.safetensors"),
+        r"model\.safetensors: not a complete safetensors file.*invalid UTF-8",
+    ),
+    (
+        "shard index naming a missing file",
+        _index_naming_missing_shard,
+        r"model\.safetensors\.index\.json lists shards that are not in .*model-00001-of-00002",
+    ),
+    (
+        "tensor of the wrong shape",
+        lambda d: _wrong_shape(d / "model.safetensors"),
+        r"model\.safetensors: tensor 'model\.norm\.weight' has shape \(31,\); config\.json implies \(32,\)",
+    ),
+    (
+        "pickled weights only",
+        lambda d: (d / "model.safetensors").rename(d / "pytorch_model.bin"),
+        r"holds only pickled weights \(pytorch_model\.bin\)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "damage, pattern", [c[1:] for c in LLAMA_SOURCE_DAMAGE], ids=[c[0] for c in LLAMA_SOURCE_DAMAGE]
+)
+def test_damaged_llama_source_names_file_and_expectation(llama_folder, tmp_path, damage, pattern):
+    import shutil
+
+    from hf_mohd.conversion import ConversionError, load_dense_llama
+
+    folder = tmp_path / "damaged"
+    shutil.copytree(llama_folder, folder)
+    damage(folder)
+    with pytest.raises(ConversionError, match=pattern):
+        load_dense_llama(folder)
+    load_dense_llama(llama_folder)  # the undamaged original loads
+
+
+def _write_gguf(path, architecture):
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name(f"tiny-{architecture}")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_of_another_architecture_or_truncated_names_file(tmp_path):
+    import gguf
+
+    from hf_mohd.conversion import ConversionError, load_dense_llama
+
+    _write_gguf(tmp_path / "mamba.gguf", "mamba")
+    assert gguf.GGUFReader(str(tmp_path / "mamba.gguf")).fields["general.architecture"].contents() == "mamba"
+    with pytest.raises(ConversionError, match=r"mamba\.gguf: general\.architecture is 'mamba'; only LLaMA GGUF"):
+        load_dense_llama(tmp_path / "mamba.gguf")
+    (tmp_path / "cut.gguf").write_bytes((tmp_path / "mamba.gguf").read_bytes()[:40])
+    with pytest.raises(ConversionError, match=r"cut\.gguf: not a readable GGUF file.*expected the GGUF magic"):
+        load_dense_llama(tmp_path / "cut.gguf")
+
+
+def _saved_mohd(folder):
+    from hf_mohd import MoHDForCausalLM
+
+    torch.manual_seed(0)
+    model = MoHDForCausalLM(MoHDConfig(**MOHD_BASES["mohd_gqa"])).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def test_damaged_config_of_a_saved_model_names_file_or_field(tmp_path):
+    """`prepare_files` (publish) names config.json; transformers' own loader names the field."""
+    from transformers import AutoConfig
+
+    from hf_mohd.hub import prepare_files
+
+    folder = tmp_path / "mohd"
+    _saved_mohd(folder)
+    config_path = folder / "config.json"
+    good = config_path.read_text()
+    config_path.write_text(good[: len(good) // 2])
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        prepare_files(folder)
+    config_path.write_text(good)
+    _edit_json(config_path, num_sub_dims="8")
+    with pytest.raises(ValueError, match=r"config\.json: not a valid mohd config.*`num_sub_dims` is invalid.*int"):
+        prepare_files(folder)
+    with pytest.raises(ValueError, match=r"`num_sub_dims` is invalid: Field 'num_sub_dims' expected int"):
+        AutoConfig.from_pretrained(folder)
+    config_path.write_text(good)
+    _edit_json(config_path, model_type=None)
+    with pytest.raises(ValueError, match=r"config\.json: `model_type` None is not an hf-mohd family"):
+        prepare_files(folder)
+
+
+def test_missing_tokenizer_names_folder(tmp_path, llama_folder):
+    from hf_mohd.evaluation import evaluate
+    from hf_mohd.training import train_config_from_dict
+    from hf_mohd.training.trainer import prepare_tokenizer
+
+    folder = tmp_path / "mohd"
+    _saved_mohd(folder)
+    with pytest.raises(ValueError, match=rf"{folder} has no tokenizer files \(expected one of \['tokenizer\.json'"):
+        evaluate(str(folder), tasks="arc_easy", limit=1)
+    values = {
+        "output_dir": str(tmp_path / "run"),
+        "data": {"path": "x.txt"},
+        "model": {"init_from": str(llama_folder)},
+    }
+    config = train_config_from_dict(values)
+    with pytest.raises(ValueError, match=r"`model\.init_from` '.*llama' has no tokenizer files"):
+        prepare_tokenizer(config, [])
+    config.model.tokenizer = str(tmp_path / "no-such-tokenizer")
+    with pytest.raises(ValueError, match=r"`model\.tokenizer` '.*no-such-tokenizer' does not exist"):
+        prepare_tokenizer(config, [])
+
+
+def test_unknown_lm_eval_task_fails_before_the_model_is_read(tmp_path):
+    from hf_mohd.evaluation import evaluate
+
+    with pytest.raises(ValueError, match=r"Unknown task 'arc_e'; known: \['arc_challenge', 'arc_easy'"):
+        evaluate(str(tmp_path / "no-model-here"), tasks="arc_easy,arc_e")
+
+
+# (case, YAML text, regex: the file and the field)
+TRAIN_YAML_DAMAGE = [
+    ("unknown key", "optim: {lr: 1.0e-3, warmup: 5}\n", r"bad\.yaml: unknown field\(s\) \['optim\.warmup'\]"),
+    ("wrong type", "max_steps: ten\n", r"bad\.yaml: `max_steps` must be int, got 'ten'"),
+    ("wrong section type", "optim: 3\n", r"bad\.yaml: `optim` must be a mapping, got int"),
+    (
+        "out of range",
+        "data: {path: x.txt, eval_fraction: 1.5}\n",
+        r"bad\.yaml: `data\.eval_fraction` must be in \[0, 1\)",
+    ),
+    ("not YAML", "max_steps: [1,\n", r"bad\.yaml: cannot parse"),
+]
+
+
+@pytest.mark.parametrize("text, pattern", [c[1:] for c in TRAIN_YAML_DAMAGE], ids=[c[0] for c in TRAIN_YAML_DAMAGE])
+def test_damaged_training_yaml_names_file_and_field(tmp_path, text, pattern):
+    from hf_mohd.training import load_train_config
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(text + ("" if "data:" in text else "data: {path: x.txt}\n") + "model: {init_from: some/model}\n")
+    with pytest.raises(ValueError, match=pattern):
+        load_train_config(path)
+
+
+def test_nemotron_h_folder_with_mamba_blocks_names_file(tmp_path):
+    from transformers import NemotronHConfig
+
+    from hf_mohd.interop import NemotronHInteropError, import_from_nemotron_h
+
+    blocks = ["full_attention", "moe", "linear_attention", "mlp"]
+    NemotronHConfig(vocab_size=97, hidden_size=32, layers_block_type=blocks).save_pretrained(tmp_path / "hybrid")
+    with pytest.raises(
+        NemotronHInteropError,
+        match=r"hybrid/config\.json: `layers_block_type\[2\]` is 'linear_attention' \(Mamba-2 blocks have no",
+    ):
+        import_from_nemotron_h(tmp_path / "hybrid", out_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # checked before any weight is read or anything written

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import time
@@ -123,8 +124,24 @@ def prepare_tokenizer(config: TrainConfig, train_texts: list[str]):
         return AutoTokenizer.from_pretrained(saved)
     if source:
         kwargs = {"gguf_file": config.model.gguf_file} if config.model.gguf_file and not config.model.tokenizer else {}
+        if not kwargs:
+            _check_tokenizer_folder(source, "model.tokenizer" if config.model.tokenizer else "model.init_from")
         return AutoTokenizer.from_pretrained(source, trust_remote_code=config.model.trust_remote_code, **kwargs)
     return train_bpe_tokenizer(train_texts, config.model.tokenizer_vocab_size)
+
+
+def _check_tokenizer_folder(source: str, field: str) -> None:
+    """A local tokenizer source must exist and hold tokenizer files (Hub ids are left to `from_pretrained`)."""
+    from ..evaluation.harness import TOKENIZER_FILES
+
+    path = os.path.expanduser(source)
+    if not os.path.exists(path) and (os.path.isabs(path) or source.startswith((".", "~"))):
+        raise ValueError(f"`{field}` {source!r} does not exist (expected a folder with tokenizer files or a Hub id).")
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"`{field}` {source!r} has no tokenizer files (expected one of {list(TOKENIZER_FILES)}); set "
+            "`model.tokenizer` to a folder or Hub id that has them."
+        )
 
 
 def build_model(config: TrainConfig, tokenizer):
@@ -249,6 +266,25 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
     return final
 
 
+def load_checkpoint(accelerator, checkpoint: str) -> None:
+    """`load_state` of a checkpoint folder written by `save_checkpoint`.
+
+    Raises:
+        ValueError: a damaged checkpoint (missing, truncated or corrupted files: safetensors, pickle or shape errors);
+            the message names the folder and how to resume from an earlier one.
+    """
+    from safetensors import SafetensorError
+
+    try:
+        accelerator.load_state(checkpoint)
+    except (OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError) as error:
+        raise ValueError(
+            f"Checkpoint {checkpoint} cannot be loaded ({type(error).__name__}: {error}); expected the complete "
+            "Accelerate state `save_checkpoint` writes. Delete that folder to resume from the previous checkpoint, "
+            "or set resume: never to start afresh."
+        ) from error
+
+
 def save_final_model(accelerator, model, tokenizer, final_dir: str) -> None:
     """`save_pretrained` of the unwrapped model and the tokenizer into a temporary sibling of `final_dir`, renamed
     into place when complete (an older `final_dir` is replaced only then), so that an interruption never leaves a
@@ -329,7 +365,7 @@ def train(config: TrainConfig) -> TrainResult:
             raise ValueError(f"`resume` {config.resume!r} is neither 'auto', 'never' nor a checkpoint folder.")
         resume_from = config.resume
     if resume_from:
-        accelerator.load_state(resume_from)
+        load_checkpoint(accelerator, resume_from)
     log = RunLog(accelerator, os.path.join(config.output_dir, "log.jsonl"), state.step)
     scalars = {"seq_len": config.data.seq_len, "lr": optim.lr, "micro_batch_size": config.micro_batch_size}
     accelerator.init_trackers("train", config=scalars)
