@@ -10,6 +10,7 @@ The README table "What bad input gives" lists the inputs tried here and the mess
 import errno
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -470,3 +471,150 @@ def test_nemotron_h_folder_with_mamba_blocks_names_file(tmp_path):
     ):
         import_from_nemotron_h(tmp_path / "hybrid", out_dir=tmp_path / "out")
     assert not (tmp_path / "out").exists()  # checked before any weight is read or anything written
+
+
+def test_damaged_training_checkpoint_names_folder(tmp_path):
+    from test_training import tiny_config, write_corpus
+
+    from hf_mohd.training import train
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    assert train(tiny_config(tmp_path, corpus, "run", stop_after_steps=2)).steps == 2
+    _truncate(tmp_path / "run" / "checkpoints" / "step_0000002" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"Checkpoint .*step_0000002 cannot be loaded \(SafetensorError.*Delete that"):
+        train(tiny_config(tmp_path, corpus, "run"))
+
+
+# --- 3. interrupted writes leave nothing a later run would trust -----------------------------------------------------
+
+
+def _interrupt_weight_writes(monkeypatch, error=KeyboardInterrupt):
+    """`save_pretrained` writes half of its first safetensors file, then `error` is raised (a Ctrl-C, a crash)."""
+    import transformers.modeling_utils
+
+    real = transformers.modeling_utils.safe_save_file
+
+    def write_half_then_fail(tensors, filename, *args, **kwargs):
+        real(tensors, filename, *args, **kwargs)
+        _truncate(Path(filename))
+        raise error(f"interrupted while writing {filename}")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", write_half_then_fail)
+
+
+def _tiny_mohd(seed):
+    from hf_mohd import MoHDForCausalLM
+
+    torch.manual_seed(seed)
+    return MoHDForCausalLM(MoHDConfig(**MOHD_BASES["mohd_gqa"])).eval()
+
+
+def test_interrupted_conversion_output_is_never_under_the_destination(tmp_path, llama_folder, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    import hf_mohd  # noqa: F401  (registers the Auto classes)
+    from hf_mohd.conversion import load_dense_llama, save_converted
+
+    source = load_dense_llama(llama_folder)
+    out = tmp_path / "out" / "converted"
+    out.parent.mkdir()
+    with monkeypatch.context() as patch:
+        _interrupt_weight_writes(patch)
+        with pytest.raises(KeyboardInterrupt):
+            save_converted(_tiny_mohd(0), out, source, "first")
+    assert not list(out.parent.iterdir())  # neither the destination nor a partial sibling
+    save_converted(_tiny_mohd(0), out, source, "first")
+    before = _folder_bytes(out)
+    with monkeypatch.context() as patch:
+        _interrupt_weight_writes(patch)
+        with pytest.raises(KeyboardInterrupt):
+            save_converted(_tiny_mohd(1), out, source, "second", overwrite=True)
+    assert _folder_bytes(out) == before and [p.name for p in out.parent.iterdir()] == ["converted"]
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(reloaded.lm_head.weight, _tiny_mohd(0).lm_head.weight)
+
+
+def test_killed_conversion_leaves_only_a_hidden_partial_folder(tmp_path, llama_folder):
+    """SIGKILL mid-write (no cleanup runs): the destination does not exist; the partial folder is a hidden sibling."""
+    script = f"""
+        import os, signal, sys
+        import torch
+        import transformers.modeling_utils
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_reliability import MOHD_BASES
+        from hf_mohd import MoHDConfig, MoHDForCausalLM
+        from hf_mohd.conversion import load_dense_llama, save_converted
+
+        real = transformers.modeling_utils.safe_save_file
+        def write_then_die(tensors, filename, *args, **kwargs):
+            real(tensors, filename, *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+        transformers.modeling_utils.safe_save_file = write_then_die
+        model = MoHDForCausalLM(MoHDConfig(**MOHD_BASES["mohd_gqa"]))
+        save_converted(model, {str(tmp_path / "converted")!r}, load_dense_llama({str(llama_folder)!r}), "killed")
+    """
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, timeout=300)
+    assert done.returncode == -9, done.stderr.decode()[-3000:]
+    left = [p.name for p in tmp_path.iterdir()]
+    assert not (tmp_path / "converted").exists()
+    assert len(left) == 1 and left[0].startswith(".converted.") and left[0].endswith(".partial"), left
+
+
+def test_interrupted_nemotron_h_export_is_never_under_the_destination(tmp_path, monkeypatch):
+    from transformers import NemotronHForCausalLM
+
+    from hf_mohd import LatentMoEForCausalLM
+    from hf_mohd.interop import export_to_nemotron_h
+
+    config = dict(LATENT_MOE_BASES["latent_moe_nemotron_like"], moe_shared_expert_intermediate_size=16)
+    torch.manual_seed(0)
+    first, second = LatentMoEForCausalLM(LatentMoEConfig(**config)), LatentMoEForCausalLM(LatentMoEConfig(**config))
+    out = tmp_path / "out" / "nemotron"
+    out.parent.mkdir()
+    with monkeypatch.context() as patch:
+        _interrupt_weight_writes(patch)
+        with pytest.raises(KeyboardInterrupt):
+            export_to_nemotron_h(first, out)
+    assert not list(out.parent.iterdir())
+    export_to_nemotron_h(first, out)
+    before = _folder_bytes(out)
+    with monkeypatch.context() as patch:
+        _interrupt_weight_writes(patch)
+        with pytest.raises(KeyboardInterrupt):
+            export_to_nemotron_h(second, out, overwrite=True)
+    assert _folder_bytes(out) == before and [p.name for p in out.parent.iterdir()] == ["nemotron"]
+    reloaded = NemotronHForCausalLM.from_pretrained(out)
+    assert torch.equal(reloaded.lm_head.weight, first.lm_head.weight)
+
+
+def test_interrupted_final_model_write_is_never_under_final(tmp_path, monkeypatch):
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from hf_mohd.training.data import train_bpe_tokenizer
+    from hf_mohd.training.trainer import save_final_model
+
+    tokenizer = train_bpe_tokenizer(["a river city", "the old king sang"] * 8, 280)
+    accelerator = Accelerator(cpu=True)
+    final = tmp_path / "run" / "final"
+    final.parent.mkdir()
+    with monkeypatch.context() as patch:
+        _interrupt_weight_writes(patch)
+        with pytest.raises(KeyboardInterrupt):
+            save_final_model(accelerator, _tiny_mohd(0), tokenizer, str(final))
+    assert not list(final.parent.iterdir())
+    save_final_model(accelerator, _tiny_mohd(0), tokenizer, str(final))
+    before = _folder_bytes(final)
+    assert "tokenizer.json" in before and "model.safetensors" in before
+    with monkeypatch.context() as patch:
+        _interrupt_weight_writes(patch)
+        with pytest.raises(KeyboardInterrupt):
+            save_final_model(accelerator, _tiny_mohd(1), tokenizer, str(final))
+    assert _folder_bytes(final) == before and [p.name for p in final.parent.iterdir()] == ["final"]
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(final).lm_head.weight, _tiny_mohd(0).lm_head.weight)
