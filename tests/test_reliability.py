@@ -618,3 +618,186 @@ def test_interrupted_final_model_write_is_never_under_final(tmp_path, monkeypatc
             save_final_model(accelerator, _tiny_mohd(1), tokenizer, str(final))
     assert _folder_bytes(final) == before and [p.name for p in final.parent.iterdir()] == ["final"]
     assert torch.equal(AutoModelForCausalLM.from_pretrained(final).lm_head.weight, _tiny_mohd(0).lm_head.weight)
+
+
+# --- 5. remote-code files: what they import and open ---------------------------------------------------------------
+
+AUDIT = r"""
+import builtins, json, os, socket, sys, sysconfig
+
+CHECKPOINTS = json.loads(sys.argv[1])
+network_attempts = []
+
+
+def refuse_network(*args, **kwargs):
+    network_attempts.append(repr(args)[:200])
+    raise OSError("network access is disabled in this test")
+
+
+socket.socket.connect = socket.socket.connect_ex = refuse_network
+socket.create_connection = socket.getaddrinfo = refuse_network
+
+import importlib.util
+
+hf_mohd_spec = None
+try:
+    hf_mohd_spec = importlib.util.find_spec("hf_mohd")
+except ImportError:
+    pass
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.utils import HF_MODULES_CACHE
+
+recording, opened, imports, first_imports = False, [], [], []
+MODEL_ROOTS = tuple(os.path.realpath(p) + os.sep for p in (*CHECKPOINTS, HF_MODULES_CACHE))
+SKIPPED_FRAMES = (sysconfig.get_paths()["stdlib"], "<frozen", __file__)
+
+
+def is_model_file(filename):
+    return isinstance(filename, str) and os.path.realpath(filename).startswith(MODEL_ROOTS)
+
+
+def importing_file():
+    frame = sys._getframe(2)
+    while frame is not None and "importlib" in frame.f_code.co_filename:
+        frame = frame.f_back
+    return frame.f_code.co_filename if frame is not None else None
+
+
+def audit(event, args):
+    if not recording:
+        return
+    if event == "open" and isinstance(args[0], (str, bytes)):
+        # The code that asked for the file: the innermost frame outside the standard library and this script.
+        frame, opener, by_model = sys._getframe(1), None, False
+        while frame is not None:
+            name = frame.f_code.co_filename
+            by_model = by_model or is_model_file(name)
+            if opener is None and not name.startswith(SKIPPED_FRAMES):
+                opener = name
+            frame = frame.f_back
+        opened.append([os.path.abspath(os.fsdecode(args[0])), opener, by_model])
+    elif event == "import" and is_model_file(importing_file()):
+        first_imports.append(args[0])  # a module loaded for the first time by a statement in a model file
+
+
+sys.addaudithook(audit)
+real_import = builtins.__import__
+
+
+def recording_import(name, globals=None, locals=None, fromlist=(), level=0):
+    # Every import statement, also of modules already loaded (those raise no "import" audit event).
+    if recording and globals and is_model_file(globals.get("__file__")):
+        imports.append([os.path.basename(globals["__file__"]), name, level])
+    return real_import(name, globals, locals, fromlist, level)
+
+
+builtins.__import__ = recording_import
+out = {"hf_mohd_spec": repr(hf_mohd_spec), "sys_path": sys.path, "models": {}}
+for folder in CHECKPOINTS:
+    recording = True
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([[3, 17, 42, 8, 91, 5, 60, 11]])).logits
+    recording = False
+    out["models"][folder] = {"module": type(model).__module__, "logits": logits.tolist()}
+opened = [[path, os.path.exists(path), opener, by_model] for path, opener, by_model in opened]
+out.update(opened=opened, imports=imports, first_imports=first_imports, network=network_attempts)
+out["roots"] = {
+    "transformers": os.path.dirname(__import__("transformers").__file__),
+    "torch_site_packages": os.path.dirname(os.path.dirname(torch.__file__)),
+    "modules_cache": HF_MODULES_CACHE,
+}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_remote_code_imports_and_opens_only_torch_transformers_stdlib_and_the_checkpoint(tmp_path):
+    """Both families, saved with their code files, load with `trust_remote_code=True` in a fresh process where
+    `hf_mohd` is not importable and sockets raise; an audit hook and an `__import__` wrapper record what the model
+    files import and what files are opened while loading and running a forward pass."""
+    import os
+    import sys
+    import sysconfig
+
+    from utils import run_python_without_hf_mohd
+
+    from hf_mohd import LatentMoEForCausalLM
+
+    torch.manual_seed(0)
+    models = {
+        str(tmp_path / "mohd"): _tiny_mohd(0),
+        str(tmp_path / "latent_moe"): LatentMoEForCausalLM(
+            LatentMoEConfig(**LATENT_MOE_BASES["latent_moe_per_layer"])
+        ),
+    }
+    expected = {}
+    for folder, model in models.items():
+        model.eval().save_pretrained(folder)
+        with torch.no_grad():
+            expected[folder] = model(torch.tensor([[3, 17, 42, 8, 91, 5, 60, 11]])).logits
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "audit.py").write_text(AUDIT)
+    env = {"PYTHONPATH": "", "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf_home")}
+    result = run_python_without_hf_mohd(
+        f"import runpy, sys; sys.argv = ['audit', {json.dumps(list(models))!r}]; "
+        f"runpy.run_path({str(tmp_path / 'audit.py')!r}, run_name='__main__')",
+        cwd=str(tmp_path / "elsewhere"),
+        env=env,
+    )
+
+    # hf_mohd is not importable there, and the model classes are transformers' dynamic modules.
+    repo = str(Path(__file__).resolve().parents[1])
+    assert result["hf_mohd_spec"] == "None" and not any(p and p.startswith(repo) for p in result["sys_path"])
+    for folder, got in result["models"].items():
+        assert got["module"].startswith("transformers_modules."), got["module"]
+        torch.testing.assert_close(torch.tensor(got["logits"]), expected[folder], rtol=0, atol=0)
+    assert result["network"] == []
+
+    # Imports made by the model files: torch, transformers (and huggingface_hub, whose `strict` transformers'
+    # configurations use), the standard library, and relative imports of files next to them in the checkpoint.
+    allowed_packages = {"torch", "transformers", "huggingface_hub"}
+    code_files = {name for folder in models for name in os.listdir(folder) if name.endswith(".py")}
+    seen = set()
+    for file, name, level in result["imports"]:
+        top = name.split(".")[0]
+        if level:
+            assert level == 1 and f"{name}.py" in code_files, (file, name, level)
+        else:
+            assert top in allowed_packages or top in sys.stdlib_module_names, (file, name)
+        seen.add(top if not level else ".")
+    assert {"torch", "transformers", "."} <= seen, seen  # the recorder saw the real imports
+    for name in result["first_imports"]:
+        top = name.split(".")[0]
+        assert top in allowed_packages | {"transformers_modules"} or top in sys.stdlib_module_names, name
+
+    # Files opened while loading and running: the checkpoint, transformers' package, the standard library, the
+    # site-packages of torch, and transformers' copies of the checkpoint's code files in its modules cache. Not files:
+    # kernel tables under /proc (psutil, imported by transformers, and transformers' own mount check read them), and
+    # paths probed without existing (importlib.metadata looking at each sys.path entry).
+    roots = result["roots"]
+    zipped = os.path.join(sys.base_prefix, "lib", f"python{sys.version_info[0]}{sys.version_info[1]}.zip")
+    stdlib = [sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"], zipped]
+    allowed_roots = [*models, roots["transformers"], roots["torch_site_packages"], *stdlib, "/proc"]
+
+    def under(path, folders):
+        return any(path == root or path.startswith(root.rstrip(os.sep) + os.sep) for root in folders)
+
+    in_cache, elsewhere, by_model = [], [], []
+    for path, exists, opener, _ in result["opened"]:
+        if under(path, [roots["modules_cache"]]):
+            in_cache.append(path)
+        elif exists and not under(path, allowed_roots):
+            elsewhere.append([path, opener])
+        if opener is not None and under(opener, [*models, roots["modules_cache"]]):
+            by_model.append(path)  # opened for a statement of a model file (an import, or an open of its own)
+    assert elsewhere == [], elsewhere
+    # What a model file's own statements opened (its imports included): nothing outside those roots, not even /proc.
+    model_roots = [*models, roots["modules_cache"], roots["transformers"], roots["torch_site_packages"], *stdlib]
+    assert by_model and [path for path in by_model if not under(path, model_roots)] == []
+    assert any(p == os.path.join(folder, "config.json") for p, *_ in result["opened"] for folder in models)
+    assert any(model_on_stack for *_, model_on_stack in result["opened"])  # the model files' own imports ran
+    for path in in_cache:  # the copies transformers makes of the checkpoint's code files (plus package markers)
+        name = os.path.basename(path)
+        assert name == "__init__.py" or name in code_files or name.endswith(".pyc"), path
