@@ -801,3 +801,64 @@ def test_remote_code_imports_and_opens_only_torch_transformers_stdlib_and_the_ch
     for path in in_cache:  # the copies transformers makes of the checkpoint's code files (plus package markers)
         name = os.path.basename(path)
         assert name == "__init__.py" or name in code_files or name.endswith(".pyc"), path
+
+
+PUBLISH_INTERRUPTED = """
+import json, sys
+from huggingface_hub import CommitOperationAdd
+from hf_mohd.hub import publish
+
+first, second = sys.argv[1:3]
+publish(first, "tester/atomic")
+real_content = CommitOperationAdd.b64content
+
+
+def connection_lost_at_the_weights(self):
+    if self.path_in_repo == "model.safetensors":
+        raise OSError("connection lost while sending model.safetensors")
+    return real_content(self)
+
+
+CommitOperationAdd.b64content = connection_lost_at_the_weights
+try:
+    publish(second, "tester/atomic")
+    outcome = "published"
+except OSError as error:
+    outcome = str(error)
+print(json.dumps({"outcome": outcome}))
+"""
+
+
+@pytest.mark.slow
+def test_interrupted_publish_leaves_the_published_revision(tmp_path, local_hub):
+    """`publish` sends everything in one commit: losing the connection while sending the new weights (after the
+    config and code were sent) leaves the repository at the previous revision, file for file."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from test_hub import hub_env, save_with_tokenizer, tiny_mohd
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    save_with_tokenizer(tiny_mohd(), first)
+    model = tiny_mohd()
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    save_with_tokenizer(model, second)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(PUBLISH_INTERRUPTED), str(first), str(second)],
+        env={**os.environ, **hub_env(local_hub, tmp_path / "home")},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.splitlines()[-1])["outcome"] == "connection lost while sending model.safetensors"
+    repo = local_hub.repos["tester/atomic"]
+    assert len(repo.commits) == 2  # the repository's initial commit and the first publish, nothing after
+    files = repo.commits[repo.branches["main"]]
+    assert files["model.safetensors"] == (first / "model.safetensors").read_bytes()
+    assert files["model.safetensors"] != (second / "model.safetensors").read_bytes()
+    assert files["config.json"] and "modeling_mohd.py" in files
