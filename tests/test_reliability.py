@@ -10,6 +10,7 @@ The README table "What bad input gives" lists the inputs tried here and the mess
 import errno
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -862,3 +863,15 @@ def test_interrupted_publish_leaves_the_published_revision(tmp_path, local_hub):
     assert files["model.safetensors"] == (first / "model.safetensors").read_bytes()
     assert files["model.safetensors"] != (second / "model.safetensors").read_bytes()
     assert files["config.json"] and "modeling_mohd.py" in files
+
+
+def test_readme_table_shows_the_messages_of_these_cases():
+    """The README's "What bad input gives" rows are these cases, and each shown message matches the test's pattern."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## What bad input gives") :]
+    lines = section.splitlines()
+    for prefix, cases in (("LLaMA source: ", LLAMA_SOURCE_DAMAGE), ("training YAML: ", TRAIN_YAML_DAMAGE)):
+        for label, _, pattern in cases:
+            rows = [line for line in lines if line.startswith(f"| {prefix}{label} ")]
+            assert len(rows) == 1, (prefix, label)
+            assert re.search(pattern, rows[0].replace("\\|", "|")), (rows[0], pattern)

@@ -241,7 +241,7 @@ def latent_moe_config_from_nemotron_h(config: NemotronHConfig) -> LatentMoEConfi
             hint = " (Mamba-2 blocks have no LatentMoE counterpart)" if block == "linear_attention" else ""
             raise NemotronHInteropError(
                 f"`layers_block_type[{index}]` is {block!r}{hint}; LatentMoE imports only checkpoints whose blocks "
-                f"alternate full_attention and moe | mlp, got {config.hybrid_override_pattern!r}."
+                f"alternate full_attention and moe | mlp, got {blocks}."
             )
     if config.n_group > 1 and config.topk_group < config.n_group:
         raise NemotronHInteropError(
