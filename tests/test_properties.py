@@ -271,3 +271,66 @@ def test_nemotron_h_export_equals_transformers_model(fields):
     prompt = _ids(2, 7, seed=3)
     with torch.no_grad():
         torch.testing.assert_close(nemotron(prompt).logits, model(prompt).logits, rtol=0, atol=1e-5)
+
+
+def _relative_bad_values(field: str, base: dict) -> list:
+    """Values invalid for this drawn `base` in particular (the fixed tables hold the ones invalid for any base)."""
+    n, heads = base.get("num_sub_dims"), base["num_attention_heads"]
+    relative = {
+        "pad_token_id": [base["vocab_size"], -base["vocab_size"] - 1],
+        "num_key_value_heads": [heads + 1],
+        "num_attention_heads": [base["num_key_value_heads"] * heads + 1] if base["num_key_value_heads"] > 1 else [],
+    }
+    if n is not None:  # MoHD
+        shared = base["num_shared_sub_dims"]
+        relative.update(
+            num_sub_dims=[base["hidden_size"] + 1],
+            num_shared_sub_dims=[n + 1],
+            num_routed_sub_dims_per_tok=[n - shared + 1],
+        )
+    else:
+        relative.update(num_experts_per_tok=[base["num_experts"] + 1])
+        if base["num_experts_per_tok"] > 1:
+            relative["num_experts"] = [base["num_experts_per_tok"] - 1]
+    return relative.get(field, [])
+
+
+# Entries of the fixed tables that are invalid only for their fixed base configurations.
+_BASE_SPECIFIC = {
+    ("num_attention_heads", 3),
+    ("num_key_value_heads", 3),
+    ("num_sub_dims", 7),
+    ("num_shared_sub_dims", 9),
+    ("num_routed_sub_dims_per_tok", 9),
+    ("pad_token_id", 97),
+    ("pad_token_id", -98),
+    ("num_experts", 1),
+    ("num_experts_per_tok", 9),
+}
+
+
+@st.composite
+def invalid_configurations(draw):
+    """(config class, drawn valid kwargs, field, a value invalid for it there) for either family."""
+    from test_reliability import LATENT_MOE_BAD, MOHD_BAD
+
+    cls, base, table = draw(
+        st.sampled_from(
+            [(MoHDConfig, mohd_configs(), MOHD_BAD), (LatentMoEConfig, latent_moe_configs(), LATENT_MOE_BAD)]
+        )
+    )
+    base = draw(base)
+    field = draw(st.sampled_from(sorted(table)))
+    fixed = [v for v in table[field] if isinstance(v, (list, dict)) or (field, v) not in _BASE_SPECIFIC]
+    values = fixed + _relative_bad_values(field, base)
+    return cls, base, field, draw(st.sampled_from(values))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=SLOW_OK)
+@given(case=invalid_configurations())
+def test_one_invalid_field_on_a_random_valid_configuration_raises_value_error_naming_it(case):
+    cls, base, field, value = case
+    note(f"{cls.__name__}(**{base}) with {field}={value!r}")
+    cls(**base)
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        cls(**{**base, field: value})

@@ -14,6 +14,7 @@
 """LatentMoE (arXiv 2601.18089; expert shapes and layerwise capacity of arXiv 2610.14644) model configuration."""
 
 import math
+from types import SimpleNamespace
 
 from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassFieldValidationError
@@ -150,6 +151,7 @@ class LatentMoEConfig(PreTrainedConfig):
         # Before anything divides by them or `per_layer_config` is checked against the layer count.
         _check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"))
         _check_positive_ints(self, ("num_attention_heads", "max_position_embeddings"))
+        defaults = SimpleNamespace(**{name: getattr(self, name) for name in PER_LAYER_FIELDS})
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
@@ -158,6 +160,8 @@ class LatentMoEConfig(PreTrainedConfig):
         # `@strict` wraps errors of `validate_*` in its own exception type; checking here first gives users the
         # plain `ValueError` naming the field (and the layer). The class validator runs the same checks again.
         self.validate_architecture()
+        # The top-level values are the defaults of every layer: valid even where overrides (or dense layers) hide them.
+        _validate_layer_fields(defaults, where="", every_field=True)
 
     def validate_architecture(self):
         """Cross-field rules; each `ValueError` names the field, the allowed values and, per layer, the layer index."""
@@ -228,18 +232,22 @@ class LatentMoEConfig(PreTrainedConfig):
         return model_accounting(self).activated_params + biases
 
 
-def _validate_layer_fields(config, where: str) -> None:
-    """Checks the fields that may vary per layer on one (layer) config; `where` prefixes the message."""
+def _validate_layer_fields(config, where: str, every_field: bool = False) -> None:
+    """Checks the fields that may vary per layer on one (layer) config; `where` prefixes the message.
+
+    The MoE fields are checked on MoE layers, and on every config when `every_field` (the top-level defaults).
+    """
     if config.mixer_type not in MIXER_TYPES:
         raise ValueError(f"{where}`mixer_type` must be one of {list(MIXER_TYPES)}, got {config.mixer_type!r}.")
+    moe = every_field or config.mixer_type == "moe"
     positive = ["intermediate_size"]  # the width of dense layers, and the default of `per_layer_config` ones
-    if config.mixer_type == "moe":
+    if moe:
         positive += ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
     for name in positive:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{where}`{name}` must be a positive integer, got {value!r}.")
-    if config.mixer_type != "moe":
+    if not moe:
         return
     if config.num_experts_per_tok > config.num_experts:
         raise ValueError(
