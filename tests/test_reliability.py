@@ -2,7 +2,8 @@
 package reads refuses damage with an error naming the file and what was expected; interrupted writes (conversion,
 Nemotron-H export, training checkpoints, publish) leave nothing a later run would trust; a full disk during a
 checkpoint keeps the previous one, from which the run resumes exactly; and the remote-code files of a saved checkpoint
-import and open nothing outside torch, transformers, the standard library and the checkpoint folder.
+import nothing but torch, transformers (with huggingface_hub), the standard library and each other, and open nothing
+outside the checkpoint folder, transformers, torch's site-packages and the standard library.
 
 The README table "What bad input gives" lists the inputs tried here and the messages they give.
 """
@@ -21,7 +22,7 @@ from hf_mohd import LatentMoEConfig, MoHDConfig
 
 NAN, INF = math.nan, math.inf
 
-# --- 2. invalid configurations ------------------------------------------------------------------------------------
+# --- invalid configurations ---------------------------------------------------------------------------------------
 
 LLAMA_FIELDS = dict(
     vocab_size=97,
@@ -186,7 +187,7 @@ def test_field_type_errors_are_still_strict_errors_and_apply_on_assignment():
     assert config.hidden_size == 64 and config.use_cache is True
 
 
-# --- 4. a full disk during a checkpoint ---------------------------------------------------------------------------
+# --- a full disk during a checkpoint ------------------------------------------------------------------------------
 
 
 def _folder_bytes(folder):
@@ -232,7 +233,7 @@ def test_full_disk_during_checkpoint_keeps_previous_and_resumes_exactly(tmp_path
         assert torch.equal(a, b), f"{name} differs after resuming from the checkpoint kept through ENOSPC"
 
 
-# --- 3. damaged input: every reader names the file and what it expected ---------------------------------------------
+# --- damaged input: every reader names the file and what it expected ----------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -486,7 +487,7 @@ def test_damaged_training_checkpoint_names_folder(tmp_path):
         train(tiny_config(tmp_path, corpus, "run"))
 
 
-# --- 3. interrupted writes leave nothing a later run would trust -----------------------------------------------------
+# --- interrupted writes leave nothing a later run would trust -----------------------------------------------------
 
 
 def _interrupt_weight_writes(monkeypatch, error=KeyboardInterrupt):
@@ -621,7 +622,7 @@ def test_interrupted_final_model_write_is_never_under_final(tmp_path, monkeypatc
     assert torch.equal(AutoModelForCausalLM.from_pretrained(final).lm_head.weight, _tiny_mohd(0).lm_head.weight)
 
 
-# --- 5. remote-code files: what they import and open ---------------------------------------------------------------
+# --- remote-code files: what they import and open -----------------------------------------------------------------
 
 AUDIT = r"""
 import builtins, json, os, socket, sys, sysconfig
