@@ -97,7 +97,8 @@ def prepare_files(
 
     Raises:
         FileNotFoundError: no `config.json`, or no `*.safetensors` weights (pickled `*.bin` weights are not uploaded).
-        ValueError: the config is not of an hf-mohd family.
+        ValueError: `config.json` is not valid JSON, is not of an hf-mohd family, or has a bad field (the message
+            names the file and the field).
     """
     from transformers import GenerationConfig
 
@@ -115,14 +116,27 @@ def prepare_files(
             f"{folder} has no *.safetensors weights; save with `save_pretrained` (safetensors is its default)."
         )
 
-    config_dict = json.loads(config_path.read_text())
-    auto_map, code_files = remote_code_files(config_dict.get("model_type"))
+    try:
+        config_dict = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"{config_path}: not valid JSON ({err}); expected the config `save_pretrained` writes."
+        ) from err
+    if not isinstance(config_dict, dict):
+        raise ValueError(f"{config_path}: expected a JSON object, got {type(config_dict).__name__}.")
+    try:
+        auto_map, code_files = remote_code_files(config_dict.get("model_type"))
+    except ValueError as err:
+        raise ValueError(f"{config_path}: {err}") from err
     config_dict["auto_map"] = {**auto_map, **config_dict.get("auto_map", {})}
     files["config.json"] = (json.dumps(config_dict, indent=2, sort_keys=True) + "\n").encode()
     for name, source in code_files.items():
         files.setdefault(name, source)
 
-    config = _families()[config_dict["model_type"]][0].from_dict(config_dict)
+    try:  # a field of the wrong type or out of range (the error names it)
+        config = _families()[config_dict["model_type"]][0].from_dict(config_dict)
+    except ValueError as err:
+        raise ValueError(f"{config_path}: not a valid {config_dict['model_type']} config ({err}).") from err
     if "generation_config.json" not in files:
         files["generation_config.json"] = GenerationConfig.from_model_config(config).to_json_string().encode()
     if not any(name in files for name in TOKENIZER_FILES):

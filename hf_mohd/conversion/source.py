@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Fields that fix the tensor shapes; a config.json without them describes no particular checkpoint.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # Buffers older LLaMA checkpoints stored next to the weights; recomputed from the config, so safe to drop.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -115,6 +118,10 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def _check_llama_config(config_dict: dict, where: str) -> None:
+    if not isinstance(config_dict, dict):
+        raise ConversionError(
+            f"{where}: expected a JSON object of LlamaConfig fields, got {type(config_dict).__name__}."
+        )
     model_type = config_dict.get("model_type")
     architectures = config_dict.get("architectures") or ["LlamaForCausalLM"]
     if model_type != "llama":
@@ -124,6 +131,9 @@ def _check_llama_config(config_dict: dict, where: str) -> None:
         )
     if architectures != ["LlamaForCausalLM"]:
         raise ConversionError(f"{where}: architectures is {architectures}; expected ['LlamaForCausalLM'].")
+    missing = [name for name in SHAPE_FIELDS if name not in config_dict]
+    if missing:  # LlamaConfig would fill in its 7B defaults, and every tensor would then look misshapen
+        raise ConversionError(f"{where}: missing field(s) {missing}; a LLaMA config.json states {list(SHAPE_FIELDS)}.")
     if config_dict.get("quantization_config"):
         method = config_dict["quantization_config"].get("quant_method", "unknown")
         raise ConversionError(
@@ -142,34 +152,47 @@ def _expected_shapes(config) -> dict[str, torch.Size]:
 
 def _read_safetensors(files: list[Path], expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     """Read and check every tensor: name known, shape as expected, floating dtype, no name twice."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError
 
     state_dict, origin = {}, {}
     for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                if name.endswith(IGNORED_SUFFIXES):
-                    continue
-                if name not in expected:
-                    raise ConversionError(
-                        f"{path.name}: tensor {name!r} is not a parameter of LlamaForCausalLM for this config.json "
-                        "(wrong architecture, or a checkpoint of a different model class)."
-                    )
-                if name in state_dict:
-                    raise ConversionError(f"{path.name}: tensor {name!r} is also in {origin[name]}.")
-                tensor = handle.get_tensor(name)
-                if tensor.dtype not in FLOAT_DTYPES:
-                    raise ConversionError(
-                        f"{path.name}: tensor {name!r} has dtype {tensor.dtype}; expected one of "
-                        f"{[str(d) for d in FLOAT_DTYPES]} (quantised weights must be dequantised first)."
-                    )
-                if tensor.shape != expected[name]:
-                    raise ConversionError(
-                        f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}; config.json implies "
-                        f"{tuple(expected[name])}."
-                    )
-                state_dict[name], origin[name] = tensor, path.name
+        try:
+            _read_one_safetensors(path, expected, state_dict, origin)
+        except SafetensorError as err:
+            raise ConversionError(
+                f"{path}: not a complete safetensors file ({err}); expected a JSON header and every tensor's bytes "
+                "(a truncated download or a damaged copy: fetch the file again)."
+            ) from err
     return state_dict
+
+
+def _read_one_safetensors(path: Path, expected: dict, state_dict: dict, origin: dict) -> None:
+    """Adds the checked tensors of `path` to `state_dict` (`origin`: tensor name -> file it came from)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        for name in handle.keys():
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name not in expected:
+                raise ConversionError(
+                    f"{path.name}: tensor {name!r} is not a parameter of LlamaForCausalLM for this config.json "
+                    "(wrong architecture, or a checkpoint of a different model class)."
+                )
+            if name in state_dict:
+                raise ConversionError(f"{path.name}: tensor {name!r} is also in {origin[name]}.")
+            tensor = handle.get_tensor(name)
+            if tensor.dtype not in FLOAT_DTYPES:
+                raise ConversionError(
+                    f"{path.name}: tensor {name!r} has dtype {tensor.dtype}; expected one of "
+                    f"{[str(d) for d in FLOAT_DTYPES]} (quantised weights must be dequantised first)."
+                )
+            if tensor.shape != expected[name]:
+                raise ConversionError(
+                    f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}; config.json implies "
+                    f"{tuple(expected[name])}."
+                )
+            state_dict[name], origin[name] = tensor, path.name
 
 
 def _complete(state_dict: dict, expected: dict, config, where: str) -> dict[str, torch.Tensor]:
@@ -213,7 +236,10 @@ def _load_folder(folder: Path, dtype: torch.dtype | None) -> DenseLlamaSource:
         raise ConversionError(f"{config_path}: not valid JSON ({err}).") from err
     _check_llama_config(config_dict, str(config_path))
     files = _weight_files(folder)
-    config = LlamaConfig.from_pretrained(folder)
+    try:
+        config = LlamaConfig.from_pretrained(folder)
+    except (ValueError, TypeError, StrictDataclassError) as err:  # a field of the wrong type or out of range
+        raise ConversionError(f"{config_path}: not a valid LlamaConfig ({' '.join(str(err).split())}).") from err
     expected = _expected_shapes(config)
     logger.info("Reading %d safetensors file(s) from %s", len(files), folder)
     state_dict = _complete(_read_safetensors(files, expected), expected, config, str(folder))
@@ -241,7 +267,13 @@ def _gguf_metadata(path: Path) -> dict[str, object]:
         raise ConversionError(
             f"Reading {path.name} needs the `gguf` package: pip install gguf (or hf-mohd[convert])."
         ) from err
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as err:  # the reader raises ValueError, IndexError, struct errors, ... on damaged files
+        raise ConversionError(
+            f"{path}: not a readable GGUF file ({type(err).__name__}: {err}); expected the GGUF magic, version, "
+            "metadata and tensor data (a truncated or damaged file?)."
+        ) from err
     meta = {}
     for key in ("general.architecture", "general.name", "general.organization", "general.license"):
         if key in reader.fields:

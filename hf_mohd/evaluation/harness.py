@@ -8,6 +8,8 @@ exactly as `lm_eval --model hf --include_path <tasks dir>` would score it (tests
 import os
 
 
+# Files from which `AutoTokenizer.from_pretrained(folder)` can build a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
 
 # The MoHD paper's suite (arXiv 2412.05644, Table 2): short name -> offline task name.
@@ -69,6 +71,10 @@ def evaluate(
 
     Returns:
         lm-eval's result dict; `results[task]` maps "acc,none", "acc_norm,none", "perplexity,none", ... to numbers.
+
+    Raises:
+        ValueError: an unknown task (checked first); a model folder (or `tokenizer` folder) without tokenizer files;
+            a model object without `tokenizer`.
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from lm_eval import simple_evaluate
@@ -77,7 +83,9 @@ def evaluate(
 
     import hf_mohd  # noqa: F401  (registers the model types with the Auto classes)
 
+    task_names = resolve_tasks(tasks)  # an unknown task fails before the model is loaded
     if isinstance(model, str):
+        _check_tokenizer_source(model if tokenizer is None else tokenizer)
         lm = HFLM(
             pretrained=model,
             tokenizer=tokenizer,
@@ -91,7 +99,7 @@ def evaluate(
         lm = HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size)
     return simple_evaluate(
         model=lm,
-        tasks=resolve_tasks(tasks),
+        tasks=task_names,
         num_fewshot=num_fewshot,
         limit=limit,
         task_manager=TaskManager(include_path=TASKS_DIR),
@@ -101,6 +109,16 @@ def evaluate(
         fewshot_random_seed=seed,
         log_samples=False,
     )
+
+
+def _check_tokenizer_source(source) -> None:
+    """A local folder given as the tokenizer source must hold tokenizer files (Hub ids and objects pass)."""
+    if isinstance(source, str) and os.path.isdir(source):
+        if not any(os.path.isfile(os.path.join(source, name)) for name in TOKENIZER_FILES):
+            raise ValueError(
+                f"{source} has no tokenizer files (expected one of {list(TOKENIZER_FILES)}); save the tokenizer "
+                "next to the model (`tokenizer.save_pretrained(folder)`) or pass `tokenizer`."
+            )
 
 
 def summarize(results: dict) -> dict[str, dict[str, float]]:

@@ -33,9 +33,12 @@ original checkpoint layout and `from_pretrained` reads it back):
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -209,9 +212,10 @@ def export_to_nemotron_h(model_or_folder, out_dir: str | Path, overwrite: bool =
     if not isinstance(model_or_folder, LatentMoEForCausalLM):
         source = Path(model_or_folder)
         model = LatentMoEForCausalLM.from_pretrained(source)
-    to_nemotron_h(model).save_pretrained(out)
-    if source is not None:
-        _copy_side_files(source, out)
+    with _staged(out) as staging:
+        to_nemotron_h(model).save_pretrained(staging)
+        if source is not None:
+            _copy_side_files(source, staging)
     logger.info("Exported %s to Nemotron-H at %s", type(model).__name__, out)
     return out
 
@@ -237,7 +241,7 @@ def latent_moe_config_from_nemotron_h(config: NemotronHConfig) -> LatentMoEConfi
             hint = " (Mamba-2 blocks have no LatentMoE counterpart)" if block == "linear_attention" else ""
             raise NemotronHInteropError(
                 f"`layers_block_type[{index}]` is {block!r}{hint}; LatentMoE imports only checkpoints whose blocks "
-                f"alternate full_attention and moe | mlp, got {config.hybrid_override_pattern!r}."
+                f"alternate full_attention and moe | mlp, got {blocks}."
             )
     if config.n_group > 1 and config.topk_group < config.n_group:
         raise NemotronHInteropError(
@@ -331,12 +335,16 @@ def import_from_nemotron_h(folder: str | Path, out_dir: str | Path | None = None
         FileExistsError: `out_dir` exists and `overwrite` is false.
     """
     folder = Path(folder)
-    latent_moe_config_from_nemotron_h(NemotronHConfig.from_pretrained(folder))  # fail fast, before the weights
+    try:  # fail fast, before the weights
+        latent_moe_config_from_nemotron_h(NemotronHConfig.from_pretrained(folder))
+    except NemotronHInteropError as err:
+        raise NemotronHInteropError(f"{folder / 'config.json'}: {err}") from None
     out = _prepare_destination(out_dir, overwrite) if out_dir is not None else None
     model = from_nemotron_h(NemotronHForCausalLM.from_pretrained(folder, **kwargs))
     if out is not None:
-        model.save_pretrained(out)
-        _copy_side_files(folder, out)
+        with _staged(out) as staging:
+            model.save_pretrained(staging)
+            _copy_side_files(folder, staging)
     return model
 
 
@@ -344,13 +352,36 @@ def import_from_nemotron_h(folder: str | Path, out_dir: str | Path | None = None
 
 
 def _prepare_destination(out_dir: str | Path, overwrite: bool) -> Path:
+    """`out_dir`, checked before any work: an existing non-empty folder needs `overwrite` (it is replaced only once
+    the new folder is complete, see `_staged`)."""
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True (--overwrite) to replace it.")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True (--overwrite) to replace it.")
+    out.parent.mkdir(parents=True, exist_ok=True)
     return out
+
+
+@contextlib.contextmanager
+def _staged(out: Path):
+    """Yields a temporary sibling of `out` to write into; renamed to `out` when the block completes (an existing `out`
+    is swapped out first and removed after), removed when it raises. An interrupted write thus never leaves a partial
+    folder under `out` for a later `from_pretrained` to load, and never destroys the previous one."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it owner-only; the files inside follow the umask already
+    try:
+        yield staging
+        if out.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.replace(out, retired / out.name)
+            os.replace(staging, out)
+            shutil.rmtree(retired)
+        else:
+            os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _copy_side_files(source: Path, out: Path) -> None:

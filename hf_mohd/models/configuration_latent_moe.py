@@ -13,13 +13,18 @@
 # limitations under the License.
 """LatentMoE (arXiv 2601.18089; expert shapes and layerwise capacity of arXiv 2610.14644) model configuration."""
 
+import math
+from types import SimpleNamespace
+
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassFieldValidationError
+from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.modeling_rope_utils import RopeParameters
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 from transformers.utils import auto_docstring
 from transformers.utils.type_validators import interval
 
-from .latent_moe_accounting import check_layer_overrides, layer_accounting, model_accounting
+from .latent_moe_accounting import PER_LAYER_FIELDS, check_layer_overrides, layer_accounting, model_accounting
 
 
 MIXER_TYPES = ("moe", "mlp")
@@ -133,6 +138,10 @@ class LatentMoEConfig(PreTrainedConfig):
     router_bias_update_rate: float = 1e-3
 
     def __post_init__(self, **kwargs):
+        # Before anything divides by them or `per_layer_config` is checked against the layer count.
+        _check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"))
+        _check_positive_ints(self, ("num_attention_heads", "max_position_embeddings"))
+        defaults = SimpleNamespace(**{name: getattr(self, name) for name in PER_LAYER_FIELDS})
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
@@ -141,15 +150,18 @@ class LatentMoEConfig(PreTrainedConfig):
         # `@strict` wraps errors of `validate_*` in its own exception type; checking here first gives users the
         # plain `ValueError` naming the field (and the layer). The class validator runs the same checks again.
         self.validate_architecture()
+        # The top-level values are the defaults of every layer: valid even where overrides (or dense layers) hide them.
+        _validate_layer_fields(defaults, where="", every_field=True)
 
     def validate_architecture(self):
         """Cross-field rules; each `ValueError` names the field, the allowed values and, per layer, the layer index."""
         spec = self.__dict__.get("_heterogeneity_spec")
         for layer_idx, overrides in (spec.per_layer_overrides if spec is not None else {}).items():
             check_layer_overrides(layer_idx, overrides)
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)!r}.")
+        # `intermediate_size` may vary per layer: checked below, per layer when the config is heterogeneous.
+        _check_positive_ints(self, ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings"))
+        _check_positive_ints(self, ("num_attention_heads", "num_key_value_heads", "head_dim"))
+        _check_llama_fields(self)
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of `num_key_value_heads` "
@@ -162,8 +174,7 @@ class LatentMoEConfig(PreTrainedConfig):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` must be one of {list(allowed)}, got {getattr(self, name)!r}.")
         for name in ("router_aux_loss_coef", "router_bias_update_rate"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"`{name}` must be >= 0, got {getattr(self, name)}.")
+            _check_real(self, name, low=0.0)
         if not self.is_heterogeneous:
             _validate_layer_fields(self, where="")
             return
@@ -206,18 +217,22 @@ class LatentMoEConfig(PreTrainedConfig):
         return model_accounting(self).activated_params + biases
 
 
-def _validate_layer_fields(config, where: str) -> None:
-    """Checks the fields that may vary per layer on one (layer) config; `where` prefixes the message."""
+def _validate_layer_fields(config, where: str, every_field: bool = False) -> None:
+    """Checks the fields that may vary per layer on one (layer) config; `where` prefixes the message.
+
+    The MoE fields are checked on MoE layers, and on every config when `every_field` (the top-level defaults).
+    """
     if config.mixer_type not in MIXER_TYPES:
         raise ValueError(f"{where}`mixer_type` must be one of {list(MIXER_TYPES)}, got {config.mixer_type!r}.")
-    positive = ["intermediate_size"] if config.mixer_type == "mlp" else []
-    if config.mixer_type == "moe":
+    moe = every_field or config.mixer_type == "moe"
+    positive = ["intermediate_size"]  # the width of dense layers, and the default of `per_layer_config` ones
+    if moe:
         positive += ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
     for name in positive:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{where}`{name}` must be a positive integer, got {value!r}.")
-    if config.mixer_type != "moe":
+    if not moe:
         return
     if config.num_experts_per_tok > config.num_experts:
         raise ValueError(
@@ -230,8 +245,85 @@ def _validate_layer_fields(config, where: str) -> None:
     shared = config.moe_shared_expert_intermediate_size
     if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
         raise ValueError(f"{where}`moe_shared_expert_intermediate_size` must be an integer >= 0, got {shared!r}.")
-    if config.routed_scaling_factor <= 0:
-        raise ValueError(f"{where}`routed_scaling_factor` must be > 0, got {config.routed_scaling_factor}.")
+    factor = config.routed_scaling_factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"{where}`routed_scaling_factor` must be a finite number > 0, got {factor!r}.")
 
+
+# The same checks as in configuration_mohd.py, repeated so that each family's remote-code files stand alone.
+class ConfigFieldError(StrictDataclassFieldValidationError, ValueError):
+    """A configuration field of the wrong type (or outside an `interval`): a `ValueError` naming the field.
+
+    `@strict` (huggingface_hub) raises `StrictDataclassFieldValidationError`, which is not a `ValueError`; this
+    subclass of both keeps `except StrictDataclassFieldValidationError` working and gives users the `ValueError`
+    every other bad field raises.
+    """
+
+    def __init__(self, field: str, cause: Exception):
+        ValueError.__init__(self, f"`{field}` is invalid: {cause}")
+        self.field = field
+
+
+def _raise_value_errors(cls: type) -> type:
+    """Wraps the `@strict` `__setattr__` of `cls` so that its field errors are `ConfigFieldError`s."""
+    strict_setattr = cls.__setattr__
+
+    def __setattr__(self, name, value):
+        try:
+            strict_setattr(self, name, value)
+        except StrictDataclassFieldValidationError as error:
+            if isinstance(error, ValueError):
+                raise
+            raise ConfigFieldError(name, error.__cause__ or error) from error
+
+    cls.__setattr__ = __setattr__
+    return cls
+
+
+def _check_positive_ints(config, names) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+
+
+def _check_real(config, name: str, low: float, high: float | None = None, open_low: bool = False) -> None:
+    """`low <= value (<= high)` (`low < value` when `open_low`), finite; else a `ValueError` naming `name`."""
+    value = getattr(config, name)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if open_low else value >= low) and (high is None or value <= high)
+    if not ok:
+        bounds = (
+            f"{'(' if open_low else '['}{low}, {high if high is not None else 'inf'}{']' if high is not None else ')'}"
+        )
+        raise ValueError(f"`{name}` must be a finite number in {bounds}, got {value!r}.")
+
+
+def _check_llama_fields(config) -> None:
+    """The LLaMA fields both families share: activation, norm epsilon, dropout, padding id, RoPE parameters."""
+    if config.hidden_act not in ACT2FN:
+        raise ValueError(
+            f"`hidden_act` must be one of transformers' activations {sorted(ACT2FN)}, got {config.hidden_act!r}."
+        )
+    _check_real(config, "rms_norm_eps", low=0.0, open_low=True)
+    _check_real(config, "attention_dropout", low=0.0, high=1.0)
+    pad = config.pad_token_id
+    if pad is not None and not -config.vocab_size <= pad < config.vocab_size:  # what nn.Embedding(padding_idx) takes
+        raise ValueError(
+            f"`pad_token_id` must be None or in [-vocab_size, vocab_size) = "
+            f"[{-config.vocab_size}, {config.vocab_size}), got {pad}."
+        )
+    rope = config.rope_parameters or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ("default", *ROPE_INIT_FUNCTIONS):
+        raise ValueError(
+            f"`rope_parameters` has rope_type {rope_type!r}; expected one of {['default', *ROPE_INIT_FUNCTIONS]}."
+        )
+    theta = rope.get("rope_theta", 1.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+        raise ValueError(f"`rope_parameters` has rope_theta {theta!r}; expected a finite number > 0.")
+
+
+_raise_value_errors(LatentMoEConfig)
 
 __all__ = ["LatentMoEConfig"]

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import time
@@ -123,8 +124,24 @@ def prepare_tokenizer(config: TrainConfig, train_texts: list[str]):
         return AutoTokenizer.from_pretrained(saved)
     if source:
         kwargs = {"gguf_file": config.model.gguf_file} if config.model.gguf_file and not config.model.tokenizer else {}
+        if not kwargs:
+            _check_tokenizer_folder(source, "model.tokenizer" if config.model.tokenizer else "model.init_from")
         return AutoTokenizer.from_pretrained(source, trust_remote_code=config.model.trust_remote_code, **kwargs)
     return train_bpe_tokenizer(train_texts, config.model.tokenizer_vocab_size)
+
+
+def _check_tokenizer_folder(source: str, field: str) -> None:
+    """A local tokenizer source must exist and hold tokenizer files (Hub ids are left to `from_pretrained`)."""
+    from ..evaluation.harness import TOKENIZER_FILES
+
+    path = os.path.expanduser(source)
+    if not os.path.exists(path) and (os.path.isabs(path) or source.startswith((".", "~"))):
+        raise ValueError(f"`{field}` {source!r} does not exist (expected a folder with tokenizer files or a Hub id).")
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"`{field}` {source!r} has no tokenizer files (expected one of {list(TOKENIZER_FILES)}); set "
+            "`model.tokenizer` to a folder or Hub id that has them."
+        )
 
 
 def build_model(config: TrainConfig, tokenizer):
@@ -211,7 +228,15 @@ class RunLog:
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
-    """`save_state` into a temporary folder, then rename it to `checkpoints/step_<n>` (atomic on POSIX) and prune."""
+    """`save_state` into a temporary folder, then rename it to `checkpoints/step_<n>` (atomic on POSIX) and prune.
+
+    Older checkpoints are pruned (down to `keep`) only once the new one is in place, so at every moment the newest
+    `step_<n>` folder is complete (`latest_checkpoint` never sees the `.tmp_step_<n>` folder being written).
+
+    Raises:
+        OSError: writing failed (e.g. `errno.ENOSPC`, a full disk); the partial temporary folder is removed, the
+            previous checkpoints are untouched, and the message names both, so a rerun resumes from the previous one.
+    """
     root = os.path.join(output_dir, "checkpoints")
     final = os.path.join(root, f"step_{step:07d}")
     tmp = os.path.join(root, f".tmp_step_{step:07d}")
@@ -219,7 +244,17 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(root, exist_ok=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
+    try:
+        accelerator.save_state(tmp)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial files took
+        previous = latest_checkpoint(output_dir)
+        kept = f"the previous checkpoint {previous} is intact" if previous else "there is no previous checkpoint"
+        raise OSError(
+            error.errno,
+            f"Writing checkpoint {final} failed ({error.strerror or error}); {kept}, and a rerun with resume='auto' "
+            "starts from it.",
+        ) from error
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shutil.rmtree(final, ignore_errors=True)
@@ -229,6 +264,50 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def load_checkpoint(accelerator, checkpoint: str) -> None:
+    """`load_state` of a checkpoint folder written by `save_checkpoint`.
+
+    Raises:
+        ValueError: a damaged checkpoint (missing, truncated or corrupted files: safetensors, pickle or shape errors);
+            the message names the folder and how to resume from an earlier one.
+    """
+    from safetensors import SafetensorError
+
+    try:
+        accelerator.load_state(checkpoint)
+    except (OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError) as error:
+        raise ValueError(
+            f"Checkpoint {checkpoint} cannot be loaded ({type(error).__name__}: {error}); expected the complete "
+            "Accelerate state `save_checkpoint` writes. Delete that folder to resume from the previous checkpoint, "
+            "or set resume: never to start afresh."
+        ) from error
+
+
+def save_final_model(accelerator, model, tokenizer, final_dir: str) -> None:
+    """`save_pretrained` of the unwrapped model and the tokenizer into a temporary sibling of `final_dir`, renamed
+    into place when complete (an older `final_dir` is replaced only then), so that an interruption never leaves a
+    partial folder that `from_pretrained` would load. Every process must call it (FSDP / ZeRO-3 gather the weights).
+    """
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)  # gathers FSDP / ZeRO-3 shards; every process calls it
+    if accelerator.is_main_process:
+        final_dir = os.path.normpath(final_dir)
+        tmp, retired = f"{final_dir}.partial", f"{final_dir}.old"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict)
+            tokenizer.save_pretrained(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(retired, ignore_errors=True)
+        if os.path.exists(final_dir):
+            os.replace(final_dir, retired)
+        os.replace(tmp, final_dir)
+        shutil.rmtree(retired, ignore_errors=True)
+    accelerator.wait_for_everyone()
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -286,7 +365,7 @@ def train(config: TrainConfig) -> TrainResult:
             raise ValueError(f"`resume` {config.resume!r} is neither 'auto', 'never' nor a checkpoint folder.")
         resume_from = config.resume
     if resume_from:
-        accelerator.load_state(resume_from)
+        load_checkpoint(accelerator, resume_from)
     log = RunLog(accelerator, os.path.join(config.output_dir, "log.jsonl"), state.step)
     scalars = {"seq_len": config.data.seq_len, "lr": optim.lr, "micro_batch_size": config.micro_batch_size}
     accelerator.init_trackers("train", config=scalars)
@@ -384,12 +463,7 @@ def train(config: TrainConfig) -> TrainResult:
             save_checkpoint(accelerator, config.output_dir, state.step, config.keep_checkpoints)
         if config.save_final:
             result.final_model_dir = os.path.join(config.output_dir, "final")
-            accelerator.wait_for_everyone()
-            state_dict = accelerator.get_state_dict(model)  # gathers FSDP / ZeRO-3 shards; every process calls it
-            if accelerator.is_main_process:
-                accelerator.unwrap_model(model).save_pretrained(result.final_model_dir, state_dict=state_dict)
-                tokenizer.save_pretrained(result.final_model_dir)
-            accelerator.wait_for_everyone()
+            save_final_model(accelerator, model, tokenizer, result.final_model_dir)
     result.model = accelerator.unwrap_model(model)
     accelerator.end_training()
     return result
