@@ -30,7 +30,6 @@ import hf_mohd  # noqa: F401  (registers the Auto classes)
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
 from hf_mohd.accounting import mohd_accounting
 from hf_mohd.interop import to_nemotron_h
-from hf_mohd.models.modeling_mohd import MoHDGatherDispatch
 
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
@@ -171,16 +170,20 @@ def _step(model, input_ids):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=SLOW_OK)
-@given(fields=mohd_configs(), batch=st.integers(1, 2), length=st.integers(1, 9), block_major=st.booleans())
-def test_mohd_gather_paths_equal_masked_in_float64_and_float32(fields, batch, length, block_major):
-    note(f"MoHDConfig(**{fields}); batch={batch}, length={length}, block_major={block_major}")
+@given(
+    fields=mohd_configs(),
+    batch=st.integers(1, 2),
+    length=st.integers(1, 9),
+    layout=st.sampled_from(["block_major", "row_major"]),
+)
+def test_mohd_gather_paths_equal_masked_in_float64_and_float32(fields, batch, length, layout):
+    note(f"MoHDConfig(**{fields}); batch={batch}, length={length}, layout={layout}")
     input_ids = _ids(batch, length)
     for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
         masked = _build(MoHDForCausalLM, MoHDConfig, fields, dtype, sparse_implementation="masked")
         gather = _build(MoHDForCausalLM, MoHDConfig, fields, dtype, sparse_implementation="gather")
         gather.load_state_dict(masked.state_dict())
-        if block_major:
-            MoHDGatherDispatch.block_major_(gather)
+        gather.to_weight_layout(layout)
         logits_g, loss_g, grads_g = _step(gather, input_ids)
         logits_m, loss_m, grads_m = _step(masked, input_ids)
         torch.testing.assert_close(logits_g, logits_m, rtol=tol, atol=tol, msg=f"{dtype} logits")
