@@ -6,7 +6,8 @@ At 50% activation without retraining, sparsifying only the FFN measured worse th
 that is otherwise the exact dense conversion, and reports the perplexity of each:
 - "ffn only": layer l's FFN from the FFN-only model;
 - "both": layer l's attention and FFN from the both-sublayers model;
-- "attention only": layer l's attention from the both-sublayers model.
+- "attention only": layer l's attention from the both-sublayers model;
+and the FFN-only and both-sublayers models with layer 0 kept dense.
 The single-layer models are assembled from the modules of the converted models (the same weights and routers), so
 no model code changes. It also reports, per layer, the energy the sparse FFN writes relative to the dense FFN
 (mean over tokens of ||y_sparse||^2 / ||y_dense||^2 on the dense model's inputs), the quantity activation scaling
@@ -79,6 +80,21 @@ def main(argv=None) -> int:
         "all layers, ffn only": perplexity(ffn, windows, args.batch_size, "ffn"),
     }
     logger.info("%s", results)
+
+    # Every layer sparse except layer 0 (kept dense in the FFN-only and the both-sublayers model).
+    without_first = {}
+    for name, model in (("ffn only", ffn), ("both", both)):
+        layer, donor = model.model.layers[0], dense.model.layers[0]
+        saved = {part: getattr(layer, part) for part in ("self_attn", "mlp")}
+        for part in saved:
+            setattr(layer, part, getattr(donor, part))
+        try:
+            without_first[f"all layers but layer 0, {name}"] = perplexity(model, windows, args.batch_size, name)
+        finally:
+            for part, module in saved.items():
+                setattr(layer, part, module)
+    logger.info("%s", without_first)
+    results.update(without_first)
 
     # Energy written by each sparse FFN relative to the dense FFN, on the dense model's own FFN inputs.
     energy = {"ffn only": [], "both": []}

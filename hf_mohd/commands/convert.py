@@ -31,7 +31,8 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--verify",
         action="store_true",
         help="Before writing, check the exact model (MoHD at full activation, LatentMoE as converted) against the "
-        "source LLaMA's logits on random tokens; fail if they differ by more than --atol.",
+        "source LLaMA's logits on random tokens; fail if they differ by more than --atol. With --rotate the check "
+        "runs in float64 (the same rotation applied to a float64 copy of the source).",
     )
     parser.add_argument("--atol", type=float, default=1e-4, help="Tolerance of --verify (default 1e-4).")
     parser.add_argument(
@@ -218,6 +219,7 @@ def run_mohd(args) -> int:
         calibration_token_ids,
         describe_mohd_conversion,
         llama_to_mohd,
+        load_dense_llama,
         rotate_llama,
         save_converted,
     )
@@ -253,7 +255,18 @@ def run_mohd(args) -> int:
         if rotation:
             converted, info = rotate_llama(source, calibration_ids)
             untied = info["untied_parameters"]
-        if args.verify:
+        if args.verify and rotation:
+            # In float64 with the same Q: fp32 rounding of the rotated weights alone moves SmolLM2's logits by 1e-4 to
+            # 3e-4, which would hide a real error; in float64 the rotation is exact to ~1e-12.
+            import dataclasses
+
+            import torch
+
+            source64 = load_dense_llama(dataclasses.replace(source), dtype=torch.float64)
+            exact = llama_to_mohd(rotate_llama(source64, rotation=info["basis"])[0], "full")
+            _verify(exact, source64, args.atol, args.seed)
+            del exact, source64
+        elif args.verify:
             exact = llama_to_mohd(converted, "full", num_sub_dims=args.num_sub_dims, channel_order=args.channel_order)
             _verify(exact, source, args.atol, args.seed)
         model = llama_to_mohd(
