@@ -15,10 +15,17 @@ enters at gate ~1, as a shared one does), each with the source channel order and
 (heaviest channels in the shared blocks); routers are freshly initialised (seed 0), group fusion is the identity.
 `--variants calibrated` instead orders the channels by `calibrated_channel_importance` measured on the *first*
 `--calibration-articles` articles (disjoint from the held-out ones), with both sublayers sparse and with the FFN only.
+`--variants rotation` compares, at 75% and 50%, both sublayers and FFN only, on the same held-out tokens: that
+calibrated channel order with random routers (`--seeds`), the PCA change of basis (`rotate_llama`, one global Q) with
+random routers (`--seeds`), the rotation with routers fitted on `--rotation-calibration-tokens` tokens of the first
+articles (`fit_routers`, with their recall of the oracle's top-k), and the oracle (`oracle_routing_record` replayed,
+gate 1, activation scaling none and inverse_active); it records the CPU model, the load average and the threads.
 
     python conversion/evaluate_perplexity.py --output conversion/results/smollm2_perplexity.json
     python conversion/evaluate_perplexity.py --variants calibrated \
         --output conversion/results/smollm2_perplexity_calibrated.json
+    python conversion/evaluate_perplexity.py --variants rotation --threads 1 \
+        --output conversion/results/smollm2_perplexity_rotation.json
 """
 
 import argparse
