@@ -282,7 +282,7 @@ def rotate_llama(
     state_dict = rotate_hidden_basis(folded, rotation, config.num_hidden_layers)
     new_config = config.__class__.from_dict(config.to_dict())
     new_config.tie_word_embeddings = False
-    what = "PCA basis" if eigenvalues is not None else "a given orthogonal basis"
+    what = "the PCA basis" if eigenvalues is not None else "a given orthogonal basis"
     tokens = None if calibration_ids is None or eigenvalues is None else int(calibration_ids.numel())
     rotated = dataclasses.replace(
         source,
