@@ -30,7 +30,7 @@ This module builds the **single global Q** variant: one Q for the whole residual
 the same function up to float rounding), with no extra matrices. SliceGPT section 3.3's alternative, one Q per layer
 with a D x D shortcut rotation on every residual connection, is not built.
 
-Q is the PCA basis of calibration hidden states (SliceGPT section 3.4, which uses the outputs of the norms): the
+Q is the PCA basis of calibration hidden states (SliceGPT section 3.3 computes it from the outputs of the norms): the
 eigenvectors of the second moment C = sum over tokens and sublayers of x^T x, with x = h / rms(h) the normalised input
 of every attention and FFN sublayer, pooled over all of them, accumulated in float64; the eigenvectors are sorted by
 decreasing eigenvalue, so the first channels (MoHD's shared blocks) hold the leading components. Each eigenvector's
