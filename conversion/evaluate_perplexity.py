@@ -15,10 +15,17 @@ enters at gate ~1, as a shared one does), each with the source channel order and
 (heaviest channels in the shared blocks); routers are freshly initialised (seed 0), group fusion is the identity.
 `--variants calibrated` instead orders the channels by `calibrated_channel_importance` measured on the *first*
 `--calibration-articles` articles (disjoint from the held-out ones), with both sublayers sparse and with the FFN only.
+`--variants rotation` compares, at 75% and 50%, both sublayers and FFN only, on the same held-out tokens: that
+calibrated channel order with random routers (`--seeds`), the PCA change of basis (`rotate_llama`, one global Q) with
+random routers (`--seeds`), the rotation with routers fitted on `--rotation-calibration-tokens` tokens of the first
+articles (`fit_routers`, with their recall of the oracle's top-k), and the oracle (`oracle_routing_record` replayed,
+gate 1, activation scaling none and inverse_active); it records the CPU model, the load average and the threads.
 
     python conversion/evaluate_perplexity.py --output conversion/results/smollm2_perplexity.json
     python conversion/evaluate_perplexity.py --variants calibrated \
         --output conversion/results/smollm2_perplexity_calibrated.json
+    python conversion/evaluate_perplexity.py --variants rotation --threads 1 \
+        --output conversion/results/smollm2_perplexity_rotation.json
 """
 
 import argparse
@@ -75,7 +82,10 @@ for _percent, _preset in (("75%", "compression_75"), ("50%", "compression_50")):
             {**UNSCALED, "channel_order": "calibrated", "sparse_modules": ["ffn"]},
         ),
     ]
-VARIANT_GROUPS = {"presets": VARIANTS, "calibrated": CALIBRATED}
+VARIANT_GROUPS = {"presets": VARIANTS, "calibrated": CALIBRATED, "rotation": []}
+# `--variants rotation`: for each preset and each sparse_modules choice, the arms below (see `rotation_arms`).
+ROTATION_PRESETS = (("75%", "compression_75"), ("50%", "compression_50"))
+MODULE_CHOICES = (("both sublayers", ["attention", "ffn"]), ("FFN only", ["ffn"]))
 
 
 def default_source() -> str:
@@ -116,15 +126,174 @@ def token_windows(tokenizer, texts: list[str], window: int, max_tokens: int) -> 
 
 
 @torch.no_grad()
-def perplexity(model, windows: torch.Tensor, batch_size: int, label: str) -> float:
-    """exp(mean NLL of tokens 1..T-1 given their prefix), over all windows."""
+def perplexity(model, windows: torch.Tensor, batch_size: int, label: str, records=None) -> float:
+    """exp(mean NLL of tokens 1..T-1 given their prefix), over all windows; `records` (one routing record per batch)
+    are replayed (`routing_replay=`) when given."""
     total, count = 0.0, 0
-    for start in tqdm(range(0, windows.shape[0], batch_size), desc=label[:40], leave=False):
+    for number, start in enumerate(tqdm(range(0, windows.shape[0], batch_size), desc=label[:40], leave=False)):
         batch = windows[start : start + batch_size]
-        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+        replay = {} if records is None else {"routing_replay": records[number]}
+        logits = model(input_ids=batch, use_cache=False, **replay).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
         total, count = total + nll.item(), count + batch[:, 1:].numel()
     return math.exp(total / count)
+
+
+def machine() -> dict:
+    """CPU model (lscpu), core count and load average, for the report."""
+    import os
+    import subprocess
+
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        cpu = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "")
+    except OSError:
+        cpu = ""
+    return {"cpu": cpu, "cores": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _settings(config, **extra) -> dict:
+    return {
+        "active_sub_dims": config.num_active_sub_dims,
+        "num_sub_dims": config.num_sub_dims,
+        "activation": config.num_active_sub_dims / config.num_sub_dims,
+        "activation_scaling": config.activation_scaling,
+        "routed_gate": config.routed_gate,
+        "group_fusion": config.group_fusion,
+        "sparse_modules": config.sparse_modules,
+        **extra,
+    }
+
+
+def rotation_arms(args, source, windows, calibration_order, calibration_ids):
+    """Perplexity of every arm on the same held-out `windows`, plus the fitted routers' recall of the oracle.
+
+    Arms per preset (75%, 50%) and per sparse_modules (both sublayers, FFN only):
+    - "today's best": channels ordered by `calibrated_channel_importance`, random routers (seeds `--seeds`);
+    - "rotation only": the PCA rotation (`rotate_llama`), random routers (seeds `--seeds`);
+    - "rotation + fitted routers": the rotation, `fit_routers` on the calibration ids;
+    - "oracle": the rotation, zero routers and routed_gate "normalized" (gate 1), the top-k blocks by the dense
+      rotated model's input energy replayed (`oracle_routing_record`), with activation scaling none and
+      inverse_active.
+    All arms but the oracle with inverse_active use activation scaling "none" and routed gate "normalized", the
+    best measured setting of `--variants presets`; group fusion is the identity ("mix", untrained).
+    """
+    from hf_mohd.conversion import (
+        llama_to_mohd,
+        oracle_routing_record,
+        rotate_llama,
+        routing_recall,
+        zero_routers,
+    )
+
+    results, settings, recall, fits = {}, {}, {}, {}
+    started = time.time()
+    rotated, info = rotate_llama(source, calibration_ids, batch_size=args.batch_size)
+    eigenvalues = info["eigenvalues"]
+    block = source.config.hidden_size // 16
+    shares = (eigenvalues.view(16, block).sum(-1) / eigenvalues.sum()).tolist()
+    timing = {"rotation_seconds": round(time.time() - started, 1)}
+    results["rotated LLaMA (full activation)"] = perplexity(rotated.build_llama(), windows, args.batch_size, "rot")
+    logger.info("rotated LLaMA: %.3f", results["rotated LLaMA (full activation)"])
+
+    def measure(label, model, records=None, **extra):
+        settings[label] = _settings(model.config, **extra)
+        results[label] = perplexity(model, windows, args.batch_size, label, records)
+        logger.info("%s: %.3f", label, results[label])
+
+    batches = [windows[i : i + args.batch_size] for i in range(0, windows.shape[0], args.batch_size)]
+    for percent, preset in ROTATION_PRESETS:
+        started = time.time()
+        fitted = llama_to_mohd(rotated, preset, routers="fitted", calibration_ids=calibration_ids, **UNSCALED)
+        timing[f"fit_{preset}_seconds"] = round(time.time() - started, 1)
+        fits[preset] = routing_recall(fitted, rotated, windows, batch_size=args.batch_size)
+        logger.info("%s fitted routers: recall of the oracle top-k %s", preset, fits[preset])
+        recall[preset] = fits[preset]
+        fitted_routers = {n: t for n, t in fitted.state_dict().items() if n.endswith("router.weight")}
+        oracle_config = fitted.config
+        records = [oracle_routing_record(rotated, batch, oracle_config) for batch in batches]
+        del fitted
+        for modules_label, modules in MODULE_CHOICES:
+            prefix = f"MoHD {percent} ({preset}; {modules_label})"
+            for seed in args.seeds:
+                model = llama_to_mohd(
+                    source, preset, seed=seed, channel_order=calibration_order, sparse_modules=modules, **UNSCALED
+                )
+                measure(
+                    f"{prefix}: today's best (channels calibrated, random routers seed {seed})",
+                    model,
+                    rotation=None,
+                    channel_order="calibrated",
+                    routers="random",
+                    router_seed=seed,
+                )
+            # Scaling ablation of the FFN-only anomaly: the same arm with the paper's activation scaling.
+            model = llama_to_mohd(
+                source,
+                preset,
+                seed=args.seeds[0],
+                channel_order=calibration_order,
+                sparse_modules=modules,
+                activation_scaling="inverse_active",
+                routed_gate="normalized",
+            )
+            measure(
+                f"{prefix}: today's best with scaling inverse_active (random routers seed {args.seeds[0]})",
+                model,
+                rotation=None,
+                channel_order="calibrated",
+                routers="random",
+                router_seed=args.seeds[0],
+            )
+            for seed in args.seeds:
+                model = llama_to_mohd(rotated, preset, seed=seed, sparse_modules=modules, **UNSCALED)
+                measure(
+                    f"{prefix}: rotation only (random routers seed {seed})",
+                    model,
+                    rotation="pca",
+                    channel_order="original",
+                    routers="random",
+                    router_seed=seed,
+                )
+            model = llama_to_mohd(rotated, preset, sparse_modules=modules, **UNSCALED)
+            missing, unexpected = model.load_state_dict(fitted_routers, strict=False)
+            assert not unexpected or modules == ["ffn"], unexpected  # FFN only: the attention routers are unused
+            measure(
+                f"{prefix}: rotation + fitted routers",
+                model,
+                rotation="pca",
+                channel_order="original",
+                routers="fitted",
+            )
+            for scaling in ("none", "inverse_active"):
+                model = zero_routers(
+                    llama_to_mohd(
+                        rotated, preset, sparse_modules=modules, routed_gate="normalized", activation_scaling=scaling
+                    )
+                )
+                measure(
+                    f"{prefix}: oracle (top-k by input energy, gate 1, scaling {scaling})",
+                    model,
+                    records,
+                    rotation="pca",
+                    channel_order="original",
+                    routers="oracle (routing_replay)",
+                )
+            del model
+    return (
+        results,
+        settings,
+        {
+            "rotation": {
+                "variant": "one global orthogonal Q (SliceGPT section 3.1-3.2, norms folded, LM head untied)",
+                "calibration_tokens": info["calibration_tokens"],
+                "untied_lm_head_parameters": info["untied_parameters"],
+                "eigenvalue_share_per_block_of_16": [round(x, 5) for x in shares],
+            },
+            "fitted_router_recall_of_oracle_top_k": recall,
+            "timing": timing,
+        },
+    )
 
 
 def main(argv=None) -> int:
@@ -145,6 +314,15 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--calibration-articles", type=int, default=8, help="First N articles calibrate (default 8).")
     parser.add_argument("--calibration-tokens", type=int, default=2048, help="Calibration tokens (default 2048).")
+    parser.add_argument(
+        "--rotation-calibration-tokens",
+        type=int,
+        default=16384,
+        help="Calibration tokens of the PCA rotation and the router fit (--variants rotation; default 16384).",
+    )
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0, 1, 2], help="Router seeds of the random arms (default 0 1 2)."
+    )
     parser.add_argument("--output", type=Path, help="Write the results as JSON here.")
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
@@ -164,9 +342,12 @@ def main(argv=None) -> int:
 
     results = {"source LLaMA": perplexity(source.build_llama(), windows, args.batch_size, "source")}
     logger.info("source LLaMA: %.3f", results["source LLaMA"])
-    settings, calibration = {}, None
+    settings, calibration, extra = {}, None, {}
+    machine_at_start = machine()
     variants = VARIANT_GROUPS[args.variants]
-    if any(overrides.get("channel_order") == "calibrated" for _, _, overrides in variants):
+    if args.variants == "rotation" or any(
+        overrides.get("channel_order") == "calibrated" for _, _, overrides in variants
+    ):
         calibration_titles, calibration_texts = wikipedia_articles(args.calibration_articles, first=True)
         assert not set(calibration_titles) & set(titles), "calibration and held-out articles overlap"
         calibration_ids = token_windows(source.tokenizer, calibration_texts, args.window, args.calibration_tokens)
@@ -176,6 +357,12 @@ def main(argv=None) -> int:
         logger.info(
             "Calibrated channel order on %d tokens (%s)", calibration_ids.numel(), ", ".join(calibration_titles)
         )
+    if args.variants == "rotation":
+        rotation_titles, rotation_texts = wikipedia_articles(args.calibration_articles, first=True)
+        rotation_ids = token_windows(source.tokenizer, rotation_texts, args.window, args.rotation_calibration_tokens)
+        calibration["rotation_and_router_fit_tokens"] = int(rotation_ids.numel())
+        more, settings, extra = rotation_arms(args, source, windows, calibrated_order, rotation_ids)
+        results.update(more)
     for label, preset, overrides in variants:
         if overrides.get("channel_order") == "calibrated":
             overrides = {**overrides, "channel_order": calibrated_order}
@@ -207,10 +394,14 @@ def main(argv=None) -> int:
             "window": args.window,
         },
         "calibration": calibration,
-        "router_seed": args.seed,
+        "router_seed": args.seed if args.variants != "rotation" else args.seeds,
         "perplexity": results,
         "settings": settings,
+        **extra,
         "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "machine_at_start": machine_at_start,
+        "machine_at_end": machine(),
         "seconds": round(time.time() - started, 1),
     }
     text = json.dumps(report, indent=2)

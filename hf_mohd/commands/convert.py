@@ -31,7 +31,8 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--verify",
         action="store_true",
         help="Before writing, check the exact model (MoHD at full activation, LatentMoE as converted) against the "
-        "source LLaMA's logits on random tokens; fail if they differ by more than --atol.",
+        "source LLaMA's logits on random tokens; fail if they differ by more than --atol. With --rotate the check "
+        "runs in float64 (the same rotation applied to a float64 copy of the source).",
     )
     parser.add_argument("--atol", type=float, default=1e-4, help="Tolerance of --verify (default 1e-4).")
     parser.add_argument(
@@ -73,6 +74,30 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="original: blocks are the source's consecutive hidden channels (default); importance: channels sorted by "
         "weight mass first, so the shared blocks hold the heaviest ones (same function at full activation).",
     )
+    parser.add_argument(
+        "--rotate",
+        choices=("none", "pca"),
+        default="none",
+        help="pca: fold the RMSNorm weights and rotate the residual stream into the PCA basis of the calibration "
+        "hidden states (one global orthogonal Q, SliceGPT arXiv 2401.15024 section 3; exact at full activation; the "
+        "LM head is untied from the embedding). Needs --calibration-text. Default none.",
+    )
+    parser.add_argument(
+        "--routers",
+        choices=("random", "fitted"),
+        default="random",
+        help="random: N(0, initializer_range^2) with --seed (default); fitted: ridge regression of each routed "
+        "block's log input energy on the calibration text (needs --calibration-text).",
+    )
+    parser.add_argument(
+        "--calibration-text",
+        help="UTF-8 text file of calibration text for --rotate pca / --routers fitted (keep it disjoint from "
+        "evaluation text), tokenized with the source tokenizer.",
+    )
+    parser.add_argument(
+        "--calibration-tokens", type=int, default=16384, help="Calibration tokens used at most (default 16384)."
+    )
+    parser.add_argument("--calibration-window", type=int, default=256, help="Tokens per calibration row (256).")
     parser.set_defaults(func=run_mohd)
     return parser
 
@@ -189,7 +214,15 @@ def _fail(err) -> int:
 def run_mohd(args) -> int:
     configure_logging(args.quiet)
     import hf_mohd  # noqa: F401  (registers the model types, so save_pretrained writes auto_map and code)
-    from hf_mohd.conversion import ConversionError, describe_mohd_conversion, llama_to_mohd, save_converted
+    from hf_mohd.conversion import (
+        ConversionError,
+        calibration_token_ids,
+        describe_mohd_conversion,
+        llama_to_mohd,
+        load_dense_llama,
+        rotate_llama,
+        save_converted,
+    )
 
     sparsity = {
         "num_sub_dims": args.num_sub_dims,
@@ -202,18 +235,63 @@ def run_mohd(args) -> int:
         "sparse_implementation": args.sparse_implementation,
     }
     preset = None if args.preset == "none" else args.preset
+    rotation = None if args.rotate == "none" else args.rotate
     try:
         card = _card_perplexities(args.perplexity_json)
+        if (rotation or args.routers == "fitted") and not args.calibration_text:
+            raise ConversionError(f"--rotate {args.rotate} / --routers {args.routers} need --calibration-text FILE.")
+        if rotation and args.channel_order != "original":
+            raise ConversionError(
+                "--channel-order must be 'original' with --rotate (the PCA basis orders the blocks)."
+            )
         source = _load(args)
-        if args.verify:
-            exact = llama_to_mohd(source, "full", num_sub_dims=args.num_sub_dims, channel_order=args.channel_order)
+        calibration_ids, calibration = None, None
+        if args.calibration_text:
+            calibration_ids = calibration_token_ids(
+                source, args.calibration_text, args.calibration_window, args.calibration_tokens
+            )
+            calibration = f"`{args.calibration_text}`, {calibration_ids.numel()} tokens"
+        converted, untied = source, 0
+        if rotation:
+            converted, info = rotate_llama(source, calibration_ids)
+            untied = info["untied_parameters"]
+        if args.verify and rotation:
+            # In float64 with the same Q: fp32 rounding of the rotated weights alone moves SmolLM2's logits by 1e-4 to
+            # 3e-4. In float64 the rotated model is the source to ~1e-12; the oracle LlamaForCausalLM still computes
+            # its RMSNorm in fp32, so SmolLM2 measures 2e-5 here.
+            import dataclasses
+
+            import torch
+
+            source64 = load_dense_llama(dataclasses.replace(source), dtype=torch.float64)
+            exact = llama_to_mohd(rotate_llama(source64, rotation=info["basis"])[0], "full")
+            _verify(exact, source64, args.atol, args.seed)
+            del exact, source64
+        elif args.verify:
+            exact = llama_to_mohd(converted, "full", num_sub_dims=args.num_sub_dims, channel_order=args.channel_order)
             _verify(exact, source, args.atol, args.seed)
-        model = llama_to_mohd(source, preset, seed=args.seed, channel_order=args.channel_order, **sparsity)
+        model = llama_to_mohd(
+            converted,
+            preset,
+            seed=args.seed,
+            channel_order=args.channel_order,
+            routers=args.routers,
+            calibration_ids=calibration_ids,
+            **sparsity,
+        )
         save_converted(
             model,
             args.output,
-            source,
-            describe_mohd_conversion(model.config, args.seed, args.channel_order),
+            converted,
+            describe_mohd_conversion(
+                model.config,
+                args.seed,
+                args.channel_order,
+                rotation=rotation,
+                routers=args.routers,
+                calibration=calibration,
+                untied_parameters=untied,
+            ),
             base_model=args.base_model,
             **card,
             overwrite=args.overwrite,

@@ -21,11 +21,33 @@ from .mohd import (
     permute_hidden_channels,
 )
 from .output import build_model_card, check_destination, save_converted
+from .rotation import (
+    ROTATIONS,
+    calibration_token_ids,
+    fold_rmsnorm_weights,
+    hidden_state_second_moment,
+    pca_rotation,
+    rotate_hidden_basis,
+    rotate_llama,
+)
+from .routers import ROUTER_INITS, fit_routers, oracle_routing_record, routing_recall, zero_routers
 from .source import ConversionError, DenseLlamaSource, load_dense_llama
 from .verify import max_logit_difference
 
 
 __all__ = [
+    "ROTATIONS",
+    "ROUTER_INITS",
+    "calibration_token_ids",
+    "fit_routers",
+    "fold_rmsnorm_weights",
+    "hidden_state_second_moment",
+    "oracle_routing_record",
+    "pca_rotation",
+    "rotate_hidden_basis",
+    "rotate_llama",
+    "routing_recall",
+    "zero_routers",
     "CHANNEL_ORDERS",
     "CONVERSION_PRESETS",
     "ConversionError",

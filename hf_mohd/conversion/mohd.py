@@ -27,6 +27,10 @@ Fresh parameters (a documented choice, reproducible with `seed`):
 - which hidden channels form the blocks (`channel_order`): the source order by default, or channels sorted by a
   data-free weight-mass score so that the always-active blocks hold the heaviest channels (the model is the same
   function at full activation under any channel permutation: `permute_hidden_channels`).
+- a change of basis (`rotation="pca"`, `rotation.rotate_llama`): RMSNorm weights folded, the residual stream rotated
+  by one global orthogonal Q (SliceGPT, arXiv 2401.15024, section 3) into the PCA basis of calibration hidden states,
+  so the shared blocks hold the leading components; exact at full activation, LM head untied;
+- routers fitted on calibration text (`routers="fitted"`, `routers.fit_routers`) instead of random.
 Without retraining a sparsified model loses quality (the routers are random, and the inactive channels still carry
 the dense model's signal); `conversion/evaluate_perplexity.py` measures how much.
 """
@@ -40,6 +44,8 @@ import torch
 
 from ..models.configuration_mohd import MOHD_PRESETS, MoHDConfig
 from ..models.modeling_mohd import MoHDForCausalLM, MoHDGroupFusion, MoHDRouter
+from .rotation import ROTATIONS, rotate_llama
+from .routers import ROUTER_INITS, fit_routers
 from .source import ConversionError, DenseLlamaSource, load_dense_llama
 
 
@@ -249,6 +255,10 @@ def llama_to_mohd(
     channel_order: str | Sequence[int] = "original",
     dtype: torch.dtype | None = None,
     gguf_file: str | None = None,
+    rotation: str | None = None,
+    routers: str = "random",
+    calibration_ids: torch.Tensor | None = None,
+    ridge: float = 1e-3,
     **sparsity,
 ) -> MoHDForCausalLM:
     """Convert a dense LLaMA checkpoint into a MoHD model (eval mode) of the same width.
@@ -267,15 +277,36 @@ def llama_to_mohd(
             calibration data). Any order computes the same function at full activation (`permute_hidden_channels`).
         dtype: dtype of the converted model; None keeps the source's.
         gguf_file: GGUF file name inside the folder `source`.
+        rotation: None (the source basis) or "pca": fold the RMSNorm weights and rotate the residual stream into the
+            PCA basis of `calibration_ids`' hidden states with one global orthogonal Q (`rotation.rotate_llama`;
+            SliceGPT, arXiv 2401.15024, section 3), leading components in the shared blocks. Exact at full
+            activation; the LM head is then untied from the embedding (it carries the final norm's weight).
+        routers: "random" (N(0, initializer_range^2), seeded) or "fitted": ridge regression of the routed blocks'
+            centred log energies on `calibration_ids` (`routers.fit_routers`).
+        calibration_ids: (B, T) calibration token ids, needed by `rotation` and `routers="fitted"`; keep them
+            disjoint from evaluation text.
+        ridge: relative ridge strength of the router fit.
         sparsity: explicit MoHD fields (`SPARSITY_FIELDS`), winning over the preset.
 
     Returns:
         `MoHDForCausalLM` whose `generation_config` is the source's.
 
     Raises:
-        ConversionError: the source cannot be loaded (see `load_dense_llama`) or the settings do not fit it.
+        ConversionError: the source cannot be loaded (see `load_dense_llama`), the settings do not fit it, an
+            unknown `rotation` / `routers`, a rotation with a `channel_order` other than "original", or missing or
+            too short calibration text.
     """
     source = load_dense_llama(source, gguf_file=gguf_file, dtype=dtype)
+    if rotation is not None and rotation not in ROTATIONS:
+        raise ConversionError(f"`rotation` must be one of {list(ROTATIONS)} or None, got {rotation!r}.")
+    if routers not in ROUTER_INITS:
+        raise ConversionError(f"`routers` must be one of {list(ROUTER_INITS)}, got {routers!r}.")
+    if rotation is not None and not (isinstance(channel_order, str) and channel_order == "original"):
+        raise ConversionError("`channel_order` must be 'original' with a rotation (the PCA basis orders the blocks).")
+    if (rotation is not None or routers == "fitted") and calibration_ids is None:
+        raise ConversionError(f"rotation={rotation!r} / routers={routers!r} need calibration text: `calibration_ids`.")
+    if rotation == "pca":
+        source, _ = rotate_llama(source, calibration_ids)
     config = mohd_config_from_llama(source.config, preset, **sparsity)
     logger.info(
         "MoHD: %d of %d sub-dimensions of width %d active per token (%d shared, %d routed of %d), sparse modules %s",
@@ -297,37 +328,79 @@ def llama_to_mohd(
             f"Source tensors do not match MoHD's LLaMA names: unexpected {unexpected[:5]}, missing {not_fresh[:5]}."
         )
     _init_fresh_parameters(model, seed)
+    if routers == "fitted":
+        fit_routers(model, source, calibration_ids, ridge=ridge)
     model.generation_config = source.generation_config
     logger.info("Copied %d tensors, initialised %d router/fusion tensors", len(source.state_dict), len(missing))
     return model.eval()
 
 
-def describe_mohd_conversion(config: MoHDConfig, seed: int, channel_order: str = "original") -> str:
-    """Markdown for the model card: what the conversion kept, what it added, and the sparsity it set."""
-    kept = (
-        "All source tensors were copied unchanged under their own names (embedding, attention, FFN, norms, LM head)."
-        if channel_order == "original"
-        else "All source tensors were copied under their own names, with the hidden channels reordered "
-        f"(channel_order '{channel_order}': the same function at full activation; the first blocks, which are "
-        "shared, hold the channels ranked first)."
-    )
+def describe_mohd_conversion(
+    config: MoHDConfig,
+    seed: int,
+    channel_order: str = "original",
+    *,
+    rotation: str | None = None,
+    routers: str = "random",
+    calibration: str | None = None,
+    untied_parameters: int = 0,
+) -> str:
+    """Markdown for the model card: what the conversion kept, what it added, and the sparsity it set.
+
+    Args:
+        config, seed, channel_order: as given to `llama_to_mohd`.
+        rotation, routers: as given to `llama_to_mohd` ("pca" / None; "random" / "fitted").
+        calibration: what the calibration text was (file, tokens), quoted when `rotation` or fitted routers used it.
+        untied_parameters: LM-head elements added by untying it from the embedding (`rotate_llama`'s info).
+    """
+    if rotation == "pca":
+        kept = (
+            "Every RMSNorm weight was folded into the linears that read it (the norm weights are 1) and the residual "
+            "stream was rotated by one global orthogonal matrix Q, the PCA basis of the calibration hidden states "
+            "sorted by decreasing variance (SliceGPT, arXiv 2401.15024, section 3; the single-Q variant, exact, no "
+            "extra matrices): embedding E Q, readers W Q, writers Q^T W. The first (shared) blocks hold the leading "
+            "principal components. At full activation this is the source model up to float rounding."
+        )
+        if untied_parameters:
+            kept += (
+                f" The LM head carries the final norm's weight, so it is untied from the embedding: "
+                f"{untied_parameters:,} more parameters ({config.vocab_size} x {config.hidden_size})."
+            )
+    elif channel_order == "original":
+        kept = "All source tensors were copied unchanged under their own names (embedding, attention, FFN, norms, LM head)."
+    else:
+        kept = (
+            "All source tensors were copied under their own names, with the hidden channels reordered "
+            f"(channel_order '{channel_order}': the same function at full activation; the first blocks, which are "
+            "shared, hold the channels ranked first)."
+        )
+    if calibration and (rotation or routers == "fitted"):
+        kept += f" Calibration text: {calibration}."
     if config.num_routed_sub_dims == 0:
         return (
             f"{kept} Every one of the {config.num_sub_dims} sub-dimensions is shared (no routers, activation scaling "
-            "'none', no group fusion): this model computes the source model's logits exactly (DESIGN section 3 "
-            "invariant)."
+            "'none', no group fusion): this model computes the source model's logits (MoHD with every block shared "
+            "is a LLaMA model)."
         )
     active = config.num_active_sub_dims
+    if routers == "fitted":
+        router_text = (
+            "weights fitted on the calibration text (ridge regression, in float64, of each routed block's centred log "
+            "energy of the normed input onto that input, per sublayer: softmax(W_r x) predicts the blocks' energy "
+            "shares)"
+        )
+        advice = "The routers are fitted but the model was not retrained: heal it (distillation) before use."
+    else:
+        router_text = f"weights drawn from N(0, {config.initializer_range}^2) with seed {seed}"
+        advice = "The routers are untrained: fine-tune before use."
     return (
-        f"{kept} New: one router per sparsified sublayer ({', '.join(config.sparse_modules)}), weights drawn from "
-        f"N(0, {config.initializer_range}^2) with seed {seed}, and group fusion '{config.group_fusion}' "
-        "(identity-initialised). Each token now activates "
+        f"{kept} New: one router per sparsified sublayer ({', '.join(config.sparse_modules)}), {router_text}, and "
+        f"group fusion '{config.group_fusion}' (identity-initialised). Each token now activates "
         f"{active} of {config.num_sub_dims} sub-dimensions of width {config.sub_dim_size} "
         f"({100 * active / config.num_sub_dims:.1f}% of the hidden width): the first {config.num_shared_sub_dims} "
         f"blocks always, plus its top-{config.num_routed_sub_dims_per_tok} of the other "
         f"{config.num_routed_sub_dims}; activation scaling '{config.activation_scaling}', routed gate "
-        f"'{config.routed_gate}'. The routers are untrained: fine-tune before use (the perplexity below, when "
-        "given, was measured without retraining)."
+        f"'{config.routed_gate}'. {advice} (The perplexity below, when given, was measured without retraining.)"
     )
 
 

@@ -1,11 +1,23 @@
 """Accelerate training of causal LMs (MoHD, LatentMoE, Llama, ...): config, data, the loop. See `hf-mohd train`."""
 
-from .config import DataConfig, ModelConfig, OptimConfig, TrainConfig, load_train_config, train_config_from_dict
+from .config import (
+    DataConfig,
+    DistillConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    load_train_config,
+    train_config_from_dict,
+)
+from .distill import distillation_loss, select_trainable
 from .trainer import TrainResult, evaluate_perplexity, latest_checkpoint, train
 
 
 __all__ = [
     "DataConfig",
+    "DistillConfig",
+    "distillation_loss",
+    "select_trainable",
     "ModelConfig",
     "OptimConfig",
     "TrainConfig",

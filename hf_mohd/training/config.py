@@ -29,6 +29,11 @@ class ModelConfig:
             BPE tokenizer trained on the training split (DESIGN section 7, last item) and saved with the model.
         tokenizer_vocab_size: vocabulary size (tokens) of that trained BPE tokenizer.
         trust_remote_code: passed to `from_pretrained` (models saved elsewhere with `auto_map`).
+        trainable: which parameters train: "all"; "routers_norms" (MoHD / LatentMoE routers, MoHD group fusion and
+            every norm weight; the rest frozen); or "lora" (LoRA adapters through PEFT on q/k/v/o and gate/up/down,
+            rank `lora_rank`, scale `lora_alpha` / rank, the base weights frozen; `final/` then holds the adapter,
+            loadable with `peft.PeftModel.from_pretrained(base, folder)`).
+        lora_rank, lora_alpha: LoRA rank r and alpha (only with `trainable: lora`).
     """
 
     init_from: str = ""
@@ -37,6 +42,37 @@ class ModelConfig:
     tokenizer: str = ""
     tokenizer_vocab_size: int = 4096
     trust_remote_code: bool = False
+    trainable: str = "all"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+
+
+TRAINABLE_CHOICES = ("all", "routers_norms", "lora")
+
+
+@dataclass
+class DistillConfig:
+    """Healing by distillation: train the model towards a teacher's next-token distributions (Hinton et al. 2015,
+    arXiv 1503.02531), e.g. a converted MoHD model towards the dense LLaMA it came from.
+
+    The loss per token is `kl_weight` * T^2 * KL(softmax(teacher / T) || softmax(student / T)) + `lm_weight` * the
+    LM cross-entropy (+ the router aux loss, as without distillation). The teacher runs in eval mode without
+    gradient on the same micro-batch; its logits are never written to disk. The teacher and the student must share
+    the vocabulary (checked: `vocab_size`).
+
+    Attributes:
+        teacher: folder of the teacher causal LM (or a folder holding `teacher_gguf_file`). Empty: no distillation.
+        teacher_gguf_file: name of a GGUF file inside `teacher`, or empty.
+        kl_weight: weight of the distillation term (>= 0).
+        temperature: T (> 0) of both softmaxes; the term is scaled by T^2 so its gradient does not shrink with T.
+        lm_weight: weight of the LM cross-entropy on the data (>= 0; 0: distillation only).
+    """
+
+    teacher: str = ""
+    teacher_gguf_file: str = ""
+    kl_weight: float = 1.0
+    temperature: float = 1.0
+    lm_weight: float = 0.0
 
 
 @dataclass
@@ -96,7 +132,7 @@ class TrainConfig:
     Attributes:
         output_dir: run folder: `checkpoints/step_<n>/` (Accelerate `save_state`), `final/` (model + tokenizer,
             loadable with `AutoModelForCausalLM`), `log.jsonl`, `tensorboard/`, `train_config.json`.
-        model, data, optim: see `ModelConfig`, `DataConfig`, `OptimConfig`.
+        model, data, optim, distill: see `ModelConfig`, `DataConfig`, `OptimConfig`, `DistillConfig`.
         max_steps: optimizer steps to run.
         micro_batch_size: sequences per process per forward pass.
         grad_accum_steps: forward/backward passes per optimizer step (the batch is micro_batch_size x grad_accum_steps
@@ -122,6 +158,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     max_steps: int = 200
     micro_batch_size: int = 8
     grad_accum_steps: int = 1
@@ -173,6 +210,23 @@ class TrainConfig:
                 "Set either `model.init_from` (a pretrained folder or Hub id) or `model.architecture` with a "
                 "`model_type` (e.g. {model_type: llama, hidden_size: 128, ...})."
             )
+        if self.model.trainable not in TRAINABLE_CHOICES:
+            raise ValueError(
+                f"`model.trainable` must be one of {list(TRAINABLE_CHOICES)}, got {self.model.trainable!r}."
+            )
+        if not isinstance(self.model.lora_rank, int) or self.model.lora_rank < 1 or self.model.lora_alpha <= 0:
+            raise ValueError(
+                f"`model.lora_rank` must be a positive integer and `model.lora_alpha` > 0, got "
+                f"{self.model.lora_rank!r}, {self.model.lora_alpha!r}."
+            )
+        distill = self.distill
+        if distill.temperature <= 0 or distill.kl_weight < 0 or distill.lm_weight < 0:
+            raise ValueError(
+                f"`distill.temperature` must be > 0 and `distill.kl_weight`, `distill.lm_weight` >= 0, got "
+                f"{distill.temperature}, {distill.kl_weight}, {distill.lm_weight}."
+            )
+        if distill.teacher and distill.kl_weight == 0 and distill.lm_weight == 0:
+            raise ValueError("`distill.kl_weight` and `distill.lm_weight` are both 0: nothing to train on.")
         if not self.data.path:
             raise ValueError("`data.path` is empty: give a Hub dataset id or local text/JSON/parquet files.")
 

@@ -25,6 +25,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from .config import TrainConfig
 from .data import PackedBatches, load_documents, pack, split_documents, train_bpe_tokenizer
+from .distill import distillation_loss, load_teacher, select_trainable
 
 
 CHECKPOINT_PATTERN = re.compile(r"^step_(\d+)$")
@@ -346,6 +347,8 @@ def train(config: TrainConfig) -> TrainResult:
     # Model, optimizer, schedule.
     model = build_model(config, tokenizer)
     num_parameters = sum(p.numel() for p in model.parameters())
+    teacher = load_teacher(config.distill, model, accelerator.device, config.model.trust_remote_code)
+    model = select_trainable(model, config.model)
     optim = config.optim
     optimizer = torch.optim.AdamW(
         param_groups(model, optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps
@@ -384,6 +387,7 @@ def train(config: TrainConfig) -> TrainResult:
         desc=os.path.basename(os.path.normpath(config.output_dir)),
     )
     started, steps_this_call = time.perf_counter(), 0
+    window_kd, window_kd_steps = 0.0, 0  # distillation KL since the last record (this process call)
     window_started, window_resumed_steps = time.perf_counter(), state.window_steps
     model.train()
     while state.step < config.max_steps:
@@ -393,7 +397,16 @@ def train(config: TrainConfig) -> TrainResult:
             sync = micro == config.grad_accum_steps - 1
             with nullcontext() if sync else accelerator.no_sync(model):
                 outputs = model(input_ids=input_ids, labels=input_ids, **extra)
-                accelerator.backward(outputs.loss / config.grad_accum_steps)
+                objective = outputs.loss
+                if teacher is not None:  # KL to the teacher's logits of this micro-batch (kept in memory only)
+                    with torch.no_grad():
+                        teacher_logits = teacher(input_ids=input_ids).logits
+                    kd = distillation_loss(outputs.logits, teacher_logits, config.distill.temperature)
+                    aux_part = aux_coef * outputs.aux_loss if getattr(outputs, "aux_loss", None) is not None else 0.0
+                    lm_part = outputs.loss - aux_part
+                    objective = config.distill.kl_weight * kd + config.distill.lm_weight * lm_part + aux_part
+                    window_kd += kd.detach().item() / config.grad_accum_steps
+                accelerator.backward(objective / config.grad_accum_steps)
             aux = getattr(outputs, "aux_loss", None)
             aux = aux.detach().item() if aux is not None else 0.0
             state.window_loss += (outputs.loss.item() - aux_coef * aux) / config.grad_accum_steps
@@ -408,6 +421,7 @@ def train(config: TrainConfig) -> TrainResult:
         state.tokens += tokens_per_step
         steps_this_call += 1
         state.window_steps += 1
+        window_kd_steps += 1
         bar.update(1)
 
         if state.step % config.log_every == 0 or state.step == config.max_steps:
@@ -423,6 +437,9 @@ def train(config: TrainConfig) -> TrainResult:
                 "tokens": state.tokens,
                 "tokens_per_s": timed_steps * tokens_per_step / max(elapsed, 1e-9),
             }
+            if teacher is not None:
+                record["distill_kl"] = window_kd / max(window_kd_steps, 1)
+                window_kd, window_kd_steps = 0.0, 0
             log.write(record)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
             state.window_loss, state.window_aux, state.window_steps = 0.0, 0.0, 0
