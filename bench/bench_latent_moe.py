@@ -11,7 +11,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""LatentMoE benchmarks of issue 7 (item 3): layer vs transformers' NemotronHMoE, latent vs standard MoE model.
+"""LatentMoE benchmarks: layer vs transformers' NemotronHMoE, latent vs standard MoE model.
 
 1. Layer: our `LatentMoEBlock` against transformers' `NemotronHMoE` built from the same configuration
    (`nemotron_h_config_from_latent_moe`) and holding the same weights (outputs and gradients are checked to match),

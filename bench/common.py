@@ -38,7 +38,7 @@ import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-# The fixed bench shape of issue 7 (LLaMA base; MoHD presets and LatentMoE configs are derived from it).
+# The fixed bench shape (LLaMA base; MoHD presets and LatentMoE configs are derived from it).
 BENCH_SHAPE = {
     "hidden_size": 1024,
     "num_hidden_layers": 8,

@@ -3,7 +3,7 @@
 
 The dense FFN becomes the shared expert and `fc2_latent_proj` starts at zero, so the converted model computes the
 source logits before any training. Same as `hf-mohd convert latent-moe`; the work is done by
-`hf_mohd.conversion.llama_to_latent_moe` (DESIGN section 6). Example:
+`hf_mohd.conversion.llama_to_latent_moe` (docs/design.md section 6). Example:
 
     python conversion/llama_to_latent_moe.py path/to/llama out/latent-moe --num-experts 8 --num-experts-per-tok 2
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Convert a dense LLaMA checkpoint (safetensors folder or GGUF file) into a MoHD model folder.
 
-Same as `hf-mohd convert mohd`; the work is done by `hf_mohd.conversion.llama_to_mohd` (DESIGN section 6).
+Same as `hf-mohd convert mohd`; the work is done by `hf_mohd.conversion.llama_to_mohd` (docs/design.md section 6).
 Example:
 
     python conversion/llama_to_mohd.py path/to/llama out/mohd-50 --preset compression_50 --verify

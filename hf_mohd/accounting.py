@@ -1,6 +1,6 @@
 """Parameter and FLOP accounting of MoHD (and plain LLaMA) configs, without building the model.
 
-Counts follow DESIGN section 3 ("Presets", accounting paragraph): total and activated parameters, forward FLOPs
+Counts follow docs/design.md section 3 ("Presets", accounting paragraph): total and activated parameters, forward FLOPs
 per token at a given context length (2 FLOPs per multiply-add; matmuls plus attention scores QK^T and AV), with the
 word-token embedding and the LM head reported separately (they grow with the total width in MoHD expansion).
 """
@@ -35,7 +35,7 @@ class Accounting:
     def decode_weight_bytes_per_token(self, bytes_per_param: int = 4) -> int:
         """Bytes of weights one batch-1 decoding step reads: the activated decoder parameters plus the LM head.
 
-        This is the memory-bound cost of decoding (issue 7); the embedding row and the key/value cache are left out
+        This is the memory-bound cost of decoding; the embedding row and the key/value cache are left out
         (one row, and a few MB at short contexts). 4 bytes per parameter is fp32.
         """
         return (self.activated_decoder_params + self.lm_head_params) * bytes_per_param

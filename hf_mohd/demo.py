@@ -2,7 +2,7 @@
 
 Steps, each a small function below:
 
-1. Corpus: the English Wikipedia sample inside the PyPI `gensim` wheel (DESIGN section 8), markup stripped with
+1. Corpus: the English Wikipedia sample inside the PyPI `gensim` wheel (docs/design.md section 8), markup stripped with
    `gensim.corpora.wikicorpus.filter_wiki`, redirects dropped; written as JSONL with its provenance and licence.
 2. One byte-level BPE tokenizer trained on the training split, shared by the three models.
 3. Three models sized so that a token reads the same number of decoder parameters: a dense Llama (the base shape),
@@ -176,8 +176,8 @@ def architectures(demo: DemoConfig) -> dict[str, dict]:
 def parameter_counts(model) -> dict[str, int]:
     """Total parameters (built), and decoder parameters one token reads (embedding and LM head excluded).
 
-    Activated counts come from the accounting of each family: `mohd_accounting` (MoHD and Llama, DESIGN section 3)
-    and `LatentMoEConfig.layer_num_active_parameters` (DESIGN section 4).
+    Activated counts come from the accounting of each family: `mohd_accounting` (MoHD and Llama, docs/design.md section 3)
+    and `LatentMoEConfig.layer_num_active_parameters` (docs/design.md section 4).
     """
     from .accounting import mohd_accounting
 
@@ -233,7 +233,7 @@ def reload_check(trained, folder: str, input_ids: torch.Tensor):
 def routing_load(model, blocks: torch.Tensor) -> dict[str, list[float]]:
     """Share of routed picks per sub-dimension (MoHD) or expert (LatentMoE) of every router, on `blocks`.
 
-    Read from the routing record of the cache (DESIGN section 5). MoHD counts only the routed blocks (shared ones are
+    Read from the routing record of the cache (docs/design.md section 5). MoHD counts only the routed blocks (shared ones are
     always active); each row sums to 1, uniform = 1 / (number of choices).
     """
     outputs = model(blocks, use_cache=True)

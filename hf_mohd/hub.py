@@ -1,4 +1,4 @@
-"""Publishing MoHD and LatentMoE checkpoints to the Hugging Face Hub (DESIGN section 7, "Hub").
+"""Publishing MoHD and LatentMoE checkpoints to the Hugging Face Hub (docs/design.md section 7, "Hub").
 
 `publish` uploads, in one commit: safetensors weights, `config.json` with `auto_map`, the remote-code files
 (`hf_mohd/models/*.py` siblings, so that a machine without hf-mohd loads the model with `trust_remote_code=True`),

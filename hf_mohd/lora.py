@@ -1,6 +1,6 @@
 """LoRA defaults for hf-mohd models: which modules and 3-D parameters PEFT should adapt.
 
-Custom model types need explicit `target_modules` in PEFT (DESIGN section 7b); routers (`*.sub_dims.router`,
+Custom model types need explicit `target_modules` in PEFT (docs/design.md section 7b); routers (`*.sub_dims.router`,
 `*.gate`) and MoHD group fusion stay frozen by default: adapting them changes which sub-dimensions or experts a
 token uses, which the adapter's low rank cannot represent well and which breaks routing replay. LatentMoE's fused
 3-D expert weights are `nn.Parameter`s, reached with PEFT's `target_parameters`.

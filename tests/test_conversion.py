@@ -1,4 +1,4 @@
-"""Dense LLaMA -> MoHD / LatentMoE conversion (DESIGN section 6), checked against the source model as oracle.
+"""Dense LLaMA -> MoHD / LatentMoE conversion (docs/design.md section 6), checked against the source model as oracle.
 
 Fast tier: tiny random `LlamaForCausalLM` checkpoints saved locally (tied / untied, GQA, sharded / single file) and
 the refusals (pickles, wrong architecture, shapes, dtypes). Slow tier: the real SmolLM2-135M-Instruct GGUF shipped in

@@ -2,7 +2,7 @@
 loss), `pipeline("text-generation")`, and lm-evaluation-harness's own CLI on a saved folder (offline, local task).
 
 Real text: the Wikipedia sample that the `gensim` wheel ships (`gensim/test/test_data/enwiki-latest-pages-articles1
-.xml-...-shortened.bz2`, CC BY-SA), markup stripped with `gensim.corpora.wikicorpus.filter_wiki` (DESIGN section 8).
+.xml-...-shortened.bz2`, CC BY-SA), markup stripped with `gensim.corpora.wikicorpus.filter_wiki` (docs/design.md section 8).
 """
 
 import bz2
@@ -247,3 +247,24 @@ def test_python_dash_m_runs_the_cli(tmp_path):
     assert as_module.stdout == as_script.stdout and as_module.stdout.strip()
     assert "compression_50" in as_module.stdout or "activated" in as_module.stdout.lower()
     assert subprocess.run([sys.executable, "-m", "hf_mohd"], capture_output=True).returncode == 2  # no sub-command
+
+
+def test_repository_cites_only_what_it_ships():
+    """Code and docs cite papers and the repository's own files (docs/design.md), never a design file, a workspace
+    folder or an issue tracker outside the repository, which a reader of a clone or of a Hub checkpoint cannot open."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    outside = re.compile("DESIGN" + r" section|\.\./" + "shared|[Ii]ssue" + r" [0-9]+")
+    folders = ("hf_mohd", "tests", "bench", "conversion", "configs", "model_cards", "scripts", "docs")
+    files = [root / "README.md", *(p for f in folders for p in (root / f).rglob("*") if p.is_file())]
+    hits = []
+    for path in files:
+        if path.suffix not in {".py", ".md", ".yaml", ".yml", ".sh", ".toml", ".txt"}:
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if outside.search(line):
+                hits.append(f"{path.relative_to(root)}:{number}: {line.strip()[:100]}")
+    assert (root / "docs" / "design.md").is_file()
+    assert not hits, "\n".join(hits)

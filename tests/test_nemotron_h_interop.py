@@ -1,4 +1,4 @@
-"""LatentMoE <-> Nemotron-H interop, against transformers' own `NemotronHForCausalLM` as the oracle (DESIGN
+"""LatentMoE <-> Nemotron-H interop, against transformers' own `NemotronHForCausalLM` as the oracle (docs/design.md
 section 4, "Interop"): exported folders load there with equal logits and generations, Nemotron-H checkpoints of the
 alternating form import with equal logits, and other patterns fail with a clear error."""
 

@@ -1,5 +1,5 @@
 """PEFT LoRA on both families: adapters change the outputs on every execution path, and save -> reload ->
-merge_and_unload keep them (DESIGN section 7b, PEFT). Float64, so top-k routing cannot flip on rounding."""
+merge_and_unload keep them (docs/design.md section 7b, PEFT). Float64, so top-k routing cannot flip on rounding."""
 
 import pytest
 import torch

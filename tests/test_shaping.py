@@ -1,4 +1,4 @@
-"""Shaping and allocation tools (arXiv 2610.14644, DESIGN section 4) against oracles: hand-computed counts, the
+"""Shaping and allocation tools (arXiv 2610.14644, docs/design.md section 4) against oracles: hand-computed counts, the
 parameters LatentMoE actually builds, `skdim.id.TwoNN`, data of known intrinsic dimension, a plain forward pass of
 a LLaMA model, and the accounting of the written config."""
 
@@ -250,7 +250,7 @@ def test_alpha_transform_errors():
 
 
 def test_shape_proposer_bounds_alignment_and_ranking():
-    # Appendix C.2 of the seed paper fixes l m ~ 393,216: 512 x 768 is exact and within |l/m - 1| <= 0.4.
+    # Appendix C.2 of arXiv 2610.14644 fixes l m ~ 393,216: 512 x 768 is exact and within |l/m - 1| <= 0.4.
     best = propose_shape(393216)
     assert (best.latent_size, best.intermediate_size, best.rank_ceiling) == (512, 768, 512)
     for bound in (0.4, 0.2, 0.05):

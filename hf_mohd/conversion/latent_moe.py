@@ -11,7 +11,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Dense LLaMA -> LatentMoE upcycling (DESIGN section 6; layer definition in section 4).
+"""Dense LLaMA -> LatentMoE upcycling (docs/design.md section 6; layer definition in section 4).
 
 Per layer, with D = hidden_size, I = the dense FFN width, E experts of width m, latent width l:
 - attention, norms, embedding and LM head are copied unchanged;
@@ -88,7 +88,7 @@ def latent_moe_config_from_llama(
         llama_config: the source `LlamaConfig`.
         num_experts, num_experts_per_tok: E and K of every MoE layer.
         moe_intermediate_size: m; default I / E (the dense FFN cut into E slices).
-        moe_latent_size: l; default D / 4 (the alpha = 4 of Nemotron 3, DESIGN section 4).
+        moe_latent_size: l; default D / 4 (the alpha = 4 of Nemotron 3, docs/design.md section 4).
         router_score_func: "softmax" or "sigmoid".
         dense_layers: layer indices kept dense (`mixer_type="mlp"`).
         overrides: other `LatentMoEConfig` fields.

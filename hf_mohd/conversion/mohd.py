@@ -11,7 +11,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Dense LLaMA -> MoHD (DESIGN section 6; layer definition in section 3).
+"""Dense LLaMA -> MoHD (docs/design.md section 6; layer definition in section 3).
 
 MoHD keeps LLaMA's parameter names and shapes at the same width D (`model.layers.i.self_attn.{q,k,v,o}_proj`,
 `mlp.{gate,up,down}_proj`, the norms, embedding and head), so the conversion copies every source tensor as is and
@@ -83,7 +83,7 @@ def mohd_config_from_llama(llama_config, preset: str | None = "full", **sparsity
 
     Args:
         llama_config: the source `LlamaConfig`.
-        preset: "full" (every block shared: exact), "compression_50" or "compression_75" (DESIGN section 3
+        preset: "full" (every block shared: exact), "compression_50" or "compression_75" (docs/design.md section 3
             presets, N = 16 with N_s = 6, k = 2 or N_s = 9, k = 3), or None (then `num_sub_dims`,
             `num_shared_sub_dims` and `num_routed_sub_dims_per_tok` must be given).
         sparsity: any of `SPARSITY_FIELDS`; a value of None is ignored; given values win over the preset.

@@ -11,7 +11,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Writing a converted model folder atomically (DESIGN section 6).
+"""Writing a converted model folder atomically (docs/design.md section 6).
 
 The folder holds what `push_to_hub` would publish: safetensors weights, `config.json` with `auto_map` and the
 modelling code files (written by `save_pretrained` because `import hf_mohd` registers the classes for auto classes),

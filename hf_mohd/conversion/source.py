@@ -11,7 +11,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Loading a dense LLaMA checkpoint for conversion (DESIGN section 6).
+"""Loading a dense LLaMA checkpoint for conversion (docs/design.md section 6).
 
 Accepted sources, all local (nothing is downloaded):
 - a model folder with `config.json` (`model_type: "llama"`, architecture `LlamaForCausalLM`) and safetensors weights,

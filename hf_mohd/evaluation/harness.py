@@ -1,6 +1,6 @@
 """Run lm-evaluation-harness on a model object or folder with the offline tasks of `hf_mohd/evaluation/tasks/`.
 
-The runner is lm-eval's own `HFLM` wrapper plus `simple_evaluate` (DESIGN section 7), with a `TaskManager` that
+The runner is lm-eval's own `HFLM` wrapper plus `simple_evaluate` (docs/design.md section 7), with a `TaskManager` that
 includes this package's task folder, so any model `AutoModelForCausalLM` loads (MoHD, LatentMoE, Llama) is scored
 exactly as `lm_eval --model hf --include_path <tasks dir>` would score it (tests/test_evaluation.py checks this).
 """

@@ -1,4 +1,4 @@
-"""Interoperability with other model families' checkpoints (DESIGN section 4, "Interop")."""
+"""Interoperability with other model families' checkpoints (docs/design.md section 4, "Interop")."""
 
 from .gguf_export import LlamaCppExportError, check_llama_cpp_compatible, export_to_gguf
 from .nemotron_h import (

@@ -11,7 +11,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""LatentMoE <-> Nemotron-H (transformers' `NemotronHForCausalLM`), DESIGN section 4 "Interop".
+"""LatentMoE <-> Nemotron-H (transformers' `NemotronHForCausalLM`), docs/design.md section 4 "Interop".
 
 Nemotron-H stacks single-mixer blocks (`norm` then one of `full_attention`, `linear_attention` (Mamba-2), `moe`,
 `mlp`, each with its own residual). A LatentMoE decoder layer is pre-norm attention plus a pre-norm FFN mixer, so

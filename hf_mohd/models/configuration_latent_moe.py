@@ -36,7 +36,7 @@ POSITION_EMBEDDING_TYPES = ("rope", "none")
     checkpoint="hf-mohd/latent-moe-tiny",
     custom_intro="""
     Configuration of a LatentMoE decoder: LLaMA-style pre-norm layers pairing attention with an FFN mixer that is
-    either a LatentMoE block or a dense MLP (DESIGN section 4). In a LatentMoE block the router reads the full width
+    either a LatentMoE block or a dense MLP (docs/design.md section 4). In a LatentMoE block the router reads the full width
     `hidden_size`, `fc1_latent_proj` maps each token to `moe_latent_size` once, the routed experts run and are combined
     at that latent width, and `fc2_latent_proj` maps back; a shared expert works at full width (as Nemotron 3 /
     transformers' `NemotronHMoE`). `moe_latent_size=None` is the standard fine-grained MoE baseline.
@@ -181,7 +181,7 @@ class LatentMoEConfig(PreTrainedConfig):
         for layer_idx, layer_config in enumerate(self.per_layer_config):
             _validate_layer_fields(layer_config, where=f"layer {layer_idx}: ")
 
-    # Parameter accounting (DESIGN section 4, "Accounting per layer"): the formulas of arXiv 2610.14644 B.2 live in
+    # Parameter accounting (docs/design.md section 4, "Accounting per layer"): the formulas of arXiv 2610.14644 B.2 live in
     # `latent_moe_accounting.py` (weights only); the biases `mlp_bias` adds to the built modules are counted here.
 
     def _layer_bias_parameters(self, layer_idx: int) -> int:

@@ -30,7 +30,7 @@ ROUTED_GATES = ("softmax", "normalized")
 GROUP_FUSIONS = ("mix", "none")
 SPARSE_IMPLEMENTATIONS = ("masked", "gather")
 
-# DESIGN section 3, "Presets from a base LLaMA shape": (width multiplier, N, N_s, k).
+# docs/design.md section 3, "Presets from a base LLaMA shape": (width multiplier, N, N_s, k).
 MOHD_PRESETS = {
     "compression_50": (1, 16, 6, 2),
     "compression_75": (1, 16, 9, 3),
@@ -45,7 +45,7 @@ MOHD_PRESETS = {
     custom_intro="""
     Configuration of a MoHD decoder: a LLaMA model whose residual width `hidden_size` is split into `num_sub_dims`
     equal sub-dimensions (blocks). Blocks `0 .. num_shared_sub_dims - 1` are shared (always active); a router per
-    sparsified sublayer activates `num_routed_sub_dims_per_tok` of the others per token (DESIGN section 3,
+    sparsified sublayer activates `num_routed_sub_dims_per_tok` of the others per token (docs/design.md section 3,
     "Layer definition (v1, pinned)"). With every block shared the model is LLaMA.
     """,
 )
@@ -194,7 +194,7 @@ class MoHDConfig(PreTrainedConfig):
 
     @classmethod
     def from_llama_config(cls, base_config, preset: str, **overrides) -> "MoHDConfig":
-        """MoHD config of one of the paper's settings built from a base LLaMA shape (DESIGN section 3 presets).
+        """MoHD config of one of the paper's settings built from a base LLaMA shape (docs/design.md section 3 presets).
 
         Args:
             base_config: a `LlamaConfig` (or any config with LLaMA fields) giving d, heads, head_dim, intermediate.

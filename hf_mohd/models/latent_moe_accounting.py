@@ -13,7 +13,7 @@
 # limitations under the License.
 """Parameter, compute and communication accounting of LatentMoE layers (pure Python, no torch).
 
-Formulas: arXiv 2610.14644 ("Shaping Latent Mixture-of-Experts"), section 2 and appendix B.2, as pinned in DESIGN
+Formulas: arXiv 2610.14644 ("Shaping Latent Mixture-of-Experts"), section 2 and appendix B.2, as pinned in docs/design.md
 section 4 ("Shaping and allocation tools"). Per layer t, with D = `hidden_size`, l = `moe_latent_size`
 (None = standard MoE, experts read width D), m = `moe_intermediate_size`, N = `num_experts`,
 K = `num_experts_per_tok`, m_s = `moe_shared_expert_intermediate_size` and c = 3 for gated experts
@@ -28,7 +28,7 @@ K = `num_experts_per_tok`, m_s = `moe_shared_expert_intermediate_size` and c = 3
                                  elementwise work such as activations and the routing softmax is excluded)
 - all-to-all payload per token   2 K l scalars      (dispatch K l plus return K l; standard MoE 2 K D; B.2 / Fig. 6)
 
-Attention (LLaMA form, DESIGN section 4 "Layer"): q, k, v, o projections,
+Attention (LLaMA form, docs/design.md section 4 "Layer"): q, k, v, o projections,
 D (H + 2 H_kv) h + H h D weights (+ (H + 2 H_kv) h + D biases with `attention_bias`), where H = heads,
 H_kv = key/value heads and h = `head_dim`. Each decoder layer also holds two RMSNorm weights of width D.
 
@@ -138,7 +138,7 @@ def routed_expert_params(
     """Parameters of the routed experts of one layer: c N l m (standard MoE, l None: c N D m).
 
     Source: arXiv 2610.14644 section 2 ("routed-path parameters scale as N l m") and appendix B.2 ("each layer's
-    routed experts contain 3 N_t l_t m_t parameters"); c = 3 gated, 2 non-gated (DESIGN section 4).
+    routed experts contain 3 N_t l_t m_t parameters"); c = 3 gated, 2 non-gated (docs/design.md section 4).
 
     Raises:
         ValueError: a size is not a positive integer, or `mlp_gated` is not a bool.
@@ -165,7 +165,7 @@ def latent_projection_params(hidden_size: int, moe_latent_size: int | None) -> i
 def router_params(hidden_size: int, num_experts: int) -> int:
     """Router weight W_r (N x D, no bias): D N. The sigmoid router's `e_score_correction_bias` is a buffer.
 
-    Source: arXiv 2610.14644 appendix B.2 ("d N_t router parameters"); DESIGN section 4, Layer step 1.
+    Source: arXiv 2610.14644 appendix B.2 ("d N_t router parameters"); docs/design.md section 4, Layer step 1.
     """
     return _check_positive("hidden_size", hidden_size) * _check_positive("num_experts", num_experts)
 
@@ -182,7 +182,7 @@ def shared_expert_params(
 
 
 def dense_mlp_params(hidden_size: int, intermediate_size: int, mlp_gated: bool = True) -> int:
-    """Dense MLP mixer (`mixer_type="mlp"`): c D I weights, no biases (DESIGN section 4, Layer step 4)."""
+    """Dense MLP mixer (`mixer_type="mlp"`): c D I weights, no biases (docs/design.md section 4, Layer step 4)."""
     _check_positive("hidden_size", hidden_size)
     _check_positive("intermediate_size", intermediate_size)
     return _matrices(mlp_gated) * hidden_size * intermediate_size
@@ -342,7 +342,7 @@ class LatentMoELayerAccounting:
 
     @property
     def mixer_params(self) -> int:
-        """Parameters of the FFN mixer alone (what the seed paper matches across layers)."""
+        """Parameters of the FFN mixer alone (what arXiv 2610.14644 matches across layers)."""
         return (
             self.routed_expert_params
             + self.latent_projection_params

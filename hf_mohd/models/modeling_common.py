@@ -310,7 +310,7 @@ def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (..., k) of the k largest `scores` along the last dim; ties go to the lower index.
 
     `torch.topk` does not promise an order among equal values; a stable descending sort does, which makes
-    routing deterministic across execution paths and devices (DESIGN section 3, step 2).
+    routing deterministic across execution paths and devices (docs/design.md section 3, step 2).
     """
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
@@ -371,7 +371,7 @@ def load_balancing_loss(
 
     For one router with E choices and top-k selection over the counted (non-padding) tokens:
     f_j = (tokens selecting j) / (tokens * k), P_j = mean_t softmax(logits_t)_j, L = E * sum_j f_j P_j,
-    which is 1.0 under perfect balance (Fedus et al. 2021, eqs. 4-6; DESIGN section 3, step 7). Selection uses
+    which is 1.0 under perfect balance (Fedus et al. 2021, eqs. 4-6; docs/design.md section 3, step 7). Selection uses
     `topk_lower_index`, the routers' own tie rule.
 
     Args:
@@ -408,7 +408,7 @@ class RoutingGenerationMixin:
     """Makes `generate` use a `RoutingCache` (key/value cache plus routing record) by default.
 
     `GenerationMixin._prepare_cache_for_generation` builds a plain `DynamicCache`; this swaps it for a
-    `RoutingCache` with the same layer structure (DESIGN section 5). A static cache keeps working, without a record.
+    `RoutingCache` with the same layer structure (docs/design.md section 5). A static cache keeps working, without a record.
     """
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
@@ -451,7 +451,7 @@ class RoutedDecoderMixin:
             cache (`RoutingCache`, *optional*): keys, values and the routing record; created when `use_cache`.
             routing_replay (`dict[tuple[int, str], RoutingRecord]`, *optional*): a routing record (e.g.
                 `RoutingCache.routing_record` of a generation) whose indices, (B, T, k) per (layer, router), replace
-                the routers' own top-k; the gates are recomputed by the current routers (DESIGN section 3).
+                the routers' own top-k; the gates are recomputed by the current routers (docs/design.md section 3).
 
         Returns:
             `MoeModelOutputWithPast` with `last_hidden_state` (B, T, D) and the cache; hidden states, attentions and
@@ -529,7 +529,7 @@ class RoutedCausalLMMixin(RoutingGenerationMixin):
         Args:
             input_ids, attention_mask, position_ids, inputs_embeds, labels, use_cache, logits_to_keep: as for
                 `LlamaForCausalLM`.
-            cache (`RoutingCache`, *optional*): keys, values and the routing record (DESIGN section 5).
+            cache (`RoutingCache`, *optional*): keys, values and the routing record (docs/design.md section 5).
             output_router_logits (`bool`, *optional*): return the router logits and add the aux loss to the loss.
             routing_replay (`dict[tuple[int, str], RoutingRecord]`, *optional*): reuse recorded routing indices.
 

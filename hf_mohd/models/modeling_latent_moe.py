@@ -13,7 +13,7 @@
 # limitations under the License.
 """LatentMoE (arXiv 2601.18089, Nemotron 3) on a LLaMA-style decoder, with per-layer expert shapes (arXiv 2610.14644).
 
-Each layer is pre-norm attention plus a pre-norm FFN mixer: a LatentMoE block or a dense MLP (DESIGN section 4).
+Each layer is pre-norm attention plus a pre-norm FFN mixer: a LatentMoE block or a dense MLP (docs/design.md section 4).
 The block follows transformers' `NemotronHMoE` (and Megatron-Core's latent MoE): router on the full-width input,
 `fc1_latent_proj` D -> l once per token, routed experts and their weighted combine at width l, `fc2_latent_proj`
 l -> D, plus a full-width shared expert on the same input. `moe_latent_size=None` makes both projections identities.
@@ -57,7 +57,7 @@ ROUTER_SCORE_FUNCTIONS = {"softmax": partial(torch.softmax, dim=-1), "sigmoid": 
 
 
 class LatentMoERouter(nn.Module):
-    """Top-K expert router of one LatentMoE layer (DESIGN section 4, steps 1 and 5).
+    """Top-K expert router of one LatentMoE layer (docs/design.md section 4, steps 1 and 5).
 
     logits = W_r x in fp32 on the full-width input (W_r: E x D, no bias); scores = softmax(logits) or
     sigmoid(logits); the K experts are the top-K of the scores (sigmoid: of scores + `e_score_correction_bias`, an
@@ -94,7 +94,7 @@ class LatentMoERouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cache=None, routing_replay=None, **kwargs):
         compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        # fp32 logits even under bf16 autocast: top-K selection is sensitive to rounding (DESIGN section 4, step 1).
+        # fp32 logits even under bf16 autocast: top-K selection is sensitive to rounding (docs/design.md section 4, step 1).
         with torch.autocast(device_type=hidden_states.device.type, enabled=False):
             logits = F.linear(hidden_states.to(compute_dtype), self.weight.to(compute_dtype))  # (B, T, E)
         scores = self.score_fn(logits)
@@ -198,7 +198,7 @@ LATENT_MOE_EXPERTS_FUNCTIONS["grouped_mm"] = aligned_grouped_mm_experts_forward
 class LatentMoEExperts(LatentMoEExpertsBase):
     """Gated routed experts as fused 3-D weights: `gate_up_proj` (E, 2m, l) = [gate; up], `down_proj` (E, l, m).
 
-    Expert e maps x (l) to down_e(act(gate_e x) * up_e x) (the seed paper's 3 N l m parameters).
+    Expert e maps x (l) to down_e(act(gate_e x) * up_e x) (arXiv 2610.14644: 3 N l m parameters).
     """
 
     def __init__(self, config: LatentMoEConfig, layer_idx: int):
@@ -237,7 +237,7 @@ class LatentMoEUngatedExperts(LatentMoEExpertsBase):
 
 
 class LatentMoEBlock(nn.Module):
-    """LatentMoE FFN mixer of one layer (DESIGN section 4, steps 1-4; transformers' `NemotronHMoE`).
+    """LatentMoE FFN mixer of one layer (docs/design.md section 4, steps 1-4; transformers' `NemotronHMoE`).
 
     Stages, for x (B, T, D) (the normed layer input):
     1. `gate`: logits on x at full width D -> weights, indices (B, T, K);
@@ -259,7 +259,7 @@ class LatentMoEBlock(nn.Module):
         else:
             self.fc1_latent_proj = nn.Linear(hidden_size, latent_size, bias=config.mlp_bias)
             self.fc2_latent_proj = nn.Linear(latent_size, hidden_size, bias=config.mlp_bias)
-        # CODEPATH: mlp_gated=True (SwiGLU, seed paper) vs False (relu2, Nemotron 3 / Nemotron-H checkpoints).
+        # CODEPATH: mlp_gated=True (SwiGLU, arXiv 2610.14644) vs False (relu2, Nemotron 3 / Nemotron-H checkpoints).
         experts_class = LatentMoEExperts if config.mlp_gated else LatentMoEUngatedExperts
         self.experts = experts_class(config, layer_idx)
         shared_size = layer_config.moe_shared_expert_intermediate_size
@@ -402,7 +402,7 @@ class LatentMoEForCausalLM(RoutedCausalLMMixin, LatentMoEPreTrainedModel, Genera
         For every sigmoid router, with load_i the tokens routed to expert i since the last call (summed over the
         gradient-accumulation window by the training forwards and all-reduced over ranks when `torch.distributed`
         is initialised): b_i <- b_i + gamma * sign(mean_i load_i - load_i), gamma = `router_bias_update_rate`
-        (DeepSeek-V3, arXiv 2412.19437 section 2.1.2; DESIGN section 4, step 5). Counters are then reset. The sign
+        (DeepSeek-V3, arXiv 2412.19437 section 2.1.2; docs/design.md section 4, step 5). Counters are then reset. The sign
         makes the step independent of the load's scale (e.g. forwards recomputed by gradient checkpointing).
 
         Returns:

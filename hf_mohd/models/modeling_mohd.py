@@ -14,7 +14,7 @@
 """MoHD: Mixture of Hidden Dimensions (Chen et al., ICML 2025, arXiv 2412.05644) on a LLaMA decoder.
 
 Each sparsified sublayer (attention and/or FFN) reads and writes only the token's active sub-dimensions of the
-residual stream: the shared blocks plus the top-k routed blocks its router picks (DESIGN section 3, steps 1-7).
+residual stream: the shared blocks plus the top-k routed blocks its router picks (docs/design.md section 3, steps 1-7).
 Shapes: see the legend in `modeling_common.py`; here N = num_sub_dims, N_s shared, N_r = N - N_s routed, s = D / N.
 """
 
@@ -47,7 +47,7 @@ from .routing_cache import RoutingCache
 
 
 class MoHDRouter(nn.Module):
-    """Sub-dimension router of one sublayer (DESIGN section 3, steps 2-3).
+    """Sub-dimension router of one sublayer (docs/design.md section 3, steps 2-3).
 
     logits = W_r x in fp32 (W_r: N_r x D, no bias), p = softmax(logits), S = top-k of p with ties to the lower
     index; gate of a selected block = p_j ("softmax") or k p_j / sum_S p ("normalized").
@@ -91,7 +91,7 @@ class MoHDRouter(nn.Module):
 
 
 class MoHDGroupFusion(nn.Module):
-    """Group fusion (DESIGN section 3, step 5): y_i <- sum_j F_ij y_j over the N output blocks, F identity-initialised.
+    """Group fusion (docs/design.md section 3, step 5): y_i <- sum_j F_ij y_j over the N output blocks, F identity-initialised.
 
     Input and output (M, N, s); N^2 parameters, N * D multiply-adds per token.
     """
@@ -243,7 +243,7 @@ class MoHDGatherDispatch:
     Shared blocks are one dense GEMM over the first N_s * s columns (input side) or rows (output side). Routed
     blocks of many tokens (prefill, training) are dispatched like experts, one routing slot at a time: the M tokens
     sorted by their block in that slot, one grouped matmul over views of the `nn.Linear` weight (no copy), then
-    `index_add_` back (DESIGN section 3, "Execution paths"). For at most `few_tokens` tokens (batch-1 decoding) the
+    `index_add_` back (docs/design.md section 3, "Execution paths"). For at most `few_tokens` tokens (batch-1 decoding) the
     k active blocks of each token are read directly, with no sort and no per-group calls, the memory-bound case
     (Deja Vu, PowerInfer): input side `embedding_bag` over the active columns (rows of `weight.T`), output side
     one GEMV per active block on its s contiguous rows, read in place (eager CPU; under `torch.compile` or on an
@@ -668,7 +668,7 @@ class MoHDForCausalLM(RoutedCausalLMMixin, MoHDPreTrainedModel, GenerationMixin)
         self.post_init()
 
     def load_balancing_loss(self, router_logits, attention_mask=None) -> torch.Tensor | None:
-        """Sub-dimension load-balance loss (DESIGN section 3, step 7): Switch form per router, mean over routers.
+        """Sub-dimension load-balance loss (docs/design.md section 3, step 7): Switch form per router, mean over routers.
 
         Args:
             router_logits: one (B*T, N_r) tensor per router ("attn" then "mlp" of each layer), as recorded.

@@ -1,4 +1,4 @@
-"""Shaping and allocation tools of arXiv 2610.14644 for LatentMoE (DESIGN section 4).
+"""Shaping and allocation tools of arXiv 2610.14644 for LatentMoE (docs/design.md section 4).
 
 - accounting: per-layer and total parameters, activated MACs and all-to-all payload of a config;
 - shapes: the alpha-transform of a standard MoE and the near-square (l, m) proposer;

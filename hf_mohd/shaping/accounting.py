@@ -1,7 +1,7 @@
 """Model-level LatentMoE accounting from a config object, a `config.json` dict or a path.
 
 The formulas live in `hf_mohd.models.latent_moe_accounting` (pure Python, shipped as remote code with the model);
-this module adds loading and a readable table. Source: arXiv 2610.14644 appendix B.2, DESIGN section 4.
+this module adds loading and a readable table. Source: arXiv 2610.14644 appendix B.2, docs/design.md section 4.
 """
 
 import json

@@ -1,4 +1,4 @@
-"""ID-guided two-regime capacity allocation across depth (arXiv 2610.14644 section 4, DESIGN section 4).
+"""ID-guided two-regime capacity allocation across depth (arXiv 2610.14644 section 4, docs/design.md section 4).
 
 Given a uniform LatentMoE config and the intrinsic-dimension (ID) profile of a base or short proxy model
 (`intrinsic_dimension.py`), the shallow blocks before the profile's steepest rise get a narrow expert shape and
@@ -272,7 +272,7 @@ def allocate_two_regime(
             `intrinsic_dimension_profile`: L_p + 1 values (entering blocks 0 .. L_p - 1, then the last block's
             output before the final norm). The split is found on the first L_p values and mapped to the target
             depth L by relative depth, round(t L / L_p), kept within [1, L - 1].
-        split: first wide layer of the target config, overriding the profile's split (the seed paper reports the
+        split: first wide layer of the target config, overriding the profile's split (arXiv 2610.14644 reports the
             exact boundary matters little, section 5.3).
         tolerance: relative budget per layer for params, activated MACs, all-to-all volume and N/K (0.05).
         max_aspect_deviation: near-square bound |l/m - 1| of both regimes (0.3, section 4.2).

@@ -10,7 +10,7 @@ except that neighbour distances here are exact: skdim (through scikit-learn's `e
 as |a|^2 + |b|^2 - 2 a.b, which rounds near-duplicate pairs of large-norm vectors (common among LM hidden states)
 to 0 and drops them as duplicates; on SmolLM2-135M hidden states the two estimates differed by up to 0.7%.
 
-The seed paper (arXiv 2610.14644 section 4.1, appendix E.2) measures the profile at every block boundary on
+The shaping paper (arXiv 2610.14644 section 4.1, appendix E.2) measures the profile at every block boundary on
 20,000 non-padding token representations, of which 5,000 are kept at random; `collect_hidden_states` does that for
 any causal LM of transformers through `output_hidden_states`.
 """
@@ -144,7 +144,7 @@ def collect_hidden_states(
     20,000 pooled, 5,000 kept). Sequences are run right-padded in batches with `output_hidden_states=True`.
 
     Boundary i < L is the hidden state entering block i (boundary 0 is the embedding output); boundary L is the last
-    block's output *before* the final norm (DESIGN section 4): `config.tie_last_hidden_states` is set to False for
+    block's output *before* the final norm (docs/design.md section 4): `config.tie_last_hidden_states` is set to False for
     the call (and restored), which every transformers 5.x model built on `capture_outputs` honours.
 
     Args:

@@ -26,7 +26,7 @@ class ModelConfig:
             `model_type` ("mohd", "latent_moe", "llama", or any type `AutoConfig` knows). `vocab_size`, `bos_token_id`,
             `eos_token_id` and `pad_token_id` are filled in from the tokenizer.
         tokenizer: folder or Hub id of a tokenizer. Empty: the tokenizer of `init_from`, or, from scratch, a byte-level
-            BPE tokenizer trained on the training split (DESIGN section 7, last item) and saved with the model.
+            BPE tokenizer trained on the training split (docs/design.md section 7, last item) and saved with the model.
         tokenizer_vocab_size: vocabulary size (tokens) of that trained BPE tokenizer.
         trust_remote_code: passed to `from_pretrained` (models saved elsewhere with `auto_map`).
         trainable: which parameters train: "all"; "routers_norms" (MoHD / LatentMoE routers, MoHD group fusion and

@@ -84,7 +84,7 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int):
     """A byte-level BPE tokenizer (GPT-2 style, so every string is encodable) trained on `texts`.
 
     Returns a `PreTrainedTokenizerFast` with `<|endoftext|>` as BOS, EOS and padding token. A small vocabulary keeps
-    the embedding of a tiny model from dominating its parameter count (DESIGN section 7).
+    the embedding of a tiny model from dominating its parameter count (docs/design.md section 7).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
