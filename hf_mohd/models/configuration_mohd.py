@@ -13,15 +13,13 @@
 # limitations under the License.
 """MoHD (Mixture of Hidden Dimensions, arXiv 2412.05644) model configuration."""
 
-import math
-
 from huggingface_hub.dataclasses import strict
-from huggingface_hub.errors import StrictDataclassFieldValidationError
-from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
+from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils import auto_docstring
 from transformers.utils.type_validators import interval
+
+from .configuration_common import check_llama_fields, check_positive_ints, check_real, raise_value_errors
 
 
 SPARSE_MODULES = ("attention", "ffn")
@@ -123,8 +121,8 @@ class MoHDConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         # Before anything divides by them.
-        _check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"))
-        _check_positive_ints(self, ("num_attention_heads", "max_position_embeddings", "num_sub_dims"))
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"))
+        check_positive_ints(self, ("num_attention_heads", "max_position_embeddings", "num_sub_dims"))
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
@@ -152,10 +150,10 @@ class MoHDConfig(PreTrainedConfig):
 
     def validate_architecture(self):
         """Cross-field rules; each `ValueError` names the field and the allowed values."""
-        _check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"))
-        _check_positive_ints(self, ("num_attention_heads", "num_key_value_heads", "head_dim", "num_sub_dims"))
-        _check_positive_ints(self, ("max_position_embeddings",))
-        _check_llama_fields(self)
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"))
+        check_positive_ints(self, ("num_attention_heads", "num_key_value_heads", "head_dim", "num_sub_dims"))
+        check_positive_ints(self, ("max_position_embeddings",))
+        check_llama_fields(self)
         if self.hidden_size % self.num_sub_dims != 0:
             raise ValueError(
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_sub_dims` ({self.num_sub_dims})."
@@ -190,7 +188,7 @@ class MoHDConfig(PreTrainedConfig):
                 f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of `num_key_value_heads` "
                 f"({self.num_key_value_heads})."
             )
-        _check_real(self, "router_aux_loss_coef", low=0.0)
+        check_real(self, "router_aux_loss_coef", low=0.0)
 
     @classmethod
     def from_llama_config(cls, base_config, preset: str, **overrides) -> "MoHDConfig":
@@ -223,79 +221,6 @@ class MoHDConfig(PreTrainedConfig):
         return cls(**fields)
 
 
-class ConfigFieldError(StrictDataclassFieldValidationError, ValueError):
-    """A configuration field of the wrong type (or outside an `interval`): a `ValueError` naming the field.
-
-    `@strict` (huggingface_hub) raises `StrictDataclassFieldValidationError`, which is not a `ValueError`; this
-    subclass of both keeps `except StrictDataclassFieldValidationError` working and gives users the `ValueError`
-    every other bad field raises.
-    """
-
-    def __init__(self, field: str, cause: Exception):
-        ValueError.__init__(self, f"`{field}` is invalid: {cause}")
-        self.field = field
-
-
-def _raise_value_errors(cls: type) -> type:
-    """Wraps the `@strict` `__setattr__` of `cls` so that its field errors are `ConfigFieldError`s."""
-    strict_setattr = cls.__setattr__
-
-    def __setattr__(self, name, value):
-        try:
-            strict_setattr(self, name, value)
-        except StrictDataclassFieldValidationError as error:
-            if isinstance(error, ValueError):
-                raise
-            raise ConfigFieldError(name, error.__cause__ or error) from error
-
-    cls.__setattr__ = __setattr__
-    return cls
-
-
-def _check_positive_ints(config, names) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-
-
-def _check_real(config, name: str, low: float, high: float | None = None, open_low: bool = False) -> None:
-    """`low <= value (<= high)` (`low < value` when `open_low`), finite; else a `ValueError` naming `name`."""
-    value = getattr(config, name)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if open_low else value >= low) and (high is None or value <= high)
-    if not ok:
-        bounds = (
-            f"{'(' if open_low else '['}{low}, {high if high is not None else 'inf'}{']' if high is not None else ')'}"
-        )
-        raise ValueError(f"`{name}` must be a finite number in {bounds}, got {value!r}.")
-
-
-def _check_llama_fields(config) -> None:
-    """The LLaMA fields both families share: activation, norm epsilon, dropout, padding id, RoPE parameters."""
-    if config.hidden_act not in ACT2FN:
-        raise ValueError(
-            f"`hidden_act` must be one of transformers' activations {sorted(ACT2FN)}, got {config.hidden_act!r}."
-        )
-    _check_real(config, "rms_norm_eps", low=0.0, open_low=True)
-    _check_real(config, "attention_dropout", low=0.0, high=1.0)
-    pad = config.pad_token_id
-    if pad is not None and not -config.vocab_size <= pad < config.vocab_size:  # what nn.Embedding(padding_idx) takes
-        raise ValueError(
-            f"`pad_token_id` must be None or in [-vocab_size, vocab_size) = "
-            f"[{-config.vocab_size}, {config.vocab_size}), got {pad}."
-        )
-    rope = config.rope_parameters or {}
-    rope_type = rope.get("rope_type", "default")
-    if rope_type not in ("default", *ROPE_INIT_FUNCTIONS):
-        raise ValueError(
-            f"`rope_parameters` has rope_type {rope_type!r}; expected one of {['default', *ROPE_INIT_FUNCTIONS]}."
-        )
-    theta = rope.get("rope_theta", 1.0)
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
-        raise ValueError(f"`rope_parameters` has rope_theta {theta!r}; expected a finite number > 0.")
-
-
-_raise_value_errors(MoHDConfig)
+raise_value_errors(MoHDConfig)
 
 __all__ = ["MoHDConfig"]

@@ -1,0 +1,97 @@
+# Copyright 2026 The hf-mohd Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Validation helpers shared by the configurations of both families (`MoHDConfig`, `LatentMoEConfig`).
+
+A sibling of the configuration files: `save_pretrained` copies it next to the weights with them (remote code), so it
+imports only `transformers`, `huggingface_hub` and the standard library.
+"""
+
+import math
+
+from huggingface_hub.errors import StrictDataclassFieldValidationError
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+class ConfigFieldError(StrictDataclassFieldValidationError, ValueError):
+    """A configuration field of the wrong type (or outside an `interval`): a `ValueError` naming the field.
+
+    `@strict` (huggingface_hub) raises `StrictDataclassFieldValidationError`, which is not a `ValueError`; this
+    subclass of both keeps `except StrictDataclassFieldValidationError` working and gives users the `ValueError`
+    every other bad field raises.
+    """
+
+    def __init__(self, field: str, cause: Exception):
+        ValueError.__init__(self, f"`{field}` is invalid: {cause}")
+        self.field = field
+
+
+def raise_value_errors(cls: type) -> type:
+    """Wraps the `@strict` `__setattr__` of `cls` so that its field errors are `ConfigFieldError`s."""
+    strict_setattr = cls.__setattr__
+
+    def __setattr__(self, name, value):
+        try:
+            strict_setattr(self, name, value)
+        except StrictDataclassFieldValidationError as error:
+            if isinstance(error, ValueError):
+                raise
+            raise ConfigFieldError(name, error.__cause__ or error) from error
+
+    cls.__setattr__ = __setattr__
+    return cls
+
+
+def check_positive_ints(config, names) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+
+
+def check_real(config, name: str, low: float, high: float | None = None, open_low: bool = False) -> None:
+    """`low <= value (<= high)` (`low < value` when `open_low`), finite; else a `ValueError` naming `name`."""
+    value = getattr(config, name)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if open_low else value >= low) and (high is None or value <= high)
+    if not ok:
+        bounds = (
+            f"{'(' if open_low else '['}{low}, {high if high is not None else 'inf'}{']' if high is not None else ')'}"
+        )
+        raise ValueError(f"`{name}` must be a finite number in {bounds}, got {value!r}.")
+
+
+def check_llama_fields(config) -> None:
+    """The LLaMA fields both families share: activation, norm epsilon, dropout, padding id, RoPE parameters."""
+    if config.hidden_act not in ACT2FN:
+        raise ValueError(
+            f"`hidden_act` must be one of transformers' activations {sorted(ACT2FN)}, got {config.hidden_act!r}."
+        )
+    check_real(config, "rms_norm_eps", low=0.0, open_low=True)
+    check_real(config, "attention_dropout", low=0.0, high=1.0)
+    pad = config.pad_token_id
+    if pad is not None and not -config.vocab_size <= pad < config.vocab_size:  # what nn.Embedding(padding_idx) takes
+        raise ValueError(
+            f"`pad_token_id` must be None or in [-vocab_size, vocab_size) = "
+            f"[{-config.vocab_size}, {config.vocab_size}), got {pad}."
+        )
+    rope = config.rope_parameters or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ("default", *ROPE_INIT_FUNCTIONS):
+        raise ValueError(
+            f"`rope_parameters` has rope_type {rope_type!r}; expected one of {['default', *ROPE_INIT_FUNCTIONS]}."
+        )
+    theta = rope.get("rope_theta", 1.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+        raise ValueError(f"`rope_parameters` has rope_theta {theta!r}; expected a finite number > 0.")
