@@ -59,19 +59,32 @@ ARCHITECTURES = {
 }
 DECODER_LAYERS = {"llama": "LlamaDecoderLayer", "mohd": "MoHDDecoderLayer", "latent_moe": "LatentMoEDecoderLayer"}
 
-# What `hf-mohd train` does, plus a record of which modules FSDP2 sharded (rank 0).
+# What `hf-mohd train` does, then (rank 0) which modules FSDP2 sharded and the sharded model's perplexity loss on
+# 5 blocks: 3 on rank 0 (2 batches of 2), 2 on rank 1 (1 batch), so rank 1 must join rank 0's second forward.
 WORKER = """
 import json, sys
 
-from accelerate import PartialState
+import torch
+
+from accelerate import Accelerator
 from torch.distributed.fsdp import FSDPModule
+from transformers import AutoTokenizer
 
 from hf_mohd.training import load_train_config, train
+from hf_mohd.training.data import load_documents, pack, split_documents
+from hf_mohd.training.trainer import evaluate_perplexity
 
-model = train(load_train_config(sys.argv[1])).model
+Accelerator.end_training = lambda self: None  # keeps the process group for the check below
+config = load_train_config(sys.argv[1])
+model = train(config).model
 units = {name: [c.__name__ for c in type(m).__mro__] for name, m in model.named_modules() if isinstance(m, FSDPModule)}
-if PartialState().is_main_process:
-    json.dump(units, open(sys.argv[2], "w"))
+texts = split_documents(load_documents(config.data), config.data.eval_fraction, config.seed)[0]
+blocks = pack(texts, AutoTokenizer.from_pretrained(config.output_dir + "/tokenizer"), config.data.seq_len)[:5]
+accelerator = Accelerator()  # the run's state (FSDP over gloo) is shared by every Accelerator of the process
+loss = evaluate_perplexity(model, blocks, 2, accelerator)[0]
+if accelerator.is_main_process:
+    json.dump({"units": units, "five_block_loss": loss}, open(sys.argv[2], "w"))
+torch.distributed.destroy_process_group()
 """
 
 
@@ -111,7 +124,7 @@ def launch(tmp_path, config, *script):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", FSDP2_CPU]
     command += ["--main_process_port", str(port), *script]
     command = [part.replace("{config}", str(path)) for part in command]
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
 
@@ -199,14 +212,26 @@ def test_fsdp2_gradient_accumulation_router_aux_loss_and_bias_updates_match_one_
     sharded = run_config(tmp_path, corpus, "fsdp", architecture, grad_accum_steps=2, **common)
     (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
     launch(tmp_path, sharded, str(tmp_path / "worker.py"), "{config}", str(tmp_path / "units.json"))
-    single = train(run_config(tmp_path, corpus, "single", architecture, grad_accum_steps=4, **common))
+    single_config = run_config(tmp_path, corpus, "single", architecture, grad_accum_steps=4, **common)
+    single = train(single_config)
     weights = assert_same_run(sharded.output_dir, single.output_dir)
 
     # The wrapping policy of fsdp2_cpu.yaml: each decoder layer (`_no_split_modules`) is one FSDP2 unit, nothing
     # inside it is sharded apart; Accelerate adds the embeddings and [final norm, LM head] (one group) and the root.
-    units = json.loads((tmp_path / "units.json").read_text())
+    report = json.loads((tmp_path / "units.json").read_text())
+    units = report["units"]
     assert sorted(units) == ["", "lm_head", "model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"]
     assert all(DECODER_LAYERS[family] in units[f"model.layers.{i}"] for i in range(2))
+    # Held-out scoring of the sharded model with uneven shards of blocks = the 1-process model's.
+    from transformers import AutoTokenizer
+
+    from hf_mohd.training.data import load_documents, pack, split_documents
+    from hf_mohd.training.trainer import evaluate_perplexity
+
+    texts = split_documents(load_documents(single_config.data), single_config.data.eval_fraction, 0)[0]
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(sharded.output_dir, "tokenizer"))
+    blocks = pack(texts, tokenizer, single_config.data.seq_len)[:5]
+    assert report["five_block_loss"] == pytest.approx(evaluate_perplexity(single.model, blocks, 2)[0], abs=1e-5)
     aux = [r["aux_loss"] for r in logged(single.output_dir)]
     if case.endswith("_aux"):
         assert all(a > 0.5 for a in aux), "the aux loss should be on (about 1 for balanced routing)"

@@ -180,21 +180,31 @@ def router_kwargs(model, enabled: bool) -> dict:
 def evaluate_perplexity(model, blocks: torch.Tensor, batch_size: int, accelerator=None, max_batches: int = 0):
     """Mean next-token cross-entropy (nats/token) and perplexity over packed `blocks`, all processes together.
 
-    Each process scores blocks rank, rank + world, ...; sums of token losses and token counts are reduced.
+    Each process scores blocks rank, rank + world, ...; sums of token losses and token counts are reduced. A
+    sharded model (FSDP, DeepSpeed ZeRO) gathers its weights in every forward, all processes together, so there every
+    process runs as many forwards as process 0; one whose blocks ran out scores a block with weight 0.
     """
+    from accelerate.utils import DistributedType
+
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     device = accelerator.device if accelerator else next(model.parameters()).device
     was_training = model.training
     model.eval()
-    mine = blocks[rank::world]
-    if max_batches:
-        mine = mine[: max_batches * batch_size]
+    limit = max_batches * batch_size if max_batches else len(blocks)
+    mine = blocks[rank::world][:limit]
+    sharded = accelerator is not None and accelerator.distributed_type in (
+        DistributedType.FSDP,
+        DistributedType.DEEPSPEED,
+    )
+    most = len(blocks[0::world][:limit]) if sharded else len(mine)  # process 0 has the most blocks
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    for start in range(0, len(mine), batch_size):
-        batch = mine[start : start + batch_size].to(device)
+    for start in range(0, most, batch_size):
+        batch = mine[start : start + batch_size]
+        weight = 1 if len(batch) else 0
+        batch = (batch if len(batch) else blocks[:1]).to(device)
         with accelerator.autocast() if accelerator else nullcontext():
             loss = model(input_ids=batch, labels=batch).loss
-        tokens = batch.shape[0] * (batch.shape[1] - 1)
+        tokens = weight * batch.shape[0] * (batch.shape[1] - 1)
         total += torch.tensor([loss.double().item() * tokens, tokens], dtype=torch.float64, device=device)
     if accelerator is not None:
         total = accelerator.reduce(total, reduction="sum")
