@@ -356,7 +356,7 @@ def make_accelerator(config: TrainConfig):
     FSDP with the plugin read from the same environment variables, as Accelerate does on GPUs, so that its own
     FSDP2 code does the rest (`fully_shard` of every `_no_split_modules` layer and of the root on a CPU device mesh,
     `no_sync`, clipping of sharded gradients, sharded `save_state` / `load_state`, the full state dict of
-    `get_state_dict`). torch's FSDP2 runs on CPU with gloo (torch >= 2.6).
+    `get_state_dict`). torch's FSDP2 runs on CPU with gloo (tested with torch 2.13, Accelerate 1.15).
 
     Raises:
         ValueError: the launcher started several processes (`WORLD_SIZE` > 1) but Accelerate set up a single one.
