@@ -180,21 +180,31 @@ def router_kwargs(model, enabled: bool) -> dict:
 def evaluate_perplexity(model, blocks: torch.Tensor, batch_size: int, accelerator=None, max_batches: int = 0):
     """Mean next-token cross-entropy (nats/token) and perplexity over packed `blocks`, all processes together.
 
-    Each process scores blocks rank, rank + world, ...; sums of token losses and token counts are reduced.
+    Each process scores blocks rank, rank + world, ...; sums of token losses and token counts are reduced. A
+    sharded model (FSDP, DeepSpeed ZeRO) gathers its weights in every forward, all processes together, so there every
+    process runs as many forwards as process 0; one whose blocks ran out scores a block with weight 0.
     """
+    from accelerate.utils import DistributedType
+
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     device = accelerator.device if accelerator else next(model.parameters()).device
     was_training = model.training
     model.eval()
-    mine = blocks[rank::world]
-    if max_batches:
-        mine = mine[: max_batches * batch_size]
+    limit = max_batches * batch_size if max_batches else len(blocks)
+    mine = blocks[rank::world][:limit]
+    sharded = accelerator is not None and accelerator.distributed_type in (
+        DistributedType.FSDP,
+        DistributedType.DEEPSPEED,
+    )
+    most = len(blocks[0::world][:limit]) if sharded else len(mine)  # process 0 has the most blocks
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    for start in range(0, len(mine), batch_size):
-        batch = mine[start : start + batch_size].to(device)
+    for start in range(0, most, batch_size):
+        batch = mine[start : start + batch_size]
+        weight = 1 if len(batch) else 0
+        batch = (batch if len(batch) else blocks[:1]).to(device)
         with accelerator.autocast() if accelerator else nullcontext():
             loss = model(input_ids=batch, labels=batch).loss
-        tokens = batch.shape[0] * (batch.shape[1] - 1)
+        tokens = weight * batch.shape[0] * (batch.shape[1] - 1)
         total += torch.tensor([loss.double().item() * tokens, tokens], dtype=torch.float64, device=device)
     if accelerator is not None:
         total = accelerator.reduce(total, reduction="sum")
@@ -286,6 +296,25 @@ def load_checkpoint(accelerator, checkpoint: str) -> None:
         ) from error
 
 
+def saveable(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`, or for a model sharded by FSDP2 a weightless (meta-device) instance of its own class and config.
+
+    `fully_shard` changes the class of the module it shards to a subclass `FSDP<Name>` defined in torch, which
+    `save_pretrained` would record in `config.json`'s `auto_map` (copying torch's source files for remote code);
+    the weights are given to `save_pretrained` as a gathered state dict anyway.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, FSDPModule) or not isinstance(model, PreTrainedModel):
+        return model
+    own = next(c for c in type(model).__mro__ if issubclass(c, PreTrainedModel) and not issubclass(c, FSDPModule))
+    with torch.device("meta"):
+        plain = own(model.config)
+    plain.generation_config = model.generation_config
+    return plain
+
+
 def save_final_model(accelerator, model, tokenizer, final_dir: str) -> None:
     """`save_pretrained` of the unwrapped model and the tokenizer into a temporary sibling of `final_dir`, renamed
     into place when complete (an older `final_dir` is replaced only then), so that an interruption never leaves a
@@ -294,11 +323,16 @@ def save_final_model(accelerator, model, tokenizer, final_dir: str) -> None:
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)  # gathers FSDP / ZeRO-3 shards; every process calls it
     if accelerator.is_main_process:
+        # Gathered shards are separate copies: restore the aliases of tied weights (e.g. lm_head = embed_tokens), so
+        # that save_pretrained, which finds tied weights by storage, writes them once as for an unsharded model.
+        for target, source in getattr(accelerator.unwrap_model(model), "all_tied_weights_keys", {}).items():
+            if target in state_dict and source in state_dict and torch.equal(state_dict[target], state_dict[source]):
+                state_dict[target] = state_dict[source]
         final_dir = os.path.normpath(final_dir)
         tmp, retired = f"{final_dir}.partial", f"{final_dir}.old"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict)
+            saveable(accelerator.unwrap_model(model)).save_pretrained(tmp, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -311,19 +345,56 @@ def save_final_model(accelerator, model, tokenizer, final_dir: str) -> None:
     accelerator.wait_for_everyone()
 
 
-def train(config: TrainConfig) -> TrainResult:
-    """Run (or resume) one training run described by `config`; see `TrainConfig` for every knob."""
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration, set_seed
-    from tqdm.auto import tqdm
+def make_accelerator(config: TrainConfig):
+    """The run's `Accelerator`, with FSDP2 made to work on CPU-only machines (gloo).
+
+    `accelerate launch` starts one process per rank with torchrun and passes the FSDP settings of the config file as
+    `ACCELERATE_USE_FSDP` / `FSDP_*` environment variables. On a machine without a GPU, Accelerate 1.15 then needs
+    `cpu=True` (else every process silently trains alone), and with it it sets up gloo as `MULTI_CPU`, where it
+    ignores the FSDP request without a word (`AcceleratorState` turns `ACCELERATE_USE_FSDP` into `DistributedType.FSDP`
+    for GPU-like devices only) and wraps the model in DDP. Here the request is honoured: the state is switched to
+    FSDP with the plugin read from the same environment variables, as Accelerate does on GPUs, so that its own
+    FSDP2 code does the rest (`fully_shard` of every `_no_split_modules` layer and of the root on a CPU device mesh,
+    `no_sync`, clipping of sharded gradients, sharded `save_state` / `load_state`, the full state dict of
+    `get_state_dict`). torch's FSDP2 runs on CPU with gloo (tested with torch 2.13, Accelerate 1.15).
+
+    Raises:
+        ValueError: the launcher started several processes (`WORLD_SIZE` > 1) but Accelerate set up a single one.
+    """
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
+    from accelerate.utils import DistributedType, ProjectConfiguration
 
     accelerator = Accelerator(
+        cpu=not torch.accelerator.is_available(),
         mixed_precision=resolve_mixed_precision(config.mixed_precision),
         log_with="tensorboard",
         project_config=ProjectConfiguration(
             project_dir=config.output_dir, logging_dir=os.path.join(config.output_dir, "tensorboard")
         ),
     )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > accelerator.num_processes:
+        raise ValueError(
+            f"The launcher started WORLD_SIZE={world} processes but Accelerate set up {accelerator.num_processes} "
+            f"(distributed type {accelerator.distributed_type}); on a machine without GPUs set ACCELERATE_USE_CPU=1."
+        )
+    wants_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if wants_fsdp and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables `accelerate launch` set
+        if accelerator.mixed_precision != "no":
+            plugin.set_mixed_precision(accelerator.mixed_precision)
+        PartialState().distributed_type = DistributedType.FSDP  # both shared states, as AcceleratorState does on GPU
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugin
+    return accelerator
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Run (or resume) one training run described by `config`; see `TrainConfig` for every knob."""
+    from accelerate.utils import DistributedType, set_seed
+    from tqdm.auto import tqdm
+
+    accelerator = make_accelerator(config)
     os.makedirs(config.output_dir, exist_ok=True)
     set_seed(config.seed)
 
@@ -349,6 +420,9 @@ def train(config: TrainConfig) -> TrainResult:
     num_parameters = sum(p.numel() for p in model.parameters())
     teacher = load_teacher(config.distill, model, accelerator.device, config.model.trust_remote_code)
     model = select_trainable(model, config.model)
+    if accelerator.distributed_type == DistributedType.FSDP and hasattr(model, "to_weight_layout"):
+        # FSDP2 shards contiguous parameters only; MoHD keeps its input-side weights column-major for decoding.
+        model.to_weight_layout("row_major")
     optim = config.optim
     optimizer = torch.optim.AdamW(
         param_groups(model, optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps
@@ -427,11 +501,12 @@ def train(config: TrainConfig) -> TrainResult:
         if state.step % config.log_every == 0 or state.step == config.max_steps:
             timed_steps = state.window_steps - window_resumed_steps  # steps run (and timed) in this process call
             elapsed = time.perf_counter() - window_started
-            loss = accelerator.reduce(torch.tensor(state.window_loss / state.window_steps), "mean").item()
+            window = torch.tensor([state.window_loss, state.window_aux], dtype=torch.float64) / state.window_steps
+            loss, aux_loss = accelerator.reduce(window.to(accelerator.device), "mean").tolist()  # all processes
             record = {
                 "step": state.step,
                 "loss": loss,
-                "aux_loss": state.window_aux / state.window_steps,
+                "aux_loss": aux_loss,
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float("nan") if grad_norm is None else float(grad_norm),  # None: DeepSpeed clips
                 "tokens": state.tokens,
