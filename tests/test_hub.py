@@ -83,7 +83,13 @@ def test_prepare_files_completes_a_bare_folder(tmp_path):
 
     files = prepare_files(folder, "tester/mohd-tiny", card_kwargs={"eval_results": LM_EVAL_OUTPUT})
     auto_map, code = remote_code_files("mohd")
-    assert set(code) == {"configuration_mohd.py", "modeling_mohd.py", "modeling_common.py", "routing_cache.py"}
+    assert set(code) == {
+        "configuration_common.py",
+        "configuration_mohd.py",
+        "modeling_mohd.py",
+        "modeling_common.py",
+        "routing_cache.py",
+    }
     assert set(code) | {"model.safetensors", "config.json", "generation_config.json", "README.md"} <= set(files)
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(files)
     assert "optimizer.bin" not in files and not any(p.startswith("checkpoint-") for p in files)
