@@ -89,8 +89,9 @@ def check_gather_equals_masked(device) -> dict:
     return results
 
 
-def check_latent_moe_kernels(device) -> float:
-    config = LatentMoEConfig(
+def tiny_latent_moe(device, **overrides) -> LatentMoEForCausalLM:
+    """A seeded two-layer LatentMoE (8 experts, top-2, latent width 32) on `device`."""
+    fields = dict(
         vocab_size=97,
         hidden_size=64,
         intermediate_size=96,
@@ -102,7 +103,11 @@ def check_latent_moe_kernels(device) -> float:
         moe_latent_size=32,
     )
     torch.manual_seed(0)
-    model = LatentMoEForCausalLM(config).to(device).eval()
+    return LatentMoEForCausalLM(LatentMoEConfig(**{**fields, **overrides})).to(device)
+
+
+def check_latent_moe_kernels(device) -> float:
+    model = tiny_latent_moe(device).eval()
     ids = torch.randint(3, 97, (2, 16), device=device)
     with torch.no_grad():
         model.set_experts_implementation("eager")
@@ -119,21 +124,7 @@ def check_bf16_autocast_training(device) -> dict:
         if family == "mohd":
             model = tiny_mohd(device, torch.float32)[0]
         else:
-            torch.manual_seed(0)
-            model = LatentMoEForCausalLM(
-                LatentMoEConfig(
-                    vocab_size=97,
-                    hidden_size=64,
-                    intermediate_size=96,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_experts=8,
-                    num_experts_per_tok=2,
-                    moe_intermediate_size=32,
-                    moe_latent_size=32,
-                    router_score_func="sigmoid",
-                )
-            ).to(device)
+            model = tiny_latent_moe(device, router_score_func="sigmoid")
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         ids = torch.randint(3, 97, (4, 32), device=device, generator=None)
