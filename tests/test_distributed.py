@@ -1,10 +1,13 @@
-"""FSDP2 through `accelerate launch` on CPU (gloo, 2 processes) against the 1-process run of the same global batch.
+"""FSDP2 and DeepSpeed ZeRO-2 through `accelerate launch` on CPU (gloo, 2 processes) against the 1-process run of the
+same global batch.
 
-Every test launches the trainer with the repository's own `configs/accelerate/fsdp2_cpu.yaml` and compares the
-weights it ends with (`final/`, gathered from the shards by `save_pretrained`) to a 1-process run in fp32; the
-oracle is the 1-process run, which the rest of the suite ties to Llama and to transformers' own models.
+Every test launches the trainer with the repository's own `configs/accelerate/fsdp2_cpu.yaml` (or
+`deepspeed_zero2_cpu.yaml`) and compares the weights it ends with (`final/`, gathered from the shards by
+`save_pretrained`) to a 1-process run in fp32; the oracle is the 1-process run, which the rest of the suite ties to
+Llama and to transformers' own models.
 """
 
+import importlib.util
 import json
 import os
 import socket
@@ -22,6 +25,7 @@ from hf_mohd.training import train, train_config_from_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FSDP2_CPU = os.path.join(ROOT, "configs", "accelerate", "fsdp2_cpu.yaml")
+DEEPSPEED_ZERO2_CPU = os.path.join(ROOT, "configs", "accelerate", "deepspeed_zero2_cpu.yaml")
 TOLERANCE = 1e-5  # max |difference| of any weight after the run, fp32
 
 ARCHITECTURES = {
@@ -109,10 +113,10 @@ def run_config(tmp_path, corpus, output, architecture, **overrides):
     return train_config_from_dict(values)
 
 
-def launch(tmp_path, config, *script):
-    """`accelerate launch --config_file configs/accelerate/fsdp2_cpu.yaml SCRIPT...` with 2 gloo processes.
+def launch(tmp_path, config, *script, config_file=FSDP2_CPU):
+    """`accelerate launch --config_file CONFIG_FILE SCRIPT...` (default `fsdp2_cpu.yaml`) with 2 gloo processes.
 
-    No ACCELERATE_USE_CPU: the config file alone must give FSDP2 on a machine without GPUs.
+    No ACCELERATE_USE_CPU: the config file alone must give FSDP2 (or DeepSpeed) on a machine without GPUs.
     """
     path = tmp_path / f"{os.path.basename(config.output_dir)}.json"
     path.write_text(json.dumps(config.to_dict()))
@@ -121,7 +125,7 @@ def launch(tmp_path, config, *script):
         port = sock.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", FSDP2_CPU]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file]
     command += ["--main_process_port", str(port), *script]
     command = [part.replace("{config}", str(path)) for part in command]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -138,8 +142,15 @@ def logged(output_dir):
         return [record for record in map(json.loads, handle) if "loss" in record]
 
 
-def assert_same_run(sharded_dir, single_dir):
-    """Same weights (<= TOLERANCE), same logged losses; the sharded run wrote a sharded FSDP checkpoint."""
+# What `save_state` writes for the model and AdamW, one folder each: Accelerate's FSDP path (not DDP) writes one
+# torch.distributed.checkpoint shard per rank.
+FSDP_CHECKPOINT = {
+    part: [".metadata", "__0_0.distcp", "__1_0.distcp"] for part in ("pytorch_model_fsdp_0", "optimizer_0")
+}
+
+
+def assert_same_run(sharded_dir, single_dir, checkpoint_layout=FSDP_CHECKPOINT):
+    """Same weights (<= TOLERANCE), same logged losses; the sharded run wrote a checkpoint of `checkpoint_layout`."""
     sharded, single = final_weights(sharded_dir), final_weights(single_dir)
     assert sharded.keys() == single.keys()
     worst = max((sharded[k] - single[k]).abs().max().item() for k in single)
@@ -152,10 +163,9 @@ def assert_same_run(sharded_dir, single_dir):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
         assert a["tokens"] == b["tokens"]
     assert one[-1]["loss"] < one[0]["loss"] - 1e-3, "the three steps should have trained the model"
-    # Accelerate's FSDP path (not DDP): model and AdamW saved as one torch.distributed.checkpoint shard per rank.
     checkpoint = os.path.join(sharded_dir, "checkpoints", "step_0000003")
-    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
-        assert sorted(os.listdir(os.path.join(checkpoint, part))) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    for part, files in checkpoint_layout.items():
+        assert sorted(os.listdir(os.path.join(checkpoint, part))) == files
     return sharded
 
 
@@ -272,3 +282,53 @@ def test_fsdp2_sharded_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_pa
     a, b = final_weights(resumed.output_dir), final_weights(whole.output_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert sorted(n for n in os.listdir(checkpoints) if n.startswith("step_")) == ["step_0000002", "step_0000004"]
+
+
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="DeepSpeed is not installed (it is in no extra of the project): pip install deepspeed",
+)
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_deepspeed_zero2_on_two_cpu_processes_ends_with_the_one_process_weights(tmp_path):
+    """`python -m hf_mohd train` under DeepSpeed ZeRO-2 (`deepspeed_zero2_cpu.yaml`, gloo): 2 x 2 sequences per
+    step give the weights of 1 x 4 sequences (DeepSpeed clips at 1.0, as the 1-process run does)."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", num_docs=30)
+    architecture = ARCHITECTURES["mohd"]
+    sharded = run_config(tmp_path, corpus, "zero2", architecture, micro_batch_size=2)
+    launch(tmp_path, sharded, "-m", "hf_mohd", "train", "{config}", config_file=DEEPSPEED_ZERO2_CPU)
+    single = train(run_config(tmp_path, corpus, "single", architecture))
+    # DeepSpeed's own checkpoint (not DDP's model.safetensors + optimizer.bin): ZeRO-2 partitioned the AdamW states,
+    # one file per rank, next to the one copy of the model.
+    zero2 = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    zero2.append("zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert_same_run(sharded.output_dir, single.output_dir, {"pytorch_model": zero2})
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_deepspeed_zero2_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_path):
+    """Stopped after 2 of 4 steps (DeepSpeed checkpoint: partitioned AdamW states), then relaunched: the same losses
+    as one uninterrupted ZeRO-2 run, exactly (fp32), and the same final weights."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", num_docs=30)
+    architecture = ARCHITECTURES["mohd"]
+    common = {"micro_batch_size": 2, "max_steps": 4, "save_every": 2, "router_aux_loss": True}
+    script = ("-m", "hf_mohd", "train", "{config}")
+    whole = run_config(tmp_path, corpus, "whole", architecture, **common)
+    launch(tmp_path, whole, *script, config_file=DEEPSPEED_ZERO2_CPU)
+    interrupted = run_config(tmp_path, corpus, "resumed", architecture, stop_after_steps=2, **common)
+    launch(tmp_path, interrupted, *script, config_file=DEEPSPEED_ZERO2_CPU)
+    checkpoints = os.path.join(interrupted.output_dir, "checkpoints")
+    assert sorted(os.listdir(checkpoints)) == ["step_0000002"]
+    resumed = run_config(tmp_path, corpus, "resumed", architecture, **common)
+    launch(tmp_path, resumed, *script, config_file=DEEPSPEED_ZERO2_CPU)
+
+    def curve(output_dir):
+        return [(r["step"], r["loss"], r["aux_loss"], r["lr"], r["grad_norm"]) for r in logged(output_dir)]
+
+    assert curve(resumed.output_dir) == curve(whole.output_dir)
+    assert [r[0] for r in curve(whole.output_dir)] == [1, 2, 3, 4]
+    a, b = final_weights(resumed.output_dir), final_weights(whole.output_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -346,7 +346,7 @@ def save_final_model(accelerator, model, tokenizer, final_dir: str) -> None:
 
 
 def make_accelerator(config: TrainConfig):
-    """The run's `Accelerator`, with FSDP2 made to work on CPU-only machines (gloo).
+    """The run's `Accelerator`, with FSDP2 and DeepSpeed made to work on CPU-only machines (gloo).
 
     `accelerate launch` starts one process per rank with torchrun and passes the FSDP settings of the config file as
     `ACCELERATE_USE_FSDP` / `FSDP_*` environment variables. On a machine without a GPU, Accelerate 1.15 then needs
@@ -358,10 +358,16 @@ def make_accelerator(config: TrainConfig):
     `no_sync`, clipping of sharded gradients, sharded `save_state` / `load_state`, the full state dict of
     `get_state_dict`). torch's FSDP2 runs on CPU with gloo (tested with torch 2.13, Accelerate 1.15).
 
+    DeepSpeed (`ACCELERATE_USE_DEEPSPEED`, `ACCELERATE_DEEPSPEED_*`) is ignored on CPU the same way and honoured the
+    same way: the state is switched to `DistributedType.DEEPSPEED` with a `DeepSpeedPlugin` read from those variables,
+    and `prepare` then calls `deepspeed.initialize` on the gloo process group (DeepSpeed's CPU accelerator; ZeRO-2
+    tested with DeepSpeed 0.19.8). Under DeepSpeed, on any device, `train_micro_batch_size_per_gpu` is set to
+    `config.micro_batch_size`: Accelerate reads it from a DataLoader, and the trainer prepares none.
+
     Raises:
         ValueError: the launcher started several processes (`WORLD_SIZE` > 1) but Accelerate set up a single one.
     """
-    from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
+    from accelerate import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin, PartialState
     from accelerate.utils import DistributedType, ProjectConfiguration
 
     accelerator = Accelerator(
@@ -379,6 +385,7 @@ def make_accelerator(config: TrainConfig):
             f"(distributed type {accelerator.distributed_type}); on a machine without GPUs set ACCELERATE_USE_CPU=1."
         )
     wants_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    wants_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     if wants_fsdp and accelerator.distributed_type == DistributedType.MULTI_CPU:
         plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables `accelerate launch` set
         if accelerator.mixed_precision != "no":
@@ -386,6 +393,16 @@ def make_accelerator(config: TrainConfig):
         PartialState().distributed_type = DistributedType.FSDP  # both shared states, as AcceleratorState does on GPU
         accelerator.state.distributed_type = DistributedType.FSDP
         accelerator.state.fsdp_plugin = plugin
+    elif wants_deepspeed and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        plugin = DeepSpeedPlugin()  # reads the ACCELERATE_DEEPSPEED_* variables `accelerate launch` set
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+        plugin.select(_from_accelerator_state=True)
+        PartialState().distributed_type = DistributedType.DEEPSPEED
+        accelerator.state.distributed_type = DistributedType.DEEPSPEED
+        accelerator.state.deepspeed_plugins = plugin
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # `prepare` is given no DataLoader (the trainer batches itself), so DeepSpeed is told the micro-batch size.
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = config.micro_batch_size
     return accelerator
 
 
@@ -420,8 +437,10 @@ def train(config: TrainConfig) -> TrainResult:
     num_parameters = sum(p.numel() for p in model.parameters())
     teacher = load_teacher(config.distill, model, accelerator.device, config.model.trust_remote_code)
     model = select_trainable(model, config.model)
-    if accelerator.distributed_type == DistributedType.FSDP and hasattr(model, "to_weight_layout"):
-        # FSDP2 shards contiguous parameters only; MoHD keeps its input-side weights column-major for decoding.
+    sharded = (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    if accelerator.distributed_type in sharded and hasattr(model, "to_weight_layout"):
+        # FSDP2 shards and DeepSpeed flattens (and views as bytes to broadcast) contiguous parameters only; MoHD
+        # keeps its input-side weights column-major for decoding.
         model.to_weight_layout("row_major")
     optim = config.optim
     optimizer = torch.optim.AdamW(
