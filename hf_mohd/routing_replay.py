@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .models.modeling_common import TopKRouter
 from .models.routing_cache import RoutingRecord
 
 
@@ -58,19 +59,19 @@ class RouterSlot(NamedTuple):
 def router_layout(model: nn.Module) -> dict[str, list[RouterSlot]]:
     """The routers of `model` per kind ("moe", "attn", "mlp"), in layer order: the layer axis of the engine arrays.
 
-    Routers are the modules with `layer_idx`, `top_k` and a `weight` of one row per routed choice (MoHDRouter,
-    LatentMoERouter); MoHD routers carry `router_name` and offset their ids by `num_shared`.
+    Routers are the `TopKRouter` modules (MoHDRouter, LatentMoERouter): `layer_idx`, `router_name`, `top_k`, a
+    `weight` of one row per routed choice, and ids offset by `index_offset` (MoHD: N_s, LatentMoE: 0).
 
     Raises:
         ValueError: `model` has no router.
     """
     layout: dict[str, list[RouterSlot]] = {}
     for module in model.modules():
-        if not type(module).__name__.endswith("Router") or not hasattr(module, "top_k"):
+        if not isinstance(module, TopKRouter):
             continue
-        low = int(getattr(module, "num_shared", 0))
-        slot = RouterSlot(int(module.layer_idx), int(module.top_k), low, low + int(module.weight.shape[0]))
-        layout.setdefault(getattr(module, "router_name", "moe"), []).append(slot)
+        low = module.index_offset
+        slot = RouterSlot(module.layer_idx, module.top_k, low, low + module.weight.shape[0])
+        layout.setdefault(module.router_name, []).append(slot)
     if not layout:
         raise ValueError(f"{type(model).__name__} has no router (expected MoHD or LatentMoE routers).")
     return {kind: sorted(slots) for kind, slots in layout.items()}

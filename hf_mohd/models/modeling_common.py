@@ -315,6 +315,71 @@ def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+class TopKRouter(nn.Module):
+    """The router both families share: fp32 logits, top-k selection (or a replayed one), gates, routing record.
+
+    logits = W_r x (W_r: C x D, no bias) in fp32 with autocast off, also under bf16 autocast: top-k selection is
+    sensitive to rounding (docs/design.md sections 3 and 4, step 1). scores = `score(logits)`; the chosen
+    ids are `topk_lower_index(selection_scores(scores), top_k)` (ties to the lower index), or, with
+    `routing_replay`, the record of (`layer_idx`, `router_name`) minus `index_offset` (the gates are then still
+    recomputed from the current scores, so the router keeps its gradient). gates = `gates(scores of the chosen ids,
+    input dtype)`; ids returned are the chosen ones plus `index_offset`. With a `RoutingCache` the ids and gates of
+    these tokens are appended to its record.
+
+    A family overrides `score` (default softmax), `selection_scores` (default the scores), `gates` (default the
+    scores as they are) and `observe` (a hook seeing the returned ids; default nothing).
+
+    Args:
+        num_choices: C, the routed choices (MoHD: routed sub-dimensions N_r; LatentMoE: experts E).
+        hidden_size: D.
+        top_k: k choices per token.
+        layer_idx, router_name: the key of this router in routing records.
+        index_offset: added to the chosen ids (MoHD: N_s, so ids are absolute block ids).
+
+    Returns (forward):
+        logits (B*T, C) in fp32 (or the input dtype when wider), weights (B, T, k), indices (B, T, k) int64.
+    """
+
+    def __init__(
+        self, num_choices: int, hidden_size: int, top_k: int, layer_idx: int, router_name: str, index_offset: int = 0
+    ):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.router_name = router_name
+        self.top_k = top_k
+        self.index_offset = index_offset
+        self.weight = nn.Parameter(torch.empty(num_choices, hidden_size))
+
+    def score(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits, dim=-1)
+
+    def selection_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores
+
+    def gates(self, chosen_scores: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
+        return chosen_scores
+
+    def observe(self, indices: torch.Tensor) -> None:
+        pass
+
+    def forward(self, hidden_states: torch.Tensor, cache=None, routing_replay=None, **kwargs):
+        compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+            logits = F.linear(hidden_states.to(compute_dtype), self.weight.to(compute_dtype))
+        scores = self.score(logits)
+        if routing_replay is not None:
+            record = routing_replay[(self.layer_idx, self.router_name)]
+            chosen = record.indices.to(scores.device) - self.index_offset
+        else:
+            chosen = topk_lower_index(self.selection_scores(scores), self.top_k)
+        weights = self.gates(scores.gather(-1, chosen), hidden_states.dtype)
+        indices = chosen + self.index_offset if self.index_offset else chosen
+        self.observe(indices)
+        if isinstance(cache, RoutingCache):
+            cache.update_routing(self.layer_idx, self.router_name, indices, weights)
+        return logits.reshape(-1, logits.shape[-1]), weights, indices
+
+
 def _grouped_mm_aligned(tensor: torch.Tensor) -> bool:
     """Whether `torch.nn.functional.grouped_mm` accepts `tensor` as an operand: a 16-byte aligned start and a leading
     stride (of the last two dims, the one that is not 1) that is a multiple of 16 bytes.

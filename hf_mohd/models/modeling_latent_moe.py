@@ -44,10 +44,9 @@ from .modeling_common import (
     RotaryEmbedding,
     RoutedCausalLMMixin,
     RoutedDecoderMixin,
+    TopKRouter,
     load_balancing_loss,
-    topk_lower_index,
 )
-from .routing_cache import RoutingCache
 
 
 logger = logging.get_logger(__name__)
@@ -56,31 +55,27 @@ ROUTER_NAME = "moe"
 ROUTER_SCORE_FUNCTIONS = {"softmax": partial(torch.softmax, dim=-1), "sigmoid": torch.sigmoid}
 
 
-class LatentMoERouter(nn.Module):
-    """Top-K expert router of one LatentMoE layer (docs/design.md section 4, steps 1 and 5).
+class LatentMoERouter(TopKRouter):
+    """Top-K expert router of one LatentMoE layer (docs/design.md section 4, steps 1 and 5), on the shared `TopKRouter`.
 
     logits = W_r x in fp32 on the full-width input (W_r: E x D, no bias); scores = softmax(logits) or
     sigmoid(logits); the K experts are the top-K of the scores (sigmoid: of scores + `e_score_correction_bias`, an
     fp32 buffer used only for selection, DeepSeek-V3 arXiv 2412.19437 section 2.1.2, as `NemotronHTopkRouter`),
     ties to the lower index. Gates = the unbiased scores of the selected experts, renormalised to sum to 1 when
-    `norm_topk_prob`, times `routed_scaling_factor`.
-    With `routing_replay` the indices come from the record of (layer, "moe") and the gates are recomputed from the
-    current scores (the router keeps its gradient). With a `RoutingCache` the routing of these tokens is appended to
-    the record. In training, sigmoid routers add the number of tokens each expert received to `expert_load` for
-    `LatentMoEForCausalLM.update_router_biases`.
+    `norm_topk_prob`, times `routed_scaling_factor`, in fp32. In training, sigmoid routers add the number of tokens
+    each expert received to `expert_load` for `LatentMoEForCausalLM.update_router_biases`.
 
     Returns:
         logits (B*T, E) fp32, weights (B, T, K) fp32, indices (B, T, K) int64 expert ids.
     """
 
     def __init__(self, config: LatentMoEConfig, layer_config: LatentMoEConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
+        super().__init__(
+            layer_config.num_experts, config.hidden_size, layer_config.num_experts_per_tok, layer_idx, ROUTER_NAME
+        )
         self.num_experts = layer_config.num_experts
-        self.top_k = layer_config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = layer_config.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
         self.uses_bias_correction = config.router_score_func == "sigmoid"
         self.score_fn = ROUTER_SCORE_FUNCTIONS[config.router_score_func]
         # CODEPATH: sigmoid routing (DeepSeek-V3 / Nemotron-H) keeps a selection bias; softmax routing has none.
@@ -92,28 +87,23 @@ class LatentMoERouter(nn.Module):
         # broadcast does not replace each rank's counts by rank 0's before `update_router_biases` all-reduces them.
         self.expert_load: torch.Tensor | None = None
 
-    def forward(self, hidden_states: torch.Tensor, cache=None, routing_replay=None, **kwargs):
-        compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        # fp32 logits even under bf16 autocast: top-K selection is sensitive to rounding (docs/design.md section 4, step 1).
-        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
-            logits = F.linear(hidden_states.to(compute_dtype), self.weight.to(compute_dtype))  # (B, T, E)
-        scores = self.score_fn(logits)
-        if routing_replay is not None:
-            indices = routing_replay[(self.layer_idx, ROUTER_NAME)].indices.to(scores.device)
-        elif self.e_score_correction_bias is None:
-            indices = topk_lower_index(scores, self.top_k)
-        else:
-            indices = topk_lower_index(scores + self.e_score_correction_bias.to(scores.dtype), self.top_k)
-        weights = scores.gather(-1, indices)
+    def score(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.score_fn(logits)
+
+    def selection_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.e_score_correction_bias is None:
+            return scores
+        return scores + self.e_score_correction_bias.to(scores.dtype)
+
+    def gates(self, chosen_scores: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
         # CODEPATH: norm_topk_prob=True (Mixtral, DeepSeek-V3, Nemotron-H) renormalises the K selected scores.
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        weights = weights * self.routed_scaling_factor
+            chosen_scores = chosen_scores / (chosen_scores.sum(-1, keepdim=True) + 1e-20)
+        return chosen_scores * self.routed_scaling_factor
+
+    def observe(self, indices: torch.Tensor) -> None:
         if self.training and self.uses_bias_correction:
             self._count_load(indices)
-        if isinstance(cache, RoutingCache):
-            cache.update_routing(self.layer_idx, ROUTER_NAME, indices, weights)
-        return logits.reshape(-1, self.num_experts), weights, indices
 
     def _apply(self, fn, recurse=True):
         """Keeps `e_score_correction_bias` in fp32 through dtype casts (`.to(torch.bfloat16)`, `.double()`): steps

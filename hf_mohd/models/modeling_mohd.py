@@ -39,20 +39,18 @@ from .modeling_common import (
     RotaryEmbedding,
     RoutedCausalLMMixin,
     RoutedDecoderMixin,
+    TopKRouter,
     grouped_matmul,
     load_balancing_loss,
-    topk_lower_index,
 )
-from .routing_cache import RoutingCache
 
 
-class MoHDRouter(nn.Module):
-    """Sub-dimension router of one sublayer (docs/design.md section 3, steps 2-3).
+class MoHDRouter(TopKRouter):
+    """Sub-dimension router of one sublayer (docs/design.md section 3, steps 2-3), on the shared `TopKRouter`.
 
     logits = W_r x in fp32 (W_r: N_r x D, no bias), p = softmax(logits), S = top-k of p with ties to the lower
-    index; gate of a selected block = p_j ("softmax") or k p_j / sum_S p ("normalized").
-    With `routing_replay` the indices come from the record and the gates are recomputed from p (so the router
-    keeps its gradient). With a `RoutingCache` the routing of these tokens is appended to the record.
+    index; gate of a selected block = p_j ("softmax") or k p_j / sum_S p ("normalized"), in the input dtype (the
+    gates scale activations). Ids are absolute block ids (routed choice + N_s).
 
     Returns:
         logits (B*T, N_r) fp32 (or the input dtype when wider), also under autocast, weights (B, T, k) in the input
@@ -60,34 +58,21 @@ class MoHDRouter(nn.Module):
     """
 
     def __init__(self, config: MoHDConfig, layer_idx: int, router_name: str):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.router_name = router_name
-        self.num_shared = config.num_shared_sub_dims
-        self.top_k = config.num_routed_sub_dims_per_tok
+        super().__init__(
+            config.num_routed_sub_dims,
+            config.hidden_size,
+            config.num_routed_sub_dims_per_tok,
+            layer_idx,
+            router_name,
+            index_offset=config.num_shared_sub_dims,
+        )
         self.normalize_gates = config.routed_gate == "normalized"
-        self.weight = nn.Parameter(torch.empty(config.num_routed_sub_dims, config.hidden_size))
 
-    def forward(self, hidden_states: torch.Tensor, cache=None, routing_replay=None, **kwargs):
-        compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        # fp32 logits even under bf16 autocast (which would run F.linear in bf16): top-k selection is sensitive to
-        # rounding (the same rule as `LatentMoERouter` in modeling_latent_moe.py)
-        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
-            logits = F.linear(hidden_states.to(compute_dtype), self.weight.to(compute_dtype))
-        probs = torch.softmax(logits, dim=-1)
-        if routing_replay is not None:
-            routed = routing_replay[(self.layer_idx, self.router_name)].indices.to(probs.device) - self.num_shared
-        else:
-            routed = topk_lower_index(probs, self.top_k)
-        weights = probs.gather(-1, routed)
+    def gates(self, chosen_scores: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
         # CODEPATH: routed_gate="normalized" renormalises the selected probabilities to sum to k.
         if self.normalize_gates:
-            weights = self.top_k * weights / weights.sum(-1, keepdim=True)
-        weights = weights.to(hidden_states.dtype)
-        indices = routed + self.num_shared
-        if isinstance(cache, RoutingCache):
-            cache.update_routing(self.layer_idx, self.router_name, indices, weights)
-        return logits.reshape(-1, logits.shape[-1]), weights, indices
+            chosen_scores = self.top_k * chosen_scores / chosen_scores.sum(-1, keepdim=True)
+        return chosen_scores.to(input_dtype)
 
 
 class MoHDGroupFusion(nn.Module):

@@ -24,7 +24,7 @@ from transformers.distributed import DistributedConfig
 
 import hf_mohd  # noqa: F401  (registers the Auto classes)
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
-from hf_mohd.models.modeling_common import _grouped_mm_aligned, grouped_matmul
+from hf_mohd.models.modeling_common import TopKRouter, _grouped_mm_aligned, grouped_matmul
 from hf_mohd.models.modeling_latent_moe import LatentMoERouter
 from hf_mohd.models.modeling_mohd import MoHDRouter
 
@@ -217,6 +217,32 @@ def test_router_logits_fp32_under_autocast(family):
         assert logits.dtype == torch.float32
         expected = F.linear(hidden_states.float(), router.weight.float())
         torch.testing.assert_close(logits, expected.reshape(logits.shape), atol=1e-6, rtol=1e-6)
+
+
+def test_routers_of_both_families_share_one_forward(family):
+    """One router base (`TopKRouter`): a family overrides only scoring, selection scores, gates and the observe
+    hook, so the fp32 logits, the replay lookup, the gathering of gates and the routing record exist once."""
+    assert issubclass(family.router_class, TopKRouter)
+    overridden = {name for name in vars(family.router_class) if callable(getattr(family.router_class, name))}
+    assert overridden - {"__init__", "_apply", "_count_load"} <= {"score", "selection_scores", "gates", "observe"}
+    assert family.router_class.forward is TopKRouter.forward
+
+
+def test_routing_replay_of_a_recorded_forward_gives_the_same_routing(family):
+    """Replaying a model's own routing record (ids minus the offset, in every router) reproduces its logits and its
+    record: the base router's replay lookup undoes the index offset it adds (MoHD's N_s, LatentMoE's 0)."""
+    from hf_mohd.models.routing_cache import RoutingCache
+
+    model = family.model()
+    ids = input_ids()
+    cache = RoutingCache(config=model.config)
+    reference = model(ids, past_key_values=cache, use_cache=True).logits
+    record = cache.routing_record
+    again_cache = RoutingCache(config=model.config)
+    replayed = model(ids, past_key_values=again_cache, use_cache=True, routing_replay=record).logits
+    torch.testing.assert_close(replayed, reference, atol=0, rtol=0)
+    for key, entry in record.items():
+        assert torch.equal(again_cache.routing_record[key].indices, entry.indices), key
 
 
 # --- fast path at widths the grouped_mm kernel does not take --------------------------------------------------
