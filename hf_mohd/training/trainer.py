@@ -365,7 +365,8 @@ def make_accelerator(config: TrainConfig):
     `config.micro_batch_size`: Accelerate reads it from a DataLoader, and the trainer prepares none.
 
     Raises:
-        ValueError: the launcher started several processes (`WORLD_SIZE` > 1) but Accelerate set up a single one.
+        ValueError: the launcher started several processes (`WORLD_SIZE` > 1) but Accelerate set up a single one;
+            under DeepSpeed, `grad_accum_steps` (or the DeepSpeed config's gradient_accumulation_steps) is not 1.
     """
     from accelerate import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin, PartialState
     from accelerate.utils import DistributedType, ProjectConfiguration
@@ -402,7 +403,16 @@ def make_accelerator(config: TrainConfig):
         accelerator.state.deepspeed_plugins = plugin
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         # `prepare` is given no DataLoader (the trainer batches itself), so DeepSpeed is told the micro-batch size.
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = config.micro_batch_size
+        deepspeed_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        deepspeed_config["train_micro_batch_size_per_gpu"] = config.micro_batch_size
+        # DeepSpeed steps its optimizer inside `backward` at its own accumulation boundaries and scales the loss
+        # itself, so the trainer's accumulation loop on top of it would train with other steps than it counts.
+        if config.grad_accum_steps != 1 or deepspeed_config.get("gradient_accumulation_steps", 1) not in (1, "auto"):
+            raise ValueError(
+                f"`grad_accum_steps` is {config.grad_accum_steps} and the DeepSpeed config's "
+                f"gradient_accumulation_steps is {deepspeed_config.get('gradient_accumulation_steps')}: under "
+                "DeepSpeed both must be 1 (raise `micro_batch_size` for a larger batch)."
+            )
     return accelerator
 
 
