@@ -100,6 +100,35 @@ class LatentMoEConfig(PreTrainedConfig):
 
     model_type = "latent_moe"
     keys_to_ignore_at_inference = ["cache"]
+    # Llama's plan for attention, the dense MLP layers and the shared expert (colwise in, rowwise out); the routed
+    # experts as Qwen3-MoE's (`packed_colwise` [gate; up], `rowwise` down, their partial outputs summed by
+    # `moe_tp_experts`), `up_proj` of non-gated experts colwise as NemotronH's. The router (E x D) and the latent
+    # projections stay replicated: every rank needs all E logits to pick the same experts, and the experts read and
+    # write the whole latent vector (they shard their hidden width m, not l), so sharding fc1/fc2 would add a
+    # collective on each side for 2 l D parameters.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.mlp.shared_experts.gate_proj": "colwise",
+        "layers.*.mlp.shared_experts.up_proj": "colwise",
+        "layers.*.mlp.shared_experts.down_proj": "rowwise",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.up_proj": "colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+    }
+    # whole experts per rank (`DistributedConfig(ep_size=...)`), as Qwen3-MoE's; takes precedence over the TP rules
+    base_model_ep_plan = {
+        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "layers.*.mlp.experts": "ep_dispatch_experts",
+    }
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),

@@ -82,6 +82,19 @@ class MoHDConfig(PreTrainedConfig):
 
     model_type = "mohd"
     keys_to_ignore_at_inference = ["cache"]
+    # Llama's plan: q/k/v, gate/up shard their output features and o_proj, down_proj their input features, so the
+    # hidden axis (the sub-dimension blocks) stays whole on every rank. The sparse sublayers do not call these
+    # modules (the gather path reads their weights); `TensorParallelProjections` in modeling_mohd.py runs them on the
+    # local shards with the two styles' collectives. Routers and group fusion are replicated.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),

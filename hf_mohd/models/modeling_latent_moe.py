@@ -127,7 +127,9 @@ class LatentMoEExpertsBase(nn.Module):
 
     `hidden_states` (M, l) at the latent width, `top_k_index` and `top_k_weights` (M, K) -> (M, l), the weighted sum
     of each token's K expert outputs (the Mixtral / NemotronH eager loop; `integrations/moe.py` swaps in batched and
-    grouped kernels through `@use_experts_implementation`).
+    grouped kernels through `@use_experts_implementation`). Under expert parallelism (`base_model_ep_plan`) each rank
+    holds `num_experts` of the experts and the routes to other ranks' experts come as id `num_experts` (weight 0,
+    transformers' `AllReduceEP`): those are skipped, as in the example experts class of `integrations/moe.py`.
     """
 
     @staticmethod
@@ -146,8 +148,9 @@ class LatentMoEExpertsBase(nn.Module):
     ) -> torch.Tensor:
         final_hidden_states = torch.zeros_like(hidden_states, dtype=top_k_weights.dtype)
         with torch.no_grad():
-            expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)  # (E, K, M)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+            # one more class for the off-rank id of expert parallelism, never computed
+            expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)  # (E + 1, K, M)
+            expert_hit = torch.greater(expert_mask[: self.num_experts].sum(dim=(-1, -2)), 0).nonzero()
         for expert_idx in expert_hit:
             expert_idx = expert_idx[0]
             top_k_pos, token_idx = torch.where(expert_mask[expert_idx])

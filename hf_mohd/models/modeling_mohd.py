@@ -45,6 +45,12 @@ from .modeling_common import (
 )
 
 
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+else:  # builds without torch.distributed have no sharded weights
+    DTensor = None
+
+
 class MoHDRouter(TopKRouter):
     """Sub-dimension router of one sublayer (docs/design.md section 3, steps 2-3), on the shared `TopKRouter`.
 
@@ -461,16 +467,181 @@ WEIGHT_LAYOUTS = ("block_major", "row_major")
 def set_linear_layout_(linear: nn.Module, layout: str) -> None:
     """Stores a plain `nn.Linear` weight (out, in) column-major ("block_major") or row-major, in place.
 
-    Values and shape are unchanged; only the strides change ((1, out) or (in, 1)). Other modules (PEFT, quantised
-    linears), meta tensors and distributed tensors are left as they are.
+    Values and shape are unchanged; only the strides change ((1, out) or (in, 1)). A weight sharded by a tensor-parallel
+    plan (a `DTensor` on a 1-D mesh, in a module that `from_pretrained(tp_plan=...)` hooked) gets its local shard
+    stored that way, through `torch.utils.swap_tensors` so that the parameter object stays the same. Other modules
+    (PEFT, quantised linears), meta tensors and other distributed tensors (FSDP2 shards) are left as they are.
     """
     weight = getattr(linear, "weight", None)
-    if type(linear) is not nn.Linear or type(weight.data) is not torch.Tensor or weight.is_meta:
+    if type(linear) is not nn.Linear:
+        return
+    if DTensor is not None and isinstance(weight, DTensor):
+        if getattr(linear, "_is_hooked", False) and weight.device_mesh.ndim == 1:
+            _set_local_shard_layout_(weight, layout)
+        return
+    if type(weight.data) is not torch.Tensor or weight.is_meta:
         return
     if layout == "block_major" and weight.stride(0) != 1:
         weight.data = weight.data.t().contiguous().t()
     elif layout == "row_major" and not weight.is_contiguous():
         weight.data = weight.data.contiguous()
+
+
+@torch.no_grad()
+def _set_local_shard_layout_(weight: nn.Parameter, layout: str) -> None:
+    """`set_linear_layout_` for a tensor-parallel `DTensor` weight: a new local shard with the wanted strides,
+    swapped into the same parameter object (`DTensor.from_local` keeps the strides it is given)."""
+    local = weight.to_local()
+    if local.is_meta or local.dim() != 2:
+        return
+    if layout == "block_major" and local.stride(0) != 1:
+        local, stride = local.t().contiguous().t(), (1, weight.shape[0])
+    elif layout == "row_major" and not local.is_contiguous():
+        local, stride = local.contiguous(), (weight.shape[1], 1)
+    else:
+        return
+    sharded = DTensor.from_local(
+        local, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape, stride=stride
+    )
+    torch.utils.swap_tensors(weight, nn.Parameter(sharded, requires_grad=weight.requires_grad))
+
+
+class AllReduceSum(torch.autograd.Function):
+    """Sum over the ranks of `group` forward, identity backward: the partial outputs of a row-sharded projection
+    (each rank holds the rows of its own heads or intermediate features), whose sum is the replicated output; its
+    gradient is that of the sum, already replicated (transformers' `RowwiseParallel`, `_AllReduceForward`)."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group) -> torch.Tensor:
+        total = partial.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class AllReduceGradient(torch.autograd.Function):
+    """Identity forward, sum over the ranks of `group` backward: a replicated input (hidden states, gates) read by a
+    column-sharded projection gets a partial gradient on each rank (transformers' `ColwiseParallel`, which marks the
+    input gradient `Partial`; `_AllReduceBackward`)."""
+
+    @staticmethod
+    def forward(ctx, replicated: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return replicated.view_as(replicated)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class TensorParallelProjections:
+    """MoHD's sparse projections on tensor-parallel weights (`from_pretrained(tp_plan="auto")`).
+
+    The plan (`MoHDConfig.base_model_tp_plan`) is Llama's: q/k/v and gate/up "colwise" (weight `Shard(0)`, output
+    features: each rank holds whole heads, whole intermediate features), o_proj and down_proj "rowwise" (weight
+    `Shard(1)`, input features; transformers' `integrations/tensor_parallel.py`, `ColwiseParallel` and
+    `RowwiseParallel`). Neither shards the hidden axis, so every rank holds all N sub-dimension blocks of its
+    slice: the input side reads the token's active column blocks of its local rows, the output side writes the active
+    row blocks from its local columns.
+
+    transformers applies those styles by replacing `forward` of the `nn.Linear` modules; the gather path never calls
+    them (it reads `linear.weight`), so without this class `RowwiseParallel`'s all-reduce of the partial output never
+    runs, and the `DTensor` weights mixed with plain activations raise "aten.mm.default got mixed torch.Tensor and
+    DTensor". Here both dispatches run on the local shards instead (plain `nn.Linear` stand-ins holding
+    `weight.to_local()`), with the collectives of those two styles done explicitly:
+
+    - input side (colwise): no forward communication (the input is replicated, the output is this rank's slice of
+      features, which attention reads as its local heads); backward sums the partial gradients of the input and of
+      the gates (`AllReduceGradient`).
+    - output side (rowwise): the dispatch's (M, N, s) partial blocks are summed over the ranks (`AllReduceSum`)
+      before activation scaling and group fusion (both linear and replicated). The bias (replicated) enters the
+      dispatch on rank 0 only (zeros elsewhere), so that the sum counts it once, on the active blocks only, as
+      without TP; its gradient, computed on rank 0, is summed to every rank (`AllReduceGradient`), as a
+      replicated parameter needs.
+
+    Attributes:
+        group: the process group of the tensor-parallel mesh.
+        rank: this rank's index in it.
+    """
+
+    # placements of (weight, bias) that each side supports: Llama's colwise / rowwise
+    INPUT_PLACEMENTS = ((Shard(0),), (Shard(0),)) if DTensor is not None else None
+    OUTPUT_PLACEMENTS = ((Shard(1),), (Replicate(),)) if DTensor is not None else None
+
+    def __init__(self, group, rank: int):
+        self.group = group
+        self.rank = rank
+
+    @classmethod
+    def of(cls, linears, side: str) -> "TensorParallelProjections | None":
+        """The tensor-parallel state of `linears` (one side of a sublayer), or None when no weight is sharded.
+
+        Raises:
+            NotImplementedError: some but not all of the plain `nn.Linear` weights are sharded, a weight is sharded
+                on a mesh of more than 1 dimension, or with placements other than the side's Llama style ("input":
+                weight and bias `Shard(0)`; "output": weight `Shard(1)`, bias `Replicate()`).
+        """
+        if DTensor is None:
+            return None
+        plain = [linear for linear in linears if type(linear) is nn.Linear]
+        sharded = [linear for linear in plain if isinstance(linear.weight, DTensor)]
+        if not sharded:
+            return None
+        expected = cls.INPUT_PLACEMENTS if side == "input" else cls.OUTPUT_PLACEMENTS
+        if len(sharded) != len(linears):
+            raise NotImplementedError(
+                f"MoHD {side} projections under tensor parallelism: either all of them are sharded plain nn.Linear "
+                f"or none is; got {len(sharded)} sharded of {len(linears)}."
+            )
+        mesh = sharded[0].weight.device_mesh
+        for linear in sharded:
+            placements = [linear.weight.placements]
+            if linear.bias is not None:
+                placements.append(linear.bias.placements)
+            if linear.weight.device_mesh.ndim != 1 or any(p != e for p, e in zip(placements, expected, strict=False)):
+                raise NotImplementedError(
+                    f"MoHD {side} projections support the tensor-parallel styles of Llama's plan only "
+                    f"({'colwise' if side == 'input' else 'rowwise'}: placements {expected} on a 1-D mesh); "
+                    f"got {placements} on a {linear.weight.device_mesh.ndim}-D mesh."
+                )
+        return cls(mesh.get_group(), mesh.get_local_rank())
+
+    def local_linear(self, linear: nn.Linear, side: str = "input") -> nn.Linear:
+        """A plain `nn.Linear` (no hooks, no registered parameters) computing with the local shard of `linear`:
+        weight (out, in) -> its local (out / P, in) ("input" side) or (out, in / P) ("output" side) slice,
+        differentiable to the `DTensor`; on the output side the bias is rank 0's alone (see the class docstring)."""
+        local = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(local)
+        weight = linear.weight.to_local()
+        bias = None if linear.bias is None else linear.bias.to_local()
+        if bias is not None and side == "output":
+            if torch.is_grad_enabled():
+                bias = AllReduceGradient.apply(bias, self.group)
+            if self.rank != 0:
+                bias = bias * 0  # zeros that keep the graph, so that every rank joins the gradient's all-reduce
+        # plain attributes, not parameters: `to_local()` of a parameter is a non-leaf view (the gradient reaches the
+        # DTensor through it), which `Module.__setattr__` refuses to register
+        object.__setattr__(local, "weight", weight)
+        object.__setattr__(local, "bias", bias)
+        local.out_features, local.in_features = weight.shape
+        return local
+
+    def project_in(self, dispatch, hidden_states: torch.Tensor, plan, linears) -> list[torch.Tensor]:
+        """(M, D) replicated -> one (M, out / P) local slice per linear."""
+        if torch.is_grad_enabled():
+            hidden_states = AllReduceGradient.apply(hidden_states, self.group)
+            plan = plan._replace(gates=AllReduceGradient.apply(plan.gates, self.group))
+        return dispatch.project_in(hidden_states, plan, [self.local_linear(linear) for linear in linears])
+
+    def project_out(self, dispatch, hidden_states: torch.Tensor, plan, linear: nn.Linear) -> torch.Tensor:
+        """(M, in / P) local slice -> (M, N, s) replicated blocks, the sum of the ranks' partial products."""
+        partial = dispatch.project_out(hidden_states, plan, self.local_linear(linear, side="output"))
+        return AllReduceSum.apply(partial, self.group)
 
 
 class MoHDSubDimensions(nn.Module):
@@ -498,14 +669,26 @@ class MoHDSubDimensions(nn.Module):
         return self.dispatch.plan(indices.reshape(-1, indices.shape[-1]), weights.reshape(-1, weights.shape[-1]))
 
     def project_in(self, hidden_states: torch.Tensor, plan, linears) -> list[torch.Tensor]:
-        """(B, T, D) -> one (B, T, out) tensor per linear, reading only the active (gated) blocks."""
+        """(B, T, D) -> one (B, T, out) tensor per linear, reading only the active (gated) blocks; with
+        tensor-parallel weights each rank's (B, T, out / P) slice (`TensorParallelProjections`)."""
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        return [out.view(*hidden_states.shape[:-1], -1) for out in self.dispatch.project_in(flat, plan, linears)]
+        tensor_parallel = TensorParallelProjections.of(linears, "input")
+        if tensor_parallel is None:
+            outputs = self.dispatch.project_in(flat, plan, linears)
+        else:
+            outputs = tensor_parallel.project_in(self.dispatch, flat, plan, linears)
+        return [out.view(*hidden_states.shape[:-1], -1) for out in outputs]
 
     def project_out(self, hidden_states: torch.Tensor, plan, linear: nn.Linear) -> torch.Tensor:
-        """(B, T, in) -> (B, T, D): active output blocks, scaled by alpha, then group-fused."""
+        """(B, T, in) -> (B, T, D): active output blocks, scaled by alpha, then group-fused; with tensor-parallel
+        weights the input is this rank's (B, T, in / P) slice and the blocks are summed over the ranks first."""
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        blocks = self.dispatch.project_out(flat, plan, linear) * self.activation_scale
+        tensor_parallel = TensorParallelProjections.of([linear], "output")
+        if tensor_parallel is None:
+            blocks = self.dispatch.project_out(flat, plan, linear)
+        else:
+            blocks = tensor_parallel.project_out(self.dispatch, flat, plan, linear)
+        blocks = blocks * self.activation_scale
         return self.group_fusion(blocks).view(*hidden_states.shape[:-1], -1)
 
 

@@ -18,15 +18,16 @@ from itertools import pairwise
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig
 from transformers.cache_utils import DynamicCache
 from transformers.distributed import DistributedConfig
+from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 
 import hf_mohd  # noqa: F401  (registers the Auto classes)
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
 from hf_mohd.models.modeling_common import TopKRouter, _grouped_mm_aligned, grouped_matmul
-from hf_mohd.models.modeling_latent_moe import LatentMoERouter
-from hf_mohd.models.modeling_mohd import MoHDRouter
+from hf_mohd.models.modeling_latent_moe import LatentMoEExpertsBase, LatentMoERouter
+from hf_mohd.models.modeling_mohd import MoHDGatherDispatch, MoHDRouter
 
 
 VOCAB = 97
@@ -399,40 +400,194 @@ def test_tied_weights_are_sharded_together_as_in_llama(family, tied):
         assert plan.get(module) == reference.get(module), module
 
 
+# Tiny configs whose heads (4, 2 key/value), widths (64, 96, 24, m = 16) and experts (8, 6) divide by 2 ranks:
+# MoHD sparse in both sublayers with 4 sub-dimensions (1 shared, 2 routed) on the gather path; LatentMoE with a latent
+# MoE layer, a full-width MoE layer and a dense layer, so that every rule of the plans shards something.
+TENSOR_PARALLEL_FIELDS = {
+    "mohd": dict(
+        num_sub_dims=4,
+        num_shared_sub_dims=1,
+        num_routed_sub_dims_per_tok=2,
+        sparse_implementation="gather",
+        attention_bias=True,  # biases: sharded with the input side's weights, replicated on the output side's
+        mlp_bias=True,
+    ),
+    "latent_moe": dict(
+        num_hidden_layers=3,
+        per_layer_config={
+            1: {"num_experts": 6, "num_experts_per_tok": 3, "moe_latent_size": None},
+            2: {"mixer_type": "mlp"},
+        },
+    ),
+}
+
+
+def _full_gradients(model) -> dict[str, torch.Tensor]:
+    """{parameter name: its whole gradient}, sharded gradients gathered (a collective: every rank calls it)."""
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad
+            grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+    return grads
+
+
+def _greedy(model, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """4 greedy tokens (B, T + 4) and the logits of each decoding step (4, B, V): steps of 2 tokens run MoHD's
+    host-ids gather path against the key/value cache, the prompt its grouped path."""
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=4,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences, torch.stack(out.logits)
+
+
+def _tensor_parallel_outputs(model, ids) -> dict:
+    """Logits, 4 greedy tokens, the gradients of the LM loss and each parameter's (placements, local stride)."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids).logits
+    generated = _greedy(model, ids)
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    layouts = {
+        name: (
+            tuple((type(p).__name__, getattr(p, "dim", None)) for p in getattr(param, "placements", ())),
+            param.to_local().stride() if hasattr(param, "to_local") else param.stride(),
+        )
+        for name, param in model.named_parameters()
+    }
+    return {"logits": logits, "generated": generated, "grads": _full_gradients(model), "layouts": layouts}
+
+
 def _tensor_parallel_rank(rank: int, family_name: str, folder: str, init_file: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")  # as torchrun sets them
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     family = FAMILIES[family_name]
-    model = family.model_class.from_pretrained(
-        folder, distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.float32
-    )
-    family.prepare(model)
     ids = torch.load(f"{folder}/ids.pt")
-    embedding = model.model.embed_tokens.weight
-    torch.save(
-        {
-            "logits": model.eval()(ids).logits,
-            "placements": [(type(p).__name__, getattr(p, "dim", None)) for p in getattr(embedding, "placements", [])],
-        },
-        f"{folder}/rank{rank}.pt",
-    )
+    configs = {"tp": DistributedConfig(tp_plan="auto")}
+    if family_name == "latent_moe":  # the experts by expert (base_model_ep_plan), the rest by the TP plan
+        configs["tp_ep"] = DistributedConfig(tp_plan="auto", ep_size=2)
+    results = {}
+    for name, distributed_config in configs.items():
+        model = family.model_class.from_pretrained(folder, distributed_config=distributed_config, dtype=torch.float32)
+        results[name] = _tensor_parallel_outputs(family.prepare(model), ids)
+    torch.save(results, f"{folder}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+def _expected_placements(family_name: str, run: str, parameter: str):
+    """The placements the plans give `parameter` (a name of the TP test's tiny models), () for replicated."""
+    module, _, _ = parameter.rpartition(".")
+    leaf = module.rsplit(".", 1)[-1]
+    if parameter in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (("Shard", 0),)
+    if ".experts." in parameter:  # fused 3-D (E, out, in): [gate; up] packed on out, down on its input m
+        if run == "tp_ep":
+            return (("Shard", 0),)
+        return (("_StridedShard", 1),) if parameter.endswith("gate_up_proj") else (("Shard", 2),)
+    if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        return (("Shard", 0),)
+    if leaf in ("o_proj", "down_proj"):  # the bias is added once, after the sum of the ranks' partial products
+        return (("Replicate", None),) if parameter.endswith(".bias") else (("Shard", 1),)
+    return ()  # norms, routers, group fusion, latent projections
+
+
+# Variants whose modules together hold every rule of the family's plans (dense and sparse FFNs; gated, ungated experts)
+PLAN_VARIANTS = {
+    "mohd": [TENSOR_PARALLEL_FIELDS["mohd"], {"sparse_modules": ["attention"]}],
+    "latent_moe": [TENSOR_PARALLEL_FIELDS["latent_moe"], {"mlp_gated": False, "hidden_act": "relu2"}],
+}
+
+
+@pytest.mark.parametrize("family_name", list(FAMILIES))
+def test_parallel_plans_cover_every_expert_and_match_modules(family_name):
+    """The plans as transformers resolves them (`_resolve_parallel_plans`, the concrete names `from_pretrained`
+    shards): every parameter gets the placement `_expected_placements` says (Llama's plan for attention and MLPs,
+    routers and latent projections replicated), every parameter of every experts module is sharded by the TP plan
+    and, with `ep_size`, by the EP plan instead, tied weights are sharded together, every rule matches a module of
+    one of the tiny variants, and the rules equal Llama's / Qwen3-MoE's where the modules are the same."""
+    family = FAMILIES[family_name]
+    matched = set()
+    for overrides in PLAN_VARIANTS[family_name]:
+        model = family.model(dtype=torch.float32, tie_word_embeddings=True, **overrides)
+        names = {replace_layer_number_by_wildcard(n) for n, _ in [*model.named_modules(), *model.named_parameters()]}
+        matched |= {("tp", rule) for rule in model.tp_plan if rule in names}
+        matched |= {("ep", rule) for rule in model.ep_plan if rule in names}
+        tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=2))
+        if model.ep_plan:  # LatentMoE (MoHD's sub-dimension blocks are slices of shared weights, not experts)
+            tp_with_ep, ep_plan, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=2, ep_size=2))
+        for name, _ in model.named_parameters():
+            placements = _expected_placements(family_name, "tp", name)
+            assert (name in tp_plan) == bool(placements), name
+            if placements and ".experts." not in name and "embed_tokens" not in name:
+                style = {("Shard", 0): "colwise", ("Shard", 1): "rowwise", ("Replicate", None): "rowwise"}
+                assert tp_plan[name] == style[placements[0]], name
+        for target, source in model.all_tied_weights_keys.items():
+            assert (target in tp_plan) == (source in tp_plan), (target, source)
+        experts = [(n, m) for n, m in model.named_modules() if isinstance(m, LatentMoEExpertsBase)]
+        assert bool(experts) == (family_name == "latent_moe")
+        for module_name, module in experts:
+            assert tp_plan[module_name] == "moe_tp_experts" and ep_plan[module_name] == "ep_dispatch_experts"
+            assert module_name not in tp_with_ep  # EP rules take precedence over the TP ones
+            for param_name, _ in module.named_parameters():
+                full_name = f"{module_name}.{param_name}"
+                assert tp_plan[full_name] in ("packed_colwise", "colwise", "rowwise"), full_name
+                assert ep_plan[full_name] == "grouped_gemm" and full_name not in tp_with_ep, full_name
+    rules = {("tp", rule) for rule in model.tp_plan} | {("ep", rule) for rule in model.ep_plan}
+    assert matched == rules, rules - matched
+    reference = llama(tie_word_embeddings=True).tp_plan
+    if family_name == "mohd":
+        assert model.tp_plan == reference and not model.ep_plan
+    else:
+        assert {rule: model.tp_plan[rule] for rule in reference} == reference
+        qwen3_moe = {f"model.{rule}": style for rule, style in Qwen3MoeConfig.base_model_tp_plan.items()}
+        assert {rule: style for rule, style in qwen3_moe.items() if ".experts" in rule} == {
+            rule: style
+            for rule, style in model.tp_plan.items()
+            if rule.startswith("model.layers.*.mlp.experts") and rule != "model.layers.*.mlp.experts.up_proj"
+        }
+        qwen3_moe_ep = {f"model.{rule}": style for rule, style in Qwen3MoeConfig.base_model_ep_plan.items()}
+        assert qwen3_moe_ep.items() <= model.ep_plan.items()
 
 
 @pytest.mark.slow
 def test_tensor_parallel_on_two_processes_equals_one(family, tmp_path):
-    """`from_pretrained(distributed_config=DistributedConfig(tp_plan="auto"))` on 2 gloo processes: the tied
-    embedding / LM head is sharded on the vocabulary and every rank's logits equal the single-process ones."""
-    model = family.model(dtype=torch.float32, tie_word_embeddings=True, vocab_size=96)  # vocabulary divisible by 2
+    """`from_pretrained(distributed_config=DistributedConfig(tp_plan="auto"))` on 2 gloo processes shards attention
+    and MLPs as Llama, the tied embedding / LM head on the vocabulary, the routed experts as Qwen3-MoE, and leaves
+    routers and latent projections replicated; every rank's logits, greedy tokens and (gathered) gradients equal
+    the single-process ones. MoHD runs its gather path on block-major local shards (`TensorParallelProjections`);
+    LatentMoE runs a second time with `ep_size=2` (whole experts per rank, `base_model_ep_plan`)."""
+    fields = TENSOR_PARALLEL_FIELDS[family.name]
+    model = family.model(dtype=torch.float32, tie_word_embeddings=True, vocab_size=96, **fields)  # 96: 2 shards
     ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
     model.save_pretrained(tmp_path)
     torch.save(ids, tmp_path / "ids.pt")
-    expected = model(ids).logits
+    with torch.no_grad():
+        expected_logits = model(ids).logits
+    expected_tokens, expected_step_logits = _greedy(model, ids)
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    expected_grads = _full_gradients(model)
     torch.multiprocessing.spawn(
         _tensor_parallel_rank, args=(family.name, str(tmp_path), str(tmp_path / "init")), nprocs=2
     )
+    block_major = tuple(f"{name}.weight" for name in MoHDGatherDispatch.input_projections)
     for rank in range(2):
-        result = torch.load(tmp_path / f"rank{rank}.pt")
-        assert result["placements"] == [("Shard", 0)]  # a DTensor sharded on the vocabulary
-        torch.testing.assert_close(result["logits"], expected, atol=1e-5, rtol=1e-5)
+        for run, result in torch.load(tmp_path / f"rank{rank}.pt").items():
+            for parameter, (placements, stride) in result["layouts"].items():
+                assert placements == _expected_placements(family.name, run, parameter), (run, parameter)
+                if family.name == "mohd" and parameter.endswith(block_major):
+                    assert stride[0] == 1, parameter  # the local shard is block-major: the gather fast paths
+            torch.testing.assert_close(result["logits"], expected_logits, atol=1e-5, rtol=1e-5)
+            tokens, step_logits = result["generated"]
+            assert torch.equal(tokens, expected_tokens), run
+            torch.testing.assert_close(step_logits, expected_step_logits, atol=1e-5, rtol=1e-5)
+            assert result["grads"].keys() == expected_grads.keys()
+            for name, grad in result["grads"].items():
+                torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-5, msg=f"{run} {name}")
