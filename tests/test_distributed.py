@@ -287,7 +287,7 @@ def test_fsdp2_sharded_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_pa
 
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
-    reason="DeepSpeed is not installed (it is in no extra of the project): pip install deepspeed",
+    reason="DeepSpeed is not installed (scripts/setup.sh installs it: pip install --no-build-isolation deepspeed)",
 )
 
 
