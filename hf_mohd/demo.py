@@ -16,6 +16,7 @@ Steps, each a small function below:
 """
 
 import bz2
+import dataclasses
 import json
 import math
 import os
@@ -31,6 +32,7 @@ from .training.data import load_documents, pack, split_documents, train_bpe_toke
 
 WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 PROMPT = "The history of the city"
+DEMO_MODELS = ("llama-dense", "mohd", "latent-moe")
 
 
 @dataclass
@@ -69,6 +71,29 @@ class DemoConfig:
     seed: int = 0
     progress_bar: bool = True
     models: list[str] = field(default_factory=lambda: ["llama-dense", "mohd", "latent-moe"])
+
+    def __post_init__(self):
+        unknown = sorted(set(self.models) - set(DEMO_MODELS))
+        if unknown:
+            raise ValueError(f"`models`: unknown {unknown}; choose from {', '.join(DEMO_MODELS)}.")
+
+    def quick(self) -> "DemoConfig":
+        """The `--quick` smoke setting (about a minute on 2 cores): tiny models, at most 10 steps and 4 documents
+        per lm-eval task, 20 Wikipedia pages; the other knobs (output folder, models, tasks) are kept."""
+        return dataclasses.replace(
+            self,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            vocab_size=512,
+            seq_len=64,
+            micro_batch_size=4,
+            max_steps=min(self.max_steps, 10),
+            warmup_steps=2,
+            eval_limit=min(self.eval_limit, 4),
+            max_documents=20,
+            routing_blocks=4,
+        )
 
 
 # 1. Corpus ------------------------------------------------------------------------------------------------------
@@ -132,7 +157,7 @@ def architectures(demo: DemoConfig) -> dict[str, dict]:
       d/2, 4 active per token, plus a full-width shared expert of size 7d/8; sigmoid routing balanced by the
       aux-loss-free bias update (DeepSeek-V3; the trainer calls `update_router_biases` after each step).
     """
-    from .models.configuration_mohd import MOHD_PRESETS
+    from .models.configuration_mohd import MoHDConfig
 
     d, heads = demo.hidden_size, demo.num_attention_heads
     base = {
@@ -143,17 +168,12 @@ def architectures(demo: DemoConfig) -> dict[str, dict]:
         "max_position_embeddings": max(512, demo.seq_len),
         "tie_word_embeddings": True,
     }
-    multiplier, num_sub_dims, num_shared, top_k = MOHD_PRESETS["expansion_x2"]
     models = {
         "llama-dense": {"model_type": "llama", **base},
         "mohd": {
             "model_type": "mohd",
             **base,
-            "hidden_size": multiplier * d,
-            "head_dim": d // heads,
-            "num_sub_dims": num_sub_dims,
-            "num_shared_sub_dims": num_shared,
-            "num_routed_sub_dims_per_tok": top_k,
+            **MoHDConfig.preset_fields("expansion_x2", d, heads),
             # Same numbers as "gather" (the MoHD tests check it); at this size on CPU the dense masked matmuls are
             # faster than gathering the active blocks (measured: 3.3 vs 5.4 CPU-s per step).
             "sparse_implementation": "masked",

@@ -23,16 +23,13 @@ SEEDS = [0, 1]
 
 def mohd_architecture(preset: str, **overrides) -> dict:
     """A MoHD `model.architecture` dict of one of the paper's presets, built from the dense base shape."""
-    from hf_mohd.models.configuration_mohd import MOHD_PRESETS
+    from hf_mohd.models.configuration_mohd import MoHDConfig
 
-    multiplier, num_sub_dims, num_shared, top_k = MOHD_PRESETS[preset]
+    base = runner.BASE
     return {
         "model_type": "mohd",
-        **runner.BASE,
-        "hidden_size": multiplier * runner.BASE["hidden_size"],
-        "num_sub_dims": num_sub_dims,
-        "num_shared_sub_dims": num_shared,
-        "num_routed_sub_dims_per_tok": top_k,
+        **base,
+        **MoHDConfig.preset_fields(preset, base["hidden_size"], base["num_attention_heads"], base.get("head_dim")),
         # Same numbers as "gather" (tested in tests/models), and faster at this tiny width (4-wide sub-dimensions).
         "sparse_implementation": "masked",
         **overrides,

@@ -170,42 +170,6 @@ def _verify(model, source, atol: float, seed: int) -> None:
         raise ConversionError(f"--verify failed: logits differ from the source by {diff:.3g} > atol={atol}.")
 
 
-def _card_perplexities(paths: list[str] | None) -> dict:
-    """`perplexities` and `perplexity_note` for `save_converted` from evaluate_perplexity.py JSON files (or nothing).
-
-    Tables of several files are merged in order (a variant measured twice keeps its first value); one note per file.
-    """
-    if not paths:
-        return {}
-    import json
-
-    from hf_mohd.conversion import ConversionError
-
-    perplexities, notes = {}, []
-    for path in paths:
-        try:
-            with open(path) as handle:
-                report = json.load(handle)
-            for name, value in report["perplexity"].items():
-                perplexities.setdefault(str(name), float(value))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise ConversionError(f"{path}: expected the JSON of conversion/evaluate_perplexity.py ({err}).") from err
-        text, calibration = report.get("text", {}), report.get("calibration")
-        notes.append(
-            f"Measured on {text.get('tokens', '?')} tokens of held-out text ({text.get('corpus', 'not recorded')}; "
-            f"articles: {', '.join(text.get('articles', []))}) in windows of {text.get('window', '?')} tokens, "
-            f"routers seed {report.get('router_seed', '?')}, source {report.get('source', '?')}"
-            + (
-                f"; channel order calibrated on {calibration['tokens']} tokens of other articles "
-                f"({', '.join(calibration['articles'])})"
-                if calibration
-                else ""
-            )
-            + f". Command: `{report.get('command', '?')}`."
-        )
-    return {"perplexities": perplexities, "perplexity_note": "\n\n".join(notes)}
-
-
 def _fail(err) -> int:
     logging.getLogger("hf_mohd.conversion").error("%s", err)
     return 1
@@ -217,6 +181,7 @@ def run_mohd(args) -> int:
     from hf_mohd.conversion import (
         ConversionError,
         calibration_token_ids,
+        card_perplexities,
         describe_mohd_conversion,
         llama_to_mohd,
         load_dense_llama,
@@ -237,7 +202,7 @@ def run_mohd(args) -> int:
     preset = None if args.preset == "none" else args.preset
     rotation = None if args.rotate == "none" else args.rotate
     try:
-        card = _card_perplexities(args.perplexity_json)
+        card = card_perplexities(args.perplexity_json)
         if (rotation or args.routers == "fitted") and not args.calibration_text:
             raise ConversionError(f"--rotate {args.rotate} / --routers {args.routers} need --calibration-text FILE.")
         if rotation and args.channel_order != "original":
@@ -305,10 +270,16 @@ def run_mohd(args) -> int:
 def run_latent_moe(args) -> int:
     configure_logging(args.quiet)
     import hf_mohd  # noqa: F401
-    from hf_mohd.conversion import ConversionError, describe_latent_moe_conversion, llama_to_latent_moe, save_converted
+    from hf_mohd.conversion import (
+        ConversionError,
+        card_perplexities,
+        describe_latent_moe_conversion,
+        llama_to_latent_moe,
+        save_converted,
+    )
 
     try:
-        card = _card_perplexities(args.perplexity_json)
+        card = card_perplexities(args.perplexity_json)
         source = _load(args)
         model = llama_to_latent_moe(
             source,

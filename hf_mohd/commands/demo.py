@@ -1,7 +1,5 @@
 """`hf-mohd demo`: the main job (dense Llama vs MoHD vs LatentMoE on real Wikipedia text), writing a report folder."""
 
-import dataclasses
-
 
 def register(subparsers) -> None:
     from hf_mohd.demo import DemoConfig
@@ -29,32 +27,19 @@ def run(args) -> int:
     from hf_mohd.demo import DemoConfig, run_demo
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    demo = DemoConfig(
-        output_dir=args.output_dir,
-        max_steps=args.max_steps,
-        eval_limit=args.eval_limit,
-        eval_tasks=args.eval_tasks,
-        models=[m.strip() for m in args.models.split(",") if m.strip()],
-        progress_bar=not args.no_progress,
-    )
-    if args.quick:
-        demo = dataclasses.replace(
-            demo,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            vocab_size=512,
-            seq_len=64,
-            micro_batch_size=4,
-            max_steps=min(demo.max_steps, 10),
-            warmup_steps=2,
-            eval_limit=min(demo.eval_limit, 4),
-            max_documents=20,
-            routing_blocks=4,
+    try:
+        demo = DemoConfig(
+            output_dir=args.output_dir,
+            max_steps=args.max_steps,
+            eval_limit=args.eval_limit,
+            eval_tasks=args.eval_tasks,
+            models=[m.strip() for m in args.models.split(",") if m.strip()],
+            progress_bar=not args.no_progress,
         )
-    unknown = set(demo.models) - {"llama-dense", "mohd", "latent-moe"}
-    if unknown:
-        raise SystemExit(f"--models: unknown {sorted(unknown)}; choose from llama-dense, mohd, latent-moe.")
+    except ValueError as error:
+        raise SystemExit(f"--models: {error}") from error
+    if args.quick:
+        demo = demo.quick()
     path = run_demo(demo)
     print(f"\nReport: {os.path.abspath(path)}")
     print(f"Figures and results.json are next to it, in {os.path.abspath(os.path.dirname(path))}")

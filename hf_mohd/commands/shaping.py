@@ -8,7 +8,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 
 
 def register(subparsers) -> None:
@@ -131,8 +130,7 @@ def run_accounting(args) -> int:
 
 
 def run_alpha_transform(args) -> int:
-    from hf_mohd.models.latent_moe_accounting import model_accounting
-    from hf_mohd.shaping.accounting import load_config
+    from hf_mohd.shaping.accounting import alpha_transform_summary, load_config
     from hf_mohd.shaping.shapes import alpha_transform
 
     alpha = int(args.alpha) if float(args.alpha).is_integer() else args.alpha
@@ -140,14 +138,9 @@ def run_alpha_transform(args) -> int:
     after = alpha_transform(before, alpha)
     if args.output:
         path = _write_json(after, args.output, "config.json")
-        old, new = model_accounting(before), model_accounting(after)
         print(f"wrote {path}", file=sys.stderr)
-        for name in ("routed_expert_params", "all_to_all_scalars"):
-            old_sum = sum(getattr(layer, name) for layer in old.layers)
-            new_sum = sum(getattr(layer, name) for layer in new.layers)
-            print(f"{name}: {old_sum:,} -> {new_sum:,}", file=sys.stderr)
-        print(f"total_params: {old.total_params:,} -> {new.total_params:,}", file=sys.stderr)
-        print(f"activated MACs/token: {old.activated_macs:,} -> {new.activated_macs:,}", file=sys.stderr)
+        for name, (old, new) in alpha_transform_summary(before, after).items():
+            print(f"{name}: {old:,} -> {new:,}", file=sys.stderr)
     else:
         print(json.dumps(after, indent=2, sort_keys=True))
     return 0
@@ -198,8 +191,8 @@ def run_intrinsic_dim(args) -> int:
     import hf_mohd  # noqa: F401  (registers the model types)
     from hf_mohd.shaping.intrinsic_dimension import (
         collect_hidden_states,
+        intrinsic_dimension_profile,
         tokenize_texts,
-        twonn,
     )
 
     if not os.path.isdir(args.model):
@@ -231,15 +224,7 @@ def run_intrinsic_dim(args) -> int:
         batch_size=args.batch_size,
         seed=args.seed,
     )
-    profile, duplicates = [], []
-    for states in hidden:
-        # Repeated tokens give identical vectors at the embedding boundary; TwoNN drops them (as skdim does),
-        # so report how many each estimate lost.
-        counts = torch.unique(states, dim=0, return_counts=True)[1]
-        duplicates.append(int(counts[counts > 1].sum()))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Dropping .* duplicates", category=UserWarning)
-            profile.append(twonn(states, args.discard_fraction))
+    profile, duplicates = intrinsic_dimension_profile(hidden, args.discard_fraction, return_duplicates=True)
     result = {
         "model": args.model,
         "num_boundaries": len(profile),

@@ -20,7 +20,7 @@ from .mohd import (
     mohd_config_from_llama,
     permute_hidden_channels,
 )
-from .output import build_model_card, check_destination, save_converted
+from .output import build_model_card, card_perplexities, check_destination, save_converted
 from .rotation import (
     ROTATIONS,
     calibration_token_ids,
@@ -57,6 +57,7 @@ __all__ = [
     "llama_to_latent_moe",
     "DenseLlamaSource",
     "build_model_card",
+    "card_perplexities",
     "calibrated_channel_importance",
     "channel_importance",
     "check_destination",

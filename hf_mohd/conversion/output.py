@@ -22,6 +22,7 @@ interrupt never leaves a half-written model folder under the destination name.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -171,3 +172,40 @@ def save_converted(
 
 
 __all__ = ["build_model_card", "check_destination", "save_converted"]
+
+
+def card_perplexities(paths: list[str] | None) -> dict:
+    """`perplexities` and `perplexity_note` for `save_converted` (the model card's perplexity table and the prose
+    saying what it was measured on) from JSON files of `conversion/evaluate_perplexity.py` (or nothing).
+
+    Tables of several files are merged in order (a variant measured twice keeps its first value); one note per file.
+
+    Raises:
+        ConversionError: a file that cannot be read or is not such a JSON (the message names the file).
+    """
+    if not paths:
+        return {}
+
+    perplexities, notes = {}, []
+    for path in paths:
+        try:
+            with open(path) as handle:
+                report = json.load(handle)
+            for name, value in report["perplexity"].items():
+                perplexities.setdefault(str(name), float(value))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ConversionError(f"{path}: expected the JSON of conversion/evaluate_perplexity.py ({err}).") from err
+        text, calibration = report.get("text", {}), report.get("calibration")
+        notes.append(
+            f"Measured on {text.get('tokens', '?')} tokens of held-out text ({text.get('corpus', 'not recorded')}; "
+            f"articles: {', '.join(text.get('articles', []))}) in windows of {text.get('window', '?')} tokens, "
+            f"routers seed {report.get('router_seed', '?')}, source {report.get('source', '?')}"
+            + (
+                f"; channel order calibrated on {calibration['tokens']} tokens of other articles "
+                f"({', '.join(calibration['articles'])})"
+                if calibration
+                else ""
+            )
+            + f". Command: `{report.get('command', '?')}`."
+        )
+    return {"perplexities": perplexities, "perplexity_note": "\n\n".join(notes)}

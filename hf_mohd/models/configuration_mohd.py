@@ -215,23 +215,34 @@ class MoHDConfig(PreTrainedConfig):
         Raises:
             ValueError: unknown preset, or a base width the preset's `num_sub_dims` does not divide.
         """
-        if preset not in MOHD_PRESETS:
-            raise ValueError(f"`preset` must be one of {list(MOHD_PRESETS)}, got {preset!r}.")
-        multiplier, num_sub_dims, num_shared, top_k = MOHD_PRESETS[preset]
         base = base_config.to_dict()
         fields = {name: base[name] for name in cls.__dataclass_fields__ if name in base and name != "model_type"}
         for name in ("transformers_version", "architectures", "dtype"):
             fields.pop(name, None)
-        fields.update(
-            hidden_size=multiplier * base_config.hidden_size,
-            head_dim=getattr(base_config, "head_dim", None)
-            or base_config.hidden_size // base_config.num_attention_heads,
-            num_sub_dims=num_sub_dims,
-            num_shared_sub_dims=num_shared,
-            num_routed_sub_dims_per_tok=top_k,
-        )
+        head_dim = getattr(base_config, "head_dim", None)
+        fields.update(cls.preset_fields(preset, base_config.hidden_size, base_config.num_attention_heads, head_dim))
         fields.update(overrides)
         return cls(**fields)
+
+    @staticmethod
+    def preset_fields(preset: str, hidden_size: int, num_attention_heads: int, head_dim: int | None = None) -> dict:
+        """The fields one of the paper's settings sets on a base LLaMA shape of width `hidden_size` (docs/design.md
+        section 3 presets): the widened `hidden_size`, the base's `head_dim` (so attention keeps its size), and the
+        three sub-dimension counts. The one place the preset table is expanded (`from_llama_config` uses it).
+
+        Raises:
+            ValueError: unknown preset.
+        """
+        if preset not in MOHD_PRESETS:
+            raise ValueError(f"`preset` must be one of {list(MOHD_PRESETS)}, got {preset!r}.")
+        multiplier, num_sub_dims, num_shared, top_k = MOHD_PRESETS[preset]
+        return {
+            "hidden_size": multiplier * hidden_size,
+            "head_dim": head_dim or hidden_size // num_attention_heads,
+            "num_sub_dims": num_sub_dims,
+            "num_shared_sub_dims": num_shared,
+            "num_routed_sub_dims_per_tok": top_k,
+        }
 
 
 raise_value_errors(MoHDConfig)

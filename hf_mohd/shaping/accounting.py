@@ -80,3 +80,17 @@ def format_accounting(accounting: LatentMoEAccounting) -> str:
         f"all-to-all per token       {accounting.all_to_all_scalars:,} scalars (dispatch + return, all layers)",
     ]
     return "\n".join(lines)
+
+
+def alpha_transform_summary(before, after) -> dict[str, tuple[int, int]]:
+    """What the alpha-transform kept and changed: {quantity: (before, after)} for the routed-expert parameters and the
+    all-to-all scalars per token (summed over layers; kept by the transform, arXiv 2610.14644 section 2), the total
+    parameters and the activated MACs per token. `before`, `after`: LatentMoE configs (objects, dicts or paths)."""
+    old, new = model_accounting(load_config(before)), model_accounting(load_config(after))
+    summary = {
+        name: (sum(getattr(layer, name) for layer in old.layers), sum(getattr(layer, name) for layer in new.layers))
+        for name in ("routed_expert_params", "all_to_all_scalars")
+    }
+    summary["total_params"] = (old.total_params, new.total_params)
+    summary["activated_macs_per_token"] = (old.activated_macs, new.activated_macs)
+    return summary

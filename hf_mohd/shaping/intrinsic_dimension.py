@@ -223,8 +223,17 @@ def collect_hidden_states(
     return states
 
 
-def intrinsic_dimension_profile(hidden_states, discard_fraction: float = 0.1) -> list[float]:
+def intrinsic_dimension_profile(
+    hidden_states, discard_fraction: float = 0.1, return_duplicates: bool = False
+) -> list[float] | tuple[list[float], list[int]]:
     """TwoNN ID at each boundary of a (num_boundaries, n, D) stack from `collect_hidden_states`.
+
+    Repeated tokens give identical vectors at the embedding boundary; TwoNN leaves such points out (as skdim does,
+    without its warning here). With `return_duplicates`, also the number of points per boundary that have an
+    identical twin, so that a report can say how many each estimate lost.
+
+    Returns:
+        The IDs (one per boundary), or (IDs, duplicate counts) with `return_duplicates`.
 
     Raises:
         ValueError: `hidden_states` is not 3-D, or as `twonn`.
@@ -232,7 +241,14 @@ def intrinsic_dimension_profile(hidden_states, discard_fraction: float = 0.1) ->
     stack = torch.as_tensor(hidden_states)
     if stack.ndim != 3:
         raise ValueError(f"`hidden_states` must be (num_boundaries, n, D), got shape {tuple(stack.shape)}.")
-    return [twonn(layer, discard_fraction) for layer in stack]
+    profile, duplicates = [], []
+    for layer in stack:
+        counts = torch.unique(layer, dim=0, return_counts=True)[1]
+        duplicates.append(int(counts[counts > 1].sum()))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Dropping .* duplicates", category=UserWarning)
+            profile.append(twonn(layer, discard_fraction))
+    return (profile, duplicates) if return_duplicates else profile
 
 
 def tokenize_texts(tokenizer, texts: Sequence[str], max_length: int = 512) -> list[list[int]]:
