@@ -56,6 +56,7 @@ def evaluate(
     num_fewshot: int | None = None,
     seed: int = 1234,
     trust_remote_code: bool = False,
+    log_samples: bool = False,
 ) -> dict:
     """lm-eval results of `model` on offline tasks.
 
@@ -68,6 +69,8 @@ def evaluate(
         device: torch device of the model ("cpu", "cuda", ...).
         num_fewshot: few-shot examples (None: zero-shot; the task YAMLs have no few-shot split but the validation).
         seed: lm-eval's random, numpy, torch and few-shot seeds.
+        log_samples: also return lm-eval's per-document records (`samples[task]`, each with `doc_id` and the
+            metrics of that document), e.g. for paired standard errors between two models on the same documents.
 
     Returns:
         lm-eval's result dict; `results[task]` maps "acc,none", "acc_norm,none", "perplexity,none", ... to numbers.
@@ -107,7 +110,7 @@ def evaluate(
         numpy_random_seed=seed,
         torch_random_seed=seed,
         fewshot_random_seed=seed,
-        log_samples=False,
+        log_samples=log_samples,
     )
 
 

@@ -1,0 +1,471 @@
+#!/usr/bin/env python
+"""Convert SmolLM2-135M to MoHD, heal it by distillation, and measure perplexity and lm-eval accuracy on the way.
+
+Every stage is resumable: rerun the same command after an interruption and it continues where it stopped (finished
+parts are read back from `--work-dir`, training resumes from its last checkpoint).
+
+    python conversion/heal_smollm2.py prepare            # teacher folder, text files, the two converted students
+    python conversion/heal_smollm2.py train mohd75_all   # one healing arm (see ARMS); two arms may run side by side
+    python conversion/heal_smollm2.py lm-eval dense      # lm-eval of the dense model or of a student / healed arm
+    python conversion/heal_smollm2.py report             # conversion/results/smollm2_healing.json + .png
+
+Text (all from the Wikipedia sample of the PyPI `gensim` wheel, markup stripped as in `evaluate_perplexity.py`):
+the first 8 articles calibrate the PCA rotation and fit the routers, the last 8 are the held-out perplexity text
+(the same 4,096 tokens as `evaluate_perplexity.py`), and every article in between is healing text, so the three are
+disjoint. lm-eval's documents come from the offline tasks of `hf_mohd/evaluation/tasks/`, not from Wikipedia.
+
+Students: `hf-mohd convert mohd TEACHER --preset compression_75|compression_50 --rotate pca --routers fitted
+--activation-scaling none --routed-gate normalized`, the best arm of `conversion/results/smollm2_perplexity_rotation
+.json`. Healing: `hf-mohd train`'s trainer with a `distill` section (KL to the dense teacher at T=1, no LM loss),
+AdamW with warmup and cosine decay over the arm's whole budget, sequences of 256 tokens, 4 per step (1,024 tokens).
+A curve's intermediate points are checkpoints of one run (whose schedule spans the whole budget); the 64k
+comparison of trainable choices uses separate runs whose schedules end at 64k.
+"""
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import evaluate_perplexity as ep  # noqa: E402
+import torch  # noqa: E402
+
+
+logger = logging.getLogger("hf_mohd.conversion.heal")
+TOKENS_PER_STEP = 4 * 256
+K = 1024
+# name -> (preset, trainable, peak lr, healing tokens, evaluation points in tokens)
+ARMS = {
+    "mohd75_all": ("compression_75", "all", 2e-4, 512 * K, (64 * K, 256 * K, 512 * K)),
+    "mohd50_all": ("compression_50", "all", 2e-4, 256 * K, (64 * K, 256 * K)),
+    "mohd75_all_64k": ("compression_75", "all", 2e-4, 64 * K, (64 * K,)),
+    "mohd75_lora_64k": ("compression_75", "lora", 1e-3, 64 * K, (64 * K,)),
+}
+STUDENTS = {"compression_75": "mohd75", "compression_50": "mohd50"}
+LM_EVAL_TASKS = ["arc_easy", "piqa", "hellaswag", "lambada"]
+
+
+def write_json(path: Path, value) -> None:
+    """Atomic JSON write (temporary sibling, then rename)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path, default):
+    return json.loads(path.read_text()) if path.exists() else default
+
+
+def cpu_seconds() -> float:
+    return time.process_time()
+
+
+def split_articles():
+    """(calibration, healing, held-out) lists of (title, text): first 8, the middle, last 8 articles."""
+    titles, texts = ep.wikipedia_articles(10**6, first=True)
+    articles = list(zip(titles, texts, strict=True))
+    calibration, healing, held_out = articles[:8], articles[8:-8], articles[-8:]
+    assert {t for t, _ in held_out} == set(ep.wikipedia_articles(8)[0]), "held-out text differs from the evaluation's"
+    assert not ({t for t, _ in calibration} | {t for t, _ in held_out}) & {t for t, _ in healing}
+    return calibration, healing, held_out
+
+
+def held_out_windows(tokenizer) -> torch.Tensor:
+    _, _, held_out = split_articles()
+    return ep.token_windows(tokenizer, [x for _, x in held_out], 256, 4096)
+
+
+def prepare(work: Path) -> None:
+    """Teacher folder (the dense LLaMA, fp32 safetensors + tokenizer), text files, and the converted students."""
+    from hf_mohd.cli import main as cli
+    from hf_mohd.conversion import load_dense_llama
+
+    work.mkdir(parents=True, exist_ok=True)
+    info = read_json(work / "prepare.json", {})
+    teacher = work / "teacher"
+    if not (teacher / "config.json").exists():
+        started = cpu_seconds()
+        source = load_dense_llama(ep.default_source(), dtype=torch.float32)
+        llama = source.build_llama()
+        if hasattr(llama.config, "quantization_config"):  # the GGUF loader's record; the weights are fp32 now
+            del llama.config.quantization_config
+        llama.save_pretrained(work / "teacher.partial")
+        source.tokenizer.save_pretrained(work / "teacher.partial")
+        os.replace(work / "teacher.partial", teacher)
+        info["teacher"] = {"source": source.description, "cpu_seconds": round(cpu_seconds() - started, 1)}
+    calibration, healing, held_out = split_articles()
+    (work / "calibration.txt").write_text("\n\n".join(x for _, x in calibration))
+    with open(work / "healing.jsonl.tmp", "w") as handle:
+        for _, text in healing:
+            handle.write(json.dumps({"text": text}) + "\n")
+    os.replace(work / "healing.jsonl.tmp", work / "healing.jsonl")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_mohd  # noqa: F401
+
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    info["text"] = {
+        "calibration_articles": [t for t, _ in calibration],
+        "held_out_articles": [t for t, _ in held_out],
+        "healing_articles": len(healing),
+        "healing_tokens": sum(len(tokenizer(x, add_special_tokens=False)["input_ids"]) for _, x in healing),
+    }
+    for preset, name in STUDENTS.items():
+        if (work / name / "config.json").exists():
+            continue
+        started = cpu_seconds()
+        code = cli(
+            ["convert", "mohd", str(teacher), str(work / name), "--preset", preset, "--rotate", "pca"]
+            + ["--routers", "fitted", "--calibration-text", str(work / "calibration.txt")]
+            + ["--activation-scaling", "none", "--routed-gate", "normalized", "--overwrite", "--quiet"]
+        )
+        if code:
+            sys.exit(f"hf-mohd convert mohd failed for {preset} (exit code {code})")
+        info[name] = {"cpu_seconds": round(cpu_seconds() - started, 1)}
+    windows = held_out_windows(tokenizer)
+    info["held_out_tokens"] = int(windows.numel())
+    for name in ("teacher", *STUDENTS.values()):
+        if name not in info.get("perplexity", {}):
+            model = AutoModelForCausalLM.from_pretrained(str(work / name), dtype=torch.float32).eval()
+            info.setdefault("perplexity", {})[name] = ep.perplexity(model, windows, 4, name)
+            logger.info("%s: held-out perplexity %.3f", name, info["perplexity"][name])
+            del model
+    info["machine"] = ep.machine()
+    write_json(work / "prepare.json", info)
+    logger.info("prepared %s: %s", work, info["text"])
+
+
+def load_student(work: Path, arm: str, checkpoint: Path | None = None):
+    """The arm's student with the weights of `checkpoint` (an Accelerate state folder) or of its `final/` folder."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_mohd  # noqa: F401
+
+    preset, trainable = ARMS[arm][:2] if arm in ARMS else (arm, "none")
+    base = AutoModelForCausalLM.from_pretrained(str(work / STUDENTS[preset]), dtype=torch.float32)
+    if arm not in ARMS:
+        return base.eval()
+    final = work / "runs" / arm / "final"
+    if trainable == "lora":
+        from peft import PeftModel
+
+        assert checkpoint is None, "LoRA arms are evaluated from final/"
+        return PeftModel.from_pretrained(base, final).merge_and_unload().eval()
+    if checkpoint is None:
+        return AutoModelForCausalLM.from_pretrained(str(final), dtype=torch.float32).eval()
+    from safetensors.torch import load_file
+
+    state = load_file(checkpoint / "model.safetensors")
+    missing, unexpected = base.load_state_dict(state, strict=False)
+    tied = set(getattr(base, "all_tied_weights_keys", {}) or {})
+    assert not unexpected and set(missing) <= tied, (missing, unexpected)
+    return base.eval()
+
+
+def train_arm(work: Path, arm: str) -> None:
+    """Heal one arm to its budget, stopping at each evaluation point to measure held-out perplexity."""
+    from transformers import AutoTokenizer
+
+    from hf_mohd.training import train, train_config_from_dict
+    from hf_mohd.training.trainer import latest_checkpoint
+
+    preset, trainable, lr, budget, points = ARMS[arm]
+    out = work / "runs" / arm
+    results_path = work / f"curve_{arm}.json"
+    curve = read_json(results_path, {"arm": arm, "points": {}})
+    tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
+    windows = held_out_windows(tokenizer)
+    max_steps = budget // TOKENS_PER_STEP
+    values = {
+        "output_dir": str(out),
+        "model": {
+            "init_from": str(work / STUDENTS[preset]),
+            "trainable": trainable,
+            "lora_rank": 16,
+            "lora_alpha": 32,
+        },
+        "data": {"path": str(work / "healing.jsonl"), "eval_fraction": 0.0, "seq_len": 256},
+        "optim": {"lr": lr, "warmup_steps": 16, "weight_decay": 0.0, "min_lr_ratio": 0.1},
+        "distill": {"teacher": str(work / "teacher"), "kl_weight": 1.0, "temperature": 1.0, "lm_weight": 0.0},
+        "max_steps": max_steps,
+        "micro_batch_size": 4,
+        "mixed_precision": "no",
+        "router_aux_loss": False,
+        "log_every": 8,
+        "save_every": 32,
+        "keep_checkpoints": 1,
+        "progress_bar": False,
+    }
+    curve["settings"] = {k: v for k, v in values.items() if k != "output_dir"}
+    for number, point in enumerate(points):
+        step = point // TOKENS_PER_STEP
+        previous_step = points[number - 1] // TOKENS_PER_STEP if number else 0
+        if str(point) in curve["points"]:
+            continue
+        started, wall = cpu_seconds(), time.time()
+        latest = latest_checkpoint(str(out)) if out.exists() else None
+        done = int(latest.rsplit("_", 1)[1]) if latest else 0
+        last_log = None
+        if done < step:
+            result = train(train_config_from_dict({**values, "stop_after_steps": step - done}))
+            assert result.steps == step, (result.steps, step)
+            last_log = result.train_log[-1] if result.train_log else None
+        train_cpu = cpu_seconds() - started
+        checkpoint = None if step == max_steps else Path(latest_checkpoint(str(out)))
+        model = load_student(work, arm, checkpoint)
+        ppl = ep.perplexity(model, windows, 4, f"{arm} {point}")
+        curve["points"][str(point)] = {
+            "step": step,
+            "perplexity": ppl,
+            # CPU seconds of this process (1 torch thread) since the previous point; from the logged throughput
+            # when the segment was trained by an earlier, interrupted process
+            "train_cpu_seconds": round(train_cpu, 1) if last_log else logged_seconds(out, step - previous_step, step),
+            "train_cpu_seconds_source": "process_time" if last_log else "log.jsonl tokens_per_s (resumed)",
+            "train_wall_seconds": round(time.time() - wall, 1),
+            "last_train_log": last_log,
+            "machine": ep.machine(),
+        }
+        write_json(results_path, curve)
+        logger.info("%s after %d tokens: held-out perplexity %.3f", arm, point, ppl)
+        del model
+
+
+def logged_seconds(out: Path, steps: int, last_step: int) -> float:
+    """Training seconds of the `steps` optimizer steps ending at `last_step`, from the throughput in log.jsonl."""
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
+    records = [r for r in records if "tokens_per_s" in r and last_step - steps < r["step"] <= last_step]
+    seconds, previous = 0.0, last_step - steps
+    for record in sorted(records, key=lambda r: r["step"]):
+        seconds += (record["step"] - previous) * TOKENS_PER_STEP / record["tokens_per_s"]
+        previous = record["step"]
+    return round(seconds, 1)
+
+
+def lm_eval_arm(work: Path, arm: str, limit: int) -> None:
+    """lm-eval (offline ARC-Easy, PIQA, HellaSwag, LAMBADA; the first `limit` documents of each) with per-document
+    scores, one task at a time: each finished task is written at once, so an interrupted run keeps what it did."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_mohd.evaluation.harness import evaluate
+
+    path = work / f"lm_eval_{arm}_{limit}.json"
+    done = read_json(path, {"arm": arm, "limit": limit, "results": {}, "per_doc": {}, "cpu_seconds": {}})
+    todo = [task for task in LM_EVAL_TASKS if f"offline_{task}" not in done["results"]]
+    if not todo:
+        return
+    tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
+    if arm == "dense":
+        model = AutoModelForCausalLM.from_pretrained(str(work / "teacher"), dtype=torch.float32).eval()
+    else:
+        model = load_student(work, arm)
+    for task in todo:
+        started = cpu_seconds()
+        results = evaluate(model, tokenizer, tasks=[task], limit=limit, batch_size=8, log_samples=True)
+        for name, samples in results["samples"].items():
+            metric = "acc_norm" if "acc_norm" in samples[0] else "acc"
+            scores = [float(s[metric]) for s in sorted(samples, key=lambda s: s["doc_id"])]
+            done["per_doc"][name] = {"metric": metric, "scores": scores}
+        for name, values in results["results"].items():
+            done["results"][name] = {k: v for k, v in values.items() if isinstance(v, int | float)}
+        done["cpu_seconds"][task] = round(cpu_seconds() - started, 1)
+        done["machine"] = ep.machine()
+        write_json(path, done)
+        logger.info("%s %s: %s", arm, task, done["results"][f"offline_{task}"])
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean difference a - b in percentage points and its paired standard error."""
+    n = min(len(a), len(b))
+    diffs = [100 * (x - y) for x, y in zip(a[:n], b[:n], strict=True)]
+    mean = sum(diffs) / n
+    var = sum((d - mean) ** 2 for d in diffs) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def report(work: Path, output: Path) -> dict:
+    """Gather every finished part into one JSON (and a plot next to it); unfinished parts are listed as missing."""
+    prepared = read_json(work / "prepare.json", None)
+    if prepared is None:
+        sys.exit(f"{work}/prepare.json is missing: run the prepare stage first.")
+    dense = prepared["perplexity"]["teacher"]
+    curves, missing = {}, []
+    for arm, (preset, trainable, lr, budget, points) in ARMS.items():
+        curve = read_json(work / f"curve_{arm}.json", {"points": {}})
+        unhealed = prepared["perplexity"][STUDENTS[preset]]
+        rows = [{"tokens": 0, "perplexity": unhealed, "ratio_to_dense": unhealed / dense, "train_cpu_seconds": 0.0}]
+        for number, point in enumerate(points):
+            if str(point) not in curve["points"]:
+                missing.append(f"{arm} at {point} tokens")
+                continue
+            done = curve["points"][str(point)]
+            seconds = done["train_cpu_seconds"]
+            if done.get("train_cpu_seconds_source", "process_time") != "process_time":
+                previous = points[number - 1] // TOKENS_PER_STEP if number else 0
+                seconds = logged_seconds(work / "runs" / arm, done["step"] - previous, done["step"])
+            rows.append(
+                {
+                    "tokens": point,
+                    "perplexity": done["perplexity"],
+                    "ratio_to_dense": done["perplexity"] / dense,
+                    "train_cpu_seconds": seconds,
+                    "train_cpu_seconds_source": done.get("train_cpu_seconds_source", "process_time"),
+                    "load_average_after": done["machine"]["load_average"],
+                }
+            )
+        curves[arm] = {
+            "preset": preset,
+            "trainable": trainable,
+            "peak_lr": lr,
+            "budget_tokens": budget,
+            "schedule": f"warmup 16 steps, cosine to 0.1 x peak at {budget} tokens",
+            "points": rows,
+        }
+    lm_eval = {}
+    reference = read_json(work / "lm_eval_dense_500.json", None)
+    for path in sorted(work.glob("lm_eval_*_*.json")):
+        found = read_json(path, None)
+        if found["limit"] < 100:
+            continue  # smoke runs
+        row = {"documents": found["limit"], "cpu_seconds_per_task": found["cpu_seconds"], "tasks": {}}
+        for task, doc in found["per_doc"].items():
+            scores = doc["scores"]
+            entry = {"metric": doc["metric"], "accuracy_points": 100 * sum(scores) / len(scores)}
+            if reference is not None and found["arm"] != "dense" and task in reference["per_doc"]:
+                diff, stderr = paired(scores, reference["per_doc"][task]["scores"])
+                entry.update(minus_dense_points=diff, paired_stderr_points=stderr)
+            row["tasks"][task] = entry
+        row["mean_accuracy_points"] = sum(e["accuracy_points"] for e in row["tasks"].values()) / len(row["tasks"])
+        lm_eval[f"{found['arm']} ({found['limit']} docs)"] = row
+    for arm, limit in (("dense", 500), ("mohd75", 200), ("mohd50", 200), ("mohd75_all", 500), ("mohd50_all", 500)):
+        found = read_json(work / f"lm_eval_{arm}_{limit}.json", {"results": {}})
+        for task in LM_EVAL_TASKS:
+            if f"offline_{task}" not in found["results"]:
+                missing.append(f"lm-eval {arm} {task} ({limit} docs)")
+    result = {
+        "command": "python conversion/heal_smollm2.py prepare|train ARM|lm-eval ARM|report",
+        "complete": not missing,
+        "missing": missing,
+        "teacher": prepared["teacher"]["source"],
+        "text": prepared["text"],
+        "held_out_tokens": prepared["held_out_tokens"],
+        "conversion": {
+            "flags": "--rotate pca --routers fitted --activation-scaling none --routed-gate normalized",
+            "cpu_seconds": {name: prepared[name]["cpu_seconds"] for name in STUDENTS.values()},
+        },
+        "distillation": "KL(teacher || student) at T=1, kl_weight 1, lm_weight 0; AdamW, weight decay 0, 4 x 256 tokens",
+        "dense_perplexity": dense,
+        "healing": curves,
+        "lm_eval": lm_eval,
+        "machine": ep.machine(),
+        "torch_threads_per_run": 1,
+    }
+    write_json(output, result)
+    plot(result, output.with_suffix(".png"))
+    card_path = output.parent / "smollm2_mohd75_healed_model_card.md"
+    model_card(work, result, "mohd75_all").save(card_path)
+    return result
+
+
+def model_card(work: Path, result: dict, arm: str):
+    """The model card of a healed arm: every conversion and healing choice, the perplexity curve, lm-eval."""
+    from transformers import AutoConfig
+
+    import hf_mohd  # noqa: F401
+    from hf_mohd.model_card import render_model_card
+
+    curve = result["healing"][arm]
+    found = read_json(work / f"lm_eval_{arm}_500.json", None)
+    rows = "\n".join(
+        f"| {p['tokens']:,} | {p['perplexity']:.2f} | {p['ratio_to_dense']:.2f}x | {p['train_cpu_seconds']:,.0f} |"
+        for p in curve["points"]
+    )
+    notes = (
+        f"Converted from SmolLM2-135M-Instruct ({result['teacher']}) with `hf-mohd convert mohd --preset "
+        f"{curve['preset']} {result['conversion']['flags']}`, calibration text: the first 8 articles of the gensim "
+        f"Wikipedia sample ({', '.join(result['text']['calibration_articles'])}). Healed by distillation "
+        f"({result['distillation']}; trainable: {curve['trainable']}; peak lr {curve['peak_lr']}, "
+        f"{curve['schedule']}) on the {result['text']['healing_articles']} articles between them and the held-out "
+        f"ones ({result['text']['healing_tokens']:,} tokens; the budget repeats them about "
+        f"{curve['budget_tokens'] / result['text']['healing_tokens']:.2f} times).\n\n"
+        f"Held-out perplexity ({result['held_out_tokens']:,} tokens of the last 8 articles; dense model: "
+        f"{result['dense_perplexity']:.2f}), 1 torch thread per run on an {result['machine']['cpu']}:\n\n"
+        "| healing tokens | perplexity | vs dense | training seconds (1 thread) |\n|---|---|---|---|\n"
+        + rows
+        + ("" if result["complete"] else "\n\nPartial: " + "; ".join(result["missing"]) + ".")
+    )
+    training = {
+        "teacher": "SmolLM2-135M-Instruct (dense, fp32)",
+        "objective": result["distillation"],
+        "trainable": curve["trainable"],
+        "peak_learning_rate": curve["peak_lr"],
+        "schedule": curve["schedule"],
+        "tokens": curve["budget_tokens"],
+        "hardware": f"{result['machine']['cpu']}, 1 torch thread",
+    }
+    config = AutoConfig.from_pretrained(work / STUDENTS[curve["preset"]])
+    return render_model_card(
+        config,
+        base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+        datasets=["English Wikipedia sample of the gensim wheel (CC BY-SA), distinct articles for each use"],
+        eval_results={"results": found["results"]} if found and found["results"] else None,
+        training=training,
+        notes=notes,
+        language="en",
+    )
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.4, 4.2))
+    for arm, curve in result["healing"].items():
+        points = curve["points"]
+        if len(points) < 2:
+            continue
+        axis.plot([p["tokens"] / K for p in points], [p["perplexity"] for p in points], marker="o", label=arm)
+    axis.axhline(result["dense_perplexity"], color="black", linestyle="--", label="dense SmolLM2-135M")
+    axis.axhline(1.25 * result["dense_perplexity"], color="grey", linestyle=":", label="1.25 x dense")
+    axis.set_yscale("log")
+    axis.set_xlabel("healing tokens (thousands)")
+    axis.set_ylabel(f"held-out perplexity ({result['held_out_tokens']} tokens)")
+    axis.set_title("SmolLM2-135M -> MoHD, healed by distillation" + ("" if result["complete"] else " (partial)"))
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("stage", choices=("prepare", "train", "lm-eval", "report"))
+    parser.add_argument("arm", nargs="?", help="train: an arm of ARMS; lm-eval: dense, mohd75, mohd50 or an arm.")
+    parser.add_argument("--work-dir", type=Path, default=Path("runs/heal_smollm2"))
+    parser.add_argument("--limit", type=int, default=500, help="lm-eval documents per task (default 500).")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1).")
+    parser.add_argument("--output", type=Path, default=Path("conversion/results/smollm2_healing.json"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(args.threads)
+    if args.stage == "prepare":
+        prepare(args.work_dir)
+    elif args.stage == "train":
+        train_arm(args.work_dir, args.arm)
+    elif args.stage == "lm-eval":
+        lm_eval_arm(args.work_dir, args.arm, args.limit)
+    else:
+        report(args.work_dir, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
