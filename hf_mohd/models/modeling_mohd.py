@@ -241,9 +241,9 @@ class MoHDGatherDispatch:
     accelerator, where reading the block ids to the host would break the graph or synchronise, one `index_select` of
     the k * s active rows and a batched matmul).
 
-    A projection that is not a plain `nn.Linear` (a PEFT LoRA layer, a quantised linear) computes something other
-    than its `.weight`, so it is called as a module on the gated dense input, or its dense output is masked: exact,
-    the masked path's computation for that projection only.
+    Only plain `nn.Linear` projections come here: `MoHDSubDimensions.route` sends a sublayer with any other
+    projection (a PEFT LoRA layer, a quantised linear: it computes something other than its `.weight`) to the
+    masked strategy.
 
     Weight layout: the input side (q/k/v, gate/up) reads column blocks; in the row-major `nn.Linear` layout a block
     is s contiguous floats per row, which a CPU streams at a fraction of the contiguous bandwidth (measured here:
@@ -311,9 +311,6 @@ class MoHDGatherDispatch:
         routed = routed.view(*rows.shape, self.block) * plan.gates
         outputs = []
         for linear in linears:
-            if type(linear) is not nn.Linear:
-                outputs.append(linear(torch.cat([shared, self._scatter_routed(routed, plan, m)], dim=1)))
-                continue
             weight = linear.weight
             out = F.linear(shared, weight[:, : self.shared_width], linear.bias)
             # (N_r, s, out) view of the routed columns: block g is weight[:, D_s + g s : D_s + (g + 1) s].T
@@ -334,10 +331,6 @@ class MoHDGatherDispatch:
         if isinstance(plan, GatherFewTokensPlan):
             return self._project_out_few(hidden_states, plan, linear)
         m = hidden_states.shape[0]
-        if type(linear) is not nn.Linear:
-            dense = linear(hidden_states).view(m, self.num_sub_dims, self.block)
-            keep = self._scatter_routed(torch.ones_like(plan.gates), plan, m, width=1)
-            return torch.cat([dense[:, : self.num_shared], dense[:, self.num_shared :] * keep.view(m, -1, 1)], 1)
         weight, bias = linear.weight, linear.bias
         shared = F.linear(
             hidden_states, weight[: self.shared_width], None if bias is None else bias[: self.shared_width]
@@ -365,8 +358,8 @@ class MoHDGatherDispatch:
         dense = None
         outputs = []
         for linear in linears:
-            weight = getattr(linear, "weight", None)
-            if type(linear) is nn.Linear and weight.stride(0) == 1 and weight.dtype == values.dtype:
+            weight = linear.weight
+            if weight.stride(0) == 1 and weight.dtype == values.dtype:
                 # column-major ("block_major"): the shared columns are one contiguous span, and each active column
                 # is a contiguous row of weight.T that embedding_bag scales by its input and sums, reading no other
                 routed = F.embedding_bag(columns, weight.t(), plan.bags, mode="sum", per_sample_weights=flat_values)
@@ -376,8 +369,8 @@ class MoHDGatherDispatch:
                     else F.linear(shared, weight[:, : self.shared_width], linear.bias) + routed
                 )
                 continue
-            # row-major or not a plain linear: column blocks are strided (no cheaper than whole rows), so one dense
-            # matmul on the gated input, zero outside the active blocks (the masked path's computation)
+            # row-major: column blocks are strided (no cheaper than whole rows), so one dense matmul on the gated
+            # input, zero outside the active blocks (the masked path's computation)
             if dense is None:
                 dense = F.pad(shared, (0, self.hidden_size - self.shared_width)).scatter(1, plan.columns, values)
             outputs.append(linear(dense))
@@ -386,11 +379,6 @@ class MoHDGatherDispatch:
     def _project_out_few(self, hidden_states: torch.Tensor, plan: GatherFewTokensPlan, linear) -> torch.Tensor:
         """Few-tokens output side: (M, in) -> (M, N, s), the shared rows and each token's k * s active rows."""
         m = hidden_states.shape[0]
-        padding = (0, self.hidden_size - self.shared_width)
-        if type(linear) is not nn.Linear:
-            dense = linear(hidden_states)
-            out = F.pad(dense[:, : self.shared_width], padding).scatter(1, plan.columns, dense.gather(1, plan.columns))
-            return out.view(m, self.num_sub_dims, self.block)
         weight, bias = linear.weight, linear.bias
         shared = F.linear(
             hidden_states, weight[: self.shared_width], None if bias is None else bias[: self.shared_width]
@@ -414,15 +402,15 @@ class MoHDGatherDispatch:
         shared = gated[:, : self.shared_width]
         outputs = []
         for linear in linears:
-            weight = getattr(linear, "weight", None)
-            if type(linear) is nn.Linear and weight.stride(0) == 1 and weight.dtype == hidden_states.dtype:
+            weight = linear.weight
+            if weight.stride(0) == 1 and weight.dtype == hidden_states.dtype:
                 weight_t = weight.t()  # (D, out), rows contiguous: block g is rows g s .. (g + 1) s - 1
                 out = F.linear(shared, weight[:, : self.shared_width], linear.bias)
                 for block in plan.blocks:
                     columns = slice(block * self.block, (block + 1) * self.block)
                     out = torch.addmm(out, gated[:, columns], weight_t[columns])
                 outputs.append(out)
-            else:  # row-major or not a plain linear: one dense matmul on the gated input (the masked computation)
+            else:  # row-major: one dense matmul on the gated input (the masked computation)
                 outputs.append(linear(gated))
         return outputs
 
@@ -430,12 +418,6 @@ class MoHDGatherDispatch:
         """Host-ids output side: (M, in) -> (M, N, s); each picked block is s contiguous rows of the row-major
         weight, read in place once for all M tokens and kept for the tokens that picked it; other blocks 0."""
         m = hidden_states.shape[0]
-        if type(linear) is not nn.Linear:
-            dense = linear(hidden_states).view(m, self.num_sub_dims, self.block)
-            keep = plan.keep if plan.keep is not None else dense.new_zeros(m, self.num_routed)
-            if plan.keep is None:
-                keep[:, [block - self.num_shared for block in plan.blocks]] = 1
-            return torch.cat([dense[:, : self.num_shared], dense[:, self.num_shared :] * keep[..., None]], dim=1)
         weight, bias = linear.weight, linear.bias
         shared = F.linear(
             hidden_states, weight[: self.shared_width], None if bias is None else bias[: self.shared_width]
@@ -448,15 +430,6 @@ class MoHDGatherDispatch:
                 routed = routed * plan.keep[:, block - self.num_shared, None]
             out[:, block] = routed
         return out
-
-    def _scatter_routed(
-        self, routed: torch.Tensor, plan: GatherPlan, m: int, width: int | None = None
-    ) -> torch.Tensor:
-        """Per-slot pairs (k, M, width) -> (M, N_r * width) dense routed blocks, zero where inactive."""
-        width = self.block if width is None else width
-        positions = (plan.token_index * self.num_routed + plan.block_index).reshape(-1)
-        dense = routed.new_zeros(m * self.num_routed, width)
-        return dense.index_add(0, positions, routed.reshape(-1, width)).view(m, -1)
 
 
 MOHD_DISPATCH = {"masked": MoHDMaskedDispatch, "gather": MoHDGatherDispatch}
@@ -649,7 +622,9 @@ class MoHDSubDimensions(nn.Module):
 
     `route` runs the router and prepares the dispatch; `project_in` applies the input gate (step 3) and
     `project_out` keeps the active output blocks, scales them by alpha = N / (N_s + k) (step 4, rebuttal Lemma 1)
-    and fuses them (step 5). The execution path is chosen once from `config.sparse_implementation`.
+    and fuses them (step 5). The execution strategy ("gather" or "masked", `MOHD_DISPATCH`) comes from
+    `config.sparse_implementation` (switch it on a loaded model with `set_sparse_implementation`); `route` falls
+    back to "masked" for a sublayer whose projections are not all plain `nn.Linear`, the one place that rule lives.
     """
 
     def __init__(self, config: MoHDConfig, layer_idx: int, router_name: str):
@@ -658,15 +633,25 @@ class MoHDSubDimensions(nn.Module):
         # CODEPATH: group_fusion="mix" (paper default) adds an N x N block mixer; "none" is the ablation.
         self.group_fusion = MoHDGroupFusion(config) if config.group_fusion == "mix" else nn.Identity()
         self.dispatch = MOHD_DISPATCH[config.sparse_implementation](config)
+        self.masked = MoHDMaskedDispatch(config)  # for projections that are not plain nn.Linear
         self.activation_scale = (
             # CODEPATH: activation_scaling="inverse_active" (paper default) vs "none" (ablation, LLaMA equivalence).
             config.num_sub_dims / config.num_active_sub_dims if config.activation_scaling == "inverse_active" else 1.0
         )
 
-    def route(self, hidden_states: torch.Tensor, **kwargs):
-        """(B, T, D) normed input -> dispatch plan for its B * T tokens."""
+    def route(self, hidden_states: torch.Tensor, projections, **kwargs):
+        """(B, T, D) normed input -> dispatch plan for its B * T tokens, of the configured strategy, or of the
+        masked one when a projection of the sublayer (`projections`: all its linears) is not a plain `nn.Linear`
+        (a PEFT LoRA layer, a quantised linear computes something other than its `.weight`, which the gather
+        strategy reads): exact either way."""
         _, weights, indices = self.router(hidden_states, **kwargs)
-        return self.dispatch.plan(indices.reshape(-1, indices.shape[-1]), weights.reshape(-1, weights.shape[-1]))
+        dispatch = self.dispatch
+        if any(type(linear) is not nn.Linear for linear in projections):
+            dispatch = self.masked
+        return dispatch.plan(indices.reshape(-1, indices.shape[-1]), weights.reshape(-1, weights.shape[-1]))
+
+    def _dispatch(self, plan):
+        return self.masked if isinstance(plan, MaskedPlan) else self.dispatch
 
     def project_in(self, hidden_states: torch.Tensor, plan, linears) -> list[torch.Tensor]:
         """(B, T, D) -> one (B, T, out) tensor per linear, reading only the active (gated) blocks; with
@@ -674,9 +659,9 @@ class MoHDSubDimensions(nn.Module):
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         tensor_parallel = TensorParallelProjections.of(linears, "input")
         if tensor_parallel is None:
-            outputs = self.dispatch.project_in(flat, plan, linears)
+            outputs = self._dispatch(plan).project_in(flat, plan, linears)
         else:
-            outputs = tensor_parallel.project_in(self.dispatch, flat, plan, linears)
+            outputs = tensor_parallel.project_in(self._dispatch(plan), flat, plan, linears)
         return [out.view(*hidden_states.shape[:-1], -1) for out in outputs]
 
     def project_out(self, hidden_states: torch.Tensor, plan, linear: nn.Linear) -> torch.Tensor:
@@ -685,9 +670,9 @@ class MoHDSubDimensions(nn.Module):
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         tensor_parallel = TensorParallelProjections.of([linear], "output")
         if tensor_parallel is None:
-            blocks = self.dispatch.project_out(flat, plan, linear)
+            blocks = self._dispatch(plan).project_out(flat, plan, linear)
         else:
-            blocks = tensor_parallel.project_out(self.dispatch, flat, plan, linear)
+            blocks = tensor_parallel.project_out(self._dispatch(plan), flat, plan, linear)
         blocks = blocks * self.activation_scale
         return self.group_fusion(blocks).view(*hidden_states.shape[:-1], -1)
 
@@ -707,7 +692,8 @@ class MoHDAttention(Attention):
         cache=None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        plan = self.sub_dims.route(hidden_states, cache=cache, **kwargs)
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        plan = self.sub_dims.route(hidden_states, projections, cache=cache, **kwargs)
         query, key, value = self.sub_dims.project_in(hidden_states, plan, (self.q_proj, self.k_proj, self.v_proj))
         attn_output, attn_weights = self.attend(
             query, key, value, position_embeddings, attention_mask, cache=cache, **kwargs
@@ -723,7 +709,9 @@ class MoHDMLP(MLP):
         self.sub_dims = MoHDSubDimensions(config, layer_idx, "mlp")
 
     def forward(self, hidden_states: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
-        plan = self.sub_dims.route(hidden_states, cache=cache, **kwargs)
+        plan = self.sub_dims.route(
+            hidden_states, (self.gate_proj, self.up_proj, self.down_proj), cache=cache, **kwargs
+        )
         gate, up = self.sub_dims.project_in(hidden_states, plan, (self.gate_proj, self.up_proj))
         return self.sub_dims.project_out(self.activate(gate, up), plan, self.down_proj)
 
@@ -796,6 +784,24 @@ class MoHDPreTrainedModel(PreTrainedModel):
                 for name in MoHDGatherDispatch.input_projections:
                     set_linear_layout_(getattr(module, name, None), layout)
         return self
+
+    def set_sparse_implementation(self, implementation: str) -> None:  # trf-ignore: TRF033 (execution choice)
+        """Switches every MoHD sublayer to the "gather" or "masked" strategy (`MOHD_DISPATCH`, docs/design.md
+        section 3, "Execution paths") on a loaded model, as `set_experts_implementation` switches experts. It is an
+        execution choice like `to_weight_layout`: `config.sparse_implementation` stays the default a save records
+        (choose another at load with `from_pretrained(..., sparse_implementation=...)`). Both strategies compute the
+        same function; "gather" also stores the input-side weights block-major.
+
+        Raises:
+            ValueError: `implementation` is not one of `MOHD_DISPATCH`.
+        """
+        if implementation not in MOHD_DISPATCH:
+            raise ValueError(f"`implementation` must be one of {list(MOHD_DISPATCH)}, got {implementation!r}.")
+        for module in self.modules():
+            if isinstance(module, MoHDSubDimensions):
+                module.dispatch = MOHD_DISPATCH[implementation](self.config)
+        if implementation == "gather":
+            self.to_weight_layout("block_major")
 
     def _init_weights(self, module):
         super()._init_weights(module)

@@ -462,3 +462,54 @@ def test_accounting_matches_built_model(overrides):
         assert cost.activated_decoder_params == 2 * per_layer + d
         flops = 2 * ((attn_in + attn_out + mlp) * n_active // n + routers + 2 * n * d) + 4 * 64 * 16
         assert cost.decoder_flops_per_token == 2 * flops
+
+
+@pytest.mark.parametrize("length", [1, 3, 9], ids=["host-ids", "host-ids-batch", "grouped"])
+def test_set_sparse_implementation_switches_the_strategy_of_a_loaded_model(tmp_path, length):
+    """`set_sparse_implementation` switches every sublayer between the gather and masked strategies on a loaded
+    model (as `set_experts_implementation` does for experts), with the same logits, and refuses unknown names."""
+    from hf_mohd.models.modeling_mohd import MoHDGatherDispatch, MoHDMaskedDispatch
+
+    make_model(sparse_implementation="masked").save_pretrained(tmp_path)
+    model = MoHDForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    dispatches = lambda: {type(m.sub_dims.dispatch) for m in model.modules() if hasattr(m, "sub_dims")}  # noqa: E731
+    assert dispatches() == {MoHDMaskedDispatch}
+    ids = input_ids(length=length)
+    with torch.no_grad():
+        masked = model(ids).logits
+        model.set_sparse_implementation("gather")
+        assert dispatches() == {MoHDGatherDispatch}
+        assert model.model.layers[0].self_attn.q_proj.weight.stride(0) == 1  # block-major for the gather strategy
+        gather = model(ids).logits
+    assert model.config.sparse_implementation == "masked"  # the saved default is unchanged
+    torch.testing.assert_close(gather, masked, atol=1e-10, rtol=0)
+    with pytest.raises(ValueError, match="`implementation` must be one of \\['masked', 'gather'\\]"):
+        model.set_sparse_implementation("dense")
+
+
+def test_projections_that_are_not_plain_linears_take_the_masked_strategy():
+    """A sublayer with a projection that is not a plain `nn.Linear` (here a subclass standing for a PEFT or a
+    quantised layer, whose forward adds 1) is planned by the masked strategy in `route`, the one place of that
+    rule, so the gather strategy never reads a `.weight` that is not what the module computes."""
+    from hf_mohd.models.modeling_mohd import GatherHostPlan, MaskedPlan
+
+    class Shifted(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 1.0
+
+    model = make_model(sparse_implementation="gather")
+    attention = model.model.layers[0].self_attn
+    hidden = torch.randn(1, 1, model.config.hidden_size, dtype=torch.float64)
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
+    assert isinstance(attention.sub_dims.route(hidden, projections), GatherHostPlan)
+    reference = make_model(sparse_implementation="masked")
+    shifted = Shifted(model.config.hidden_size, attention.o_proj.out_features, bias=False, dtype=torch.float64)
+    for m in (model, reference):
+        shifted_copy = Shifted(shifted.in_features, shifted.out_features, bias=False, dtype=torch.float64)
+        shifted_copy.weight.data.copy_(m.model.layers[0].self_attn.q_proj.weight)
+        m.model.layers[0].self_attn.q_proj = shifted_copy
+    attention = model.model.layers[0].self_attn
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
+    assert isinstance(attention.sub_dims.route(hidden, projections), MaskedPlan)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids()).logits, reference(input_ids()).logits, atol=1e-10, rtol=0)
