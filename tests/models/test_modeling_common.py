@@ -229,21 +229,66 @@ def test_routers_of_both_families_share_one_forward(family):
     assert family.router_class.forward is TopKRouter.forward
 
 
-def test_routing_replay_of_a_recorded_forward_gives_the_same_routing(family):
-    """Replaying a model's own routing record (ids minus the offset, in every router) reproduces its logits and its
-    record: the base router's replay lookup undoes the index offset it adds (MoHD's N_s, LatentMoE's 0)."""
+def test_routing_replay_reproduces_logits_and_keeps_indices(family):
+    """Replaying a forward's own routing record reproduces its logits exactly; with other router weights the replay
+    keeps the recorded ids, recomputes the gates from the new routers (which get a gradient), while the model's own
+    routing now differs."""
     from hf_mohd.models.routing_cache import RoutingCache
 
     model = family.model()
     ids = input_ids()
     cache = RoutingCache(config=model.config)
-    reference = model(ids, past_key_values=cache, use_cache=True).logits
+    logits = model(ids, cache=cache, use_cache=True).logits
     record = cache.routing_record
-    again_cache = RoutingCache(config=model.config)
-    replayed = model(ids, past_key_values=again_cache, use_cache=True, routing_replay=record).logits
-    torch.testing.assert_close(replayed, reference, atol=0, rtol=0)
+    torch.testing.assert_close(model(ids, routing_replay=record).logits, logits, atol=0, rtol=0)
+    routers = [module for module in model.modules() if isinstance(module, TopKRouter)]
+    with torch.no_grad():
+        for router in routers:
+            router.weight.mul_(-1)
+    new_cache = RoutingCache(config=model.config)
+    model(ids, routing_replay=record, cache=new_cache, use_cache=True).logits.sum().backward()
     for key, entry in record.items():
-        assert torch.equal(again_cache.routing_record[key].indices, entry.indices), key
+        torch.testing.assert_close(new_cache.routing_record[key].indices, entry.indices)
+        assert not torch.allclose(new_cache.routing_record[key].weights, entry.weights), key
+    assert all(router.weight.grad.abs().sum() > 0 for router in routers)
+    own = RoutingCache(config=model.config)
+    model(ids, cache=own, use_cache=True)
+    assert any(not torch.equal(own.routing_record[key].indices, entry.indices) for key, entry in record.items())
+
+
+# --- generation -----------------------------------------------------------------------------------------------
+
+
+def greedy(model, ids, **kwargs):
+    return model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def test_generate_uses_plain_dynamic_cache_only_when_asked(family):
+    """`generate` records the routing (a `RoutingCache`) by default and keeps a cache the caller passes as it is."""
+    from hf_mohd.models.routing_cache import RoutingCache
+
+    model = family.model()
+    ids = input_ids(batch=1, length=4)
+    user_cache = DynamicCache(config=model.config)
+    out = model.generate(
+        ids, max_new_tokens=2, do_sample=False, pad_token_id=0, cache=user_cache, return_dict_in_generate=True
+    )
+    assert type(out.cache) is DynamicCache
+    assert type(greedy(model, ids, return_dict_in_generate=True).cache) is RoutingCache
+
+
+def test_left_padded_batch_equals_each_sequence_alone(family):
+    """A left-padded batch generates, and scores, each sequence as it would alone."""
+    model = family.model()
+    long, short = input_ids(batch=1, length=7, seed=1), input_ids(batch=1, length=4, seed=2)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(out[0, 7:], greedy(model, long)[0, 7:12])
+    torch.testing.assert_close(out[1, 7:], greedy(model, short)[0, 4:9])
+    logits = model(batch, attention_mask=mask).logits
+    torch.testing.assert_close(logits[1, 3:], model(short).logits[0], atol=1e-8, rtol=0)  # float64 rounding
 
 
 # --- fast path at widths the grouped_mm kernel does not take --------------------------------------------------

@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, MixtralConfig, NemotronHConfig
-from transformers.cache_utils import DynamicCache
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
 
@@ -395,19 +394,6 @@ def test_assisted_and_prompt_lookup_decoding_equal_greedy():
     torch.testing.assert_close(greedy(model, ids, prompt_lookup_num_tokens=3), reference)
 
 
-def test_left_padded_batch_equals_each_sequence_alone():
-    model = make_model()
-    long, short = input_ids(batch=1, length=7, seed=1), input_ids(batch=1, length=4, seed=2)
-    batch = torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], dim=1)])
-    mask = torch.ones_like(batch)
-    mask[1, :3] = 0
-    out = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    torch.testing.assert_close(out[0, 7:], greedy(model, long)[0, 7:12])
-    torch.testing.assert_close(out[1, 7:], greedy(model, short)[0, 4:9])
-    logits = model(batch, attention_mask=mask).logits
-    torch.testing.assert_close(logits[1, 3:], model(short).logits[0], atol=1e-10, rtol=0)
-
-
 def test_routing_record_follows_crop_reorder_and_batch_ops():
     model = make_model()
     ids = input_ids(batch=3, length=6)
@@ -431,28 +417,6 @@ def test_routing_record_follows_crop_reorder_and_batch_ops():
         torch.testing.assert_close(value.indices, record[key][beam_idx][[0, 2], :4])
     model(ids[[0, 1], 4:5], cache=cache, use_cache=True)
     assert cache.get_routing(2, "moe").indices.shape == (2, 5, 3) and cache.get_seq_length() == 5
-
-
-def test_routing_replay_reproduces_logits_and_keeps_indices():
-    model = make_model(router_score_func="sigmoid")
-    ids = input_ids()
-    cache = RoutingCache(config=model.config)
-    logits = model(ids, cache=cache, use_cache=True).logits
-    replayed = model(ids, routing_replay=cache.routing_record)
-    torch.testing.assert_close(replayed.logits, logits, atol=0, rtol=0)
-    # New router weights: replay keeps the recorded indices, the gates come from the new routers (with gradient).
-    with torch.no_grad():
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.weight.mul_(-1)
-    new_cache = RoutingCache(config=model.config)
-    model(ids, routing_replay=cache.routing_record, cache=new_cache, use_cache=True).logits.sum().backward()
-    for key, record in cache.routing_record.items():
-        torch.testing.assert_close(new_cache.routing_record[key].indices, record.indices)
-        assert not torch.allclose(new_cache.routing_record[key].weights, record.weights)
-        assert model.model.layers[key[0]].mlp.gate.weight.grad.abs().sum() > 0
-    own = RoutingCache(config=model.config)
-    model(ids, cache=own, use_cache=True)
-    assert not torch.equal(own.get_routing(1, "moe").indices, cache.get_routing(1, "moe").indices)
 
 
 # --- save / load ---------------------------------------------------------------------------------------------
@@ -575,17 +539,6 @@ def test_gradient_checkpointing_same_gradients_and_load_signs():
     for layer, load in loads[0].items():
         assert torch.equal(loads[1][layer], 2 * load)
         assert torch.equal(torch.sign(loads[1][layer].mean() - loads[1][layer]), torch.sign(load.mean() - load))
-
-
-def test_generate_uses_plain_dynamic_cache_only_when_asked():
-    model = make_model()
-    ids = input_ids(batch=1, length=4)
-    user_cache = DynamicCache(config=model.config)
-    out = model.generate(
-        ids, max_new_tokens=2, do_sample=False, pad_token_id=0, cache=user_cache, return_dict_in_generate=True
-    )
-    assert type(out.cache) is DynamicCache
-    assert type(greedy(model, ids, return_dict_in_generate=True).cache) is RoutingCache
 
 
 def test_router_is_recorded_and_exposed():
