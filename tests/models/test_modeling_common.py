@@ -59,6 +59,7 @@ class ModelFamily:
         fast_and_reference: (fast, reference) keyword overrides of the same model: two execution paths that must
             agree (`model(**overrides)`).
         prepare: applied to each built model (e.g. pick the experts implementation).
+        assistant_fields: overrides of a smaller draft model for assisted decoding.
     """
 
     name: str
@@ -69,6 +70,7 @@ class ModelFamily:
     unaligned_fields: dict
     fast_and_reference: tuple[dict, dict]
     prepare: Callable = field(default=lambda model, **overrides: model)
+    assistant_fields: dict = field(default_factory=lambda: {"num_hidden_layers": 1})
 
     def config(self, **overrides):
         return self.config_class(**{**LLAMA_FIELDS, **self.fields, **overrides})
@@ -120,6 +122,7 @@ FAMILIES = {
         unaligned_fields=dict(hidden_size=144, moe_latent_size=36, moe_intermediate_size=36, per_layer_config=None),
         fast_and_reference=({"experts_implementation": "grouped_mm"}, {"experts_implementation": "eager"}),
         prepare=_prepare_latent_moe,
+        assistant_fields={"num_hidden_layers": 1, "per_layer_config": None},
     ),
 }
 
@@ -275,6 +278,80 @@ def test_generate_uses_plain_dynamic_cache_only_when_asked(family):
     )
     assert type(out.cache) is DynamicCache
     assert type(greedy(model, ids, return_dict_in_generate=True).cache) is RoutingCache
+
+
+def routers_by_key(model) -> dict:
+    """(layer index, router name) -> the `TopKRouter` of that key."""
+    return {(m.layer_idx, m.router_name): m for m in model.modules() if isinstance(m, TopKRouter)}
+
+
+def test_cached_generation_equals_uncached_and_record_matches_full_forward(family):
+    """Cached greedy generation gives the uncached tokens and logits, and its routing record (B, S - 1, k) per router
+    equals the routing of one forward over the same tokens."""
+    from hf_mohd.models.routing_cache import RoutingCache
+
+    model = family.model()
+    ids = input_ids(batch=2, length=5)
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    out = model.generate(ids, **options)
+    assert isinstance(out.cache, RoutingCache)
+    uncached = model.generate(ids, use_cache=False, **options)
+    assert uncached.cache is None
+    torch.testing.assert_close(out.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(uncached.logits), atol=1e-10, rtol=0)
+    full_cache = RoutingCache(config=model.config)
+    model(out.sequences[:, :-1], cache=full_cache, use_cache=True)
+    routers = routers_by_key(model)
+    assert set(full_cache.routing_record) == set(routers)
+    for key, record in full_cache.routing_record.items():
+        generated = out.cache.routing_record[key]
+        assert generated.indices.shape == (2, out.sequences.shape[1] - 1, routers[key].top_k)
+        torch.testing.assert_close(generated.indices, record.indices)
+        torch.testing.assert_close(generated.weights, record.weights)
+
+
+def test_assisted_and_prompt_lookup_decoding_equal_greedy(family):
+    model = family.model(seed=0)
+    assistant = family.model(seed=1, **family.assistant_fields)
+    ids = input_ids(batch=1, length=8)
+    ids[0, 4:] = ids[0, :4]  # repeated n-grams give prompt lookup candidates
+    reference = greedy(model, ids, use_cache=False)
+    torch.testing.assert_close(greedy(model, ids, assistant_model=assistant), reference)
+    torch.testing.assert_close(greedy(model, ids, prompt_lookup_num_tokens=3), reference)
+
+
+def test_routing_record_follows_crop_reorder_and_batch_ops(family):
+    """The record holds each router's top-k of every position and follows `crop`, `reorder_cache`,
+    `batch_repeat_interleave` and `batch_select_indices`; decoding after a crop appends where the cache continues."""
+    from hf_mohd.models.modeling_common import topk_lower_index
+    from hf_mohd.models.routing_cache import RoutingCache
+
+    model = family.model()
+    ids = input_ids(batch=3, length=6)
+    cache = RoutingCache(config=model.config)
+    out = model(ids, cache=cache, use_cache=True, output_router_logits=True)
+    record = {key: value.indices.clone() for key, value in cache.routing_record.items()}
+    routers = routers_by_key(model)
+    assert set(record) == set(routers)
+    for logits, (key, router) in zip(out.router_logits, sorted(routers.items()), strict=True):
+        scores = router.selection_scores(router.score(logits.view(3, 6, -1)))
+        torch.testing.assert_close(record[key], topk_lower_index(scores, router.top_k) + router.index_offset)
+    cache.crop(-2)
+    assert cache.get_seq_length() == 4
+    for key, value in cache.routing_record.items():
+        torch.testing.assert_close(value.indices, record[key][:, :4])
+    beam_idx = torch.tensor([2, 0, 0])
+    cache.reorder_cache(beam_idx)
+    for key, value in cache.routing_record.items():
+        torch.testing.assert_close(value.indices, record[key][beam_idx, :4])
+    cache.batch_repeat_interleave(2)
+    cache.batch_select_indices(torch.tensor([0, 5]))
+    for key, value in cache.routing_record.items():
+        torch.testing.assert_close(value.indices, record[key][beam_idx][[0, 2], :4])
+    assert cache.layers[0].keys.shape[0] == 2
+    model(ids[[0, 1], 4:5], cache=cache, use_cache=True)
+    for key, router in routers.items():
+        assert cache.get_routing(*key).indices.shape == (2, 5, router.top_k) and cache.get_seq_length() == 5
 
 
 def test_left_padded_batch_equals_each_sequence_alone(family):

@@ -12,7 +12,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
 
 import hf_mohd  # noqa: F401  (registers the Auto classes)
-from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, RoutingCache
+from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM
 from hf_mohd.models.modeling_common import MLP
 from hf_mohd.models.modeling_latent_moe import (
     LatentMoEBlock,
@@ -340,35 +340,6 @@ def test_softmax_routing_has_no_bias_and_no_update():
 # --- generation and the routing cache ------------------------------------------------------------------------
 
 
-def test_cached_generation_equals_uncached_and_record_matches_full_forward():
-    model = make_model()
-    ids = input_ids(batch=2, length=5)
-    out = model.generate(
-        ids, max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True
-    )
-    assert isinstance(out.cache, RoutingCache)
-    uncached = model.generate(
-        ids,
-        max_new_tokens=6,
-        do_sample=False,
-        pad_token_id=0,
-        return_dict_in_generate=True,
-        output_logits=True,
-        use_cache=False,
-    )
-    assert uncached.cache is None
-    torch.testing.assert_close(out.sequences, uncached.sequences)
-    torch.testing.assert_close(torch.stack(out.logits), torch.stack(uncached.logits), atol=1e-10, rtol=0)
-    full_cache = RoutingCache(config=model.config)
-    model(out.sequences[:, :-1], cache=full_cache, use_cache=True)
-    assert set(full_cache.routing_record) == {(1, "moe"), (2, "moe")}
-    for key, record in full_cache.routing_record.items():
-        generated = out.cache.routing_record[key]
-        assert generated.indices.shape == (2, out.sequences.shape[1] - 1, 2 if key[0] == 1 else 3)
-        torch.testing.assert_close(generated.indices, record.indices)
-        torch.testing.assert_close(generated.weights, record.weights)
-
-
 def test_sampling_beam_and_static_cache_equal_no_cache():
     model = make_model(router_score_func="sigmoid")
     ids = input_ids(batch=2, length=4)
@@ -382,41 +353,6 @@ def test_sampling_beam_and_static_cache_equal_no_cache():
     kwargs = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False, pad_token_id=0)
     torch.testing.assert_close(model.generate(ids, **kwargs), model.generate(ids, use_cache=False, **kwargs))
     torch.testing.assert_close(greedy(model, ids, cache_implementation="static"), greedy(model, ids, use_cache=False))
-
-
-def test_assisted_and_prompt_lookup_decoding_equal_greedy():
-    model = make_model(seed=0)
-    assistant = make_model(seed=1, num_hidden_layers=2, per_layer_config=None)
-    ids = input_ids(batch=1, length=8)
-    ids[0, 4:] = ids[0, :4]  # repeated n-grams give prompt lookup candidates
-    reference = greedy(model, ids, use_cache=False)
-    torch.testing.assert_close(greedy(model, ids, assistant_model=assistant), reference)
-    torch.testing.assert_close(greedy(model, ids, prompt_lookup_num_tokens=3), reference)
-
-
-def test_routing_record_follows_crop_reorder_and_batch_ops():
-    model = make_model()
-    ids = input_ids(batch=3, length=6)
-    cache = RoutingCache(config=model.config)
-    out = model(ids, cache=cache, use_cache=True, output_router_logits=True)
-    record = {key: value.indices.clone() for key, value in cache.routing_record.items()}
-    # The record holds the top-K of the router scores of every position.
-    probs = torch.softmax(out.router_logits[0], dim=-1).view(3, 6, 8)
-    torch.testing.assert_close(record[(1, "moe")], probs.topk(2, dim=-1).indices)
-    cache.crop(-2)
-    assert cache.get_seq_length() == 4
-    for key, value in cache.routing_record.items():
-        torch.testing.assert_close(value.indices, record[key][:, :4])
-    beam_idx = torch.tensor([2, 0, 0])
-    cache.reorder_cache(beam_idx)
-    for key, value in cache.routing_record.items():
-        torch.testing.assert_close(value.indices, record[key][beam_idx, :4])
-    cache.batch_repeat_interleave(2)
-    cache.batch_select_indices(torch.tensor([0, 5]))
-    for key, value in cache.routing_record.items():
-        torch.testing.assert_close(value.indices, record[key][beam_idx][[0, 2], :4])
-    model(ids[[0, 1], 4:5], cache=cache, use_cache=True)
-    assert cache.get_routing(2, "moe").indices.shape == (2, 5, 3) and cache.get_seq_length() == 5
 
 
 # --- save / load ---------------------------------------------------------------------------------------------

@@ -178,25 +178,6 @@ def greedy(model, ids, **kwargs):
     return model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **kwargs)
 
 
-def test_cached_generation_equals_uncached_and_record_matches_full_forward():
-    model = make_model()
-    ids = input_ids(batch=2, length=5)
-    out = model.generate(
-        ids, max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True
-    )
-    assert isinstance(out.cache, RoutingCache)
-    no_cache = greedy(model, ids, use_cache=False)
-    torch.testing.assert_close(out.sequences, no_cache)
-    # The record equals the routing of one forward over the same tokens (every position except the last token).
-    full_cache = RoutingCache(config=model.config)
-    model(out.sequences[:, :-1], cache=full_cache, use_cache=True)
-    for key, record in full_cache.routing_record.items():
-        generated = out.cache.routing_record[key]
-        assert generated.indices.shape == (2, out.sequences.shape[1] - 1, 2)
-        torch.testing.assert_close(generated.indices, record.indices)
-        torch.testing.assert_close(generated.weights, record.weights)
-
-
 def test_sampling_cached_equals_uncached():
     model = make_model()
     ids = input_ids(batch=2, length=4)
@@ -216,45 +197,10 @@ def test_beam_search_equals_no_cache():
     torch.testing.assert_close(model.generate(ids, **kwargs), model.generate(ids, use_cache=False, **kwargs))
 
 
-def test_assisted_and_prompt_lookup_decoding_equal_greedy():
-    model = make_model(seed=0)
-    assistant = make_model(seed=1, num_hidden_layers=1)
-    ids = input_ids(batch=1, length=8)
-    ids[0, 4:] = ids[0, :4]  # repeated n-grams give prompt lookup candidates
-    reference = greedy(model, ids, use_cache=False)
-    torch.testing.assert_close(greedy(model, ids, assistant_model=assistant), reference)
-    torch.testing.assert_close(greedy(model, ids, prompt_lookup_num_tokens=3), reference)
-
-
 def test_static_cache_generation_equals_dynamic():
     model = make_model()
     ids = input_ids(batch=2, length=4)
     torch.testing.assert_close(greedy(model, ids, cache_implementation="static"), greedy(model, ids))
-
-
-def test_routing_record_follows_crop_reorder_and_batch_ops():
-    model = make_model()
-    ids = input_ids(batch=3, length=6)
-    cache = RoutingCache(config=model.config)
-    model(ids, cache=cache, use_cache=True)
-    record = {key: value.indices.clone() for key, value in cache.routing_record.items()}
-    assert set(record) == {(layer, router) for layer in range(2) for router in ("attn", "mlp")}
-    cache.crop(-2)
-    assert cache.get_seq_length() == 4
-    for key, value in cache.routing_record.items():
-        torch.testing.assert_close(value.indices, record[key][:, :4])
-    beam_idx = torch.tensor([2, 0, 0])
-    cache.reorder_cache(beam_idx)
-    for key, value in cache.routing_record.items():
-        torch.testing.assert_close(value.indices, record[key][beam_idx, :4])
-    cache.batch_repeat_interleave(2)
-    cache.batch_select_indices(torch.tensor([0, 5]))
-    for key, value in cache.routing_record.items():
-        torch.testing.assert_close(value.indices, record[key][beam_idx][[0, 2], :4])
-    assert cache.layers[0].keys.shape[0] == 2
-    # Continuing after a crop appends to the record where the cache continues.
-    model(ids[[0, 1], 4:5], cache=cache, use_cache=True)
-    assert cache.get_routing(0, "mlp").indices.shape[1] == cache.get_seq_length() == 5
 
 
 # --- Llama features ------------------------------------------------------------------------------------------
