@@ -60,6 +60,9 @@ class ModelFamily:
             agree (`model(**overrides)`).
         prepare: applied to each built model (e.g. pick the experts implementation).
         assistant_fields: overrides of a smaller draft model for assisted decoding.
+        code_files: the remote-code files `save_pretrained` copies next to the weights.
+        saved_fields: overrides of the model of the save / reload checks (every optional module present).
+        perturb: applied to that model before saving (e.g. a non-zero router bias buffer).
     """
 
     name: str
@@ -71,6 +74,9 @@ class ModelFamily:
     fast_and_reference: tuple[dict, dict]
     prepare: Callable = field(default=lambda model, **overrides: model)
     assistant_fields: dict = field(default_factory=lambda: {"num_hidden_layers": 1})
+    code_files: tuple = ()
+    saved_fields: dict = field(default_factory=dict)
+    perturb: Callable = field(default=lambda model: None)
 
     def config(self, **overrides):
         return self.config_class(**{**LLAMA_FIELDS, **self.fields, **overrides})
@@ -89,6 +95,13 @@ class ModelFamily:
         return model
 
 
+def _perturb_correction_bias(model) -> None:
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LatentMoERouter):
+                module.e_score_correction_bias.normal_(0, 0.1)
+
+
 def _prepare_latent_moe(model, experts_implementation="eager", **overrides):
     model.set_experts_implementation(experts_implementation)
     return model
@@ -104,6 +117,8 @@ FAMILIES = {
         # hidden 144 in 4 sub-dimensions: s = 36 (SmolLM2-135M's 576 at 16 sub-dimensions)
         unaligned_fields=dict(hidden_size=144, num_sub_dims=4, num_shared_sub_dims=1, num_routed_sub_dims_per_tok=2),
         fast_and_reference=({"sparse_implementation": "gather"}, {"sparse_implementation": "masked"}),
+        code_files=("modeling_mohd.py", "configuration_mohd.py"),
+        saved_fields={"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
     ),
     "latent_moe": ModelFamily(
         name="latent_moe",
@@ -123,6 +138,13 @@ FAMILIES = {
         fast_and_reference=({"experts_implementation": "grouped_mm"}, {"experts_implementation": "eager"}),
         prepare=_prepare_latent_moe,
         assistant_fields={"num_hidden_layers": 1, "per_layer_config": None},
+        code_files=("modeling_latent_moe.py", "configuration_latent_moe.py", "latent_moe_accounting.py"),
+        saved_fields={
+            "tie_word_embeddings": True,
+            "router_score_func": "sigmoid",
+            "experts_implementation": "grouped_mm",
+        },
+        perturb=_perturb_correction_bias,
     ),
 }
 
@@ -257,6 +279,64 @@ def test_routing_replay_reproduces_logits_and_keeps_indices(family):
     own = RoutingCache(config=model.config)
     model(ids, cache=own, use_cache=True)
     assert any(not torch.equal(own.routing_record[key].indices, entry.indices) for key, entry in record.items())
+
+
+# --- save / load ----------------------------------------------------------------------------------------------
+
+
+def test_save_and_reload_exact(family, tmp_path):
+    """`save_pretrained` writes `auto_map` and the remote-code files; `AutoModelForCausalLM` reloads the same class,
+    config, weights and logits (fp32, bit for bit)."""
+    from transformers import AutoModelForCausalLM
+
+    model = family.model(dtype=torch.float32, **family.saved_fields)
+    family.perturb(model)
+    model.save_pretrained(tmp_path)
+    config_json = (tmp_path / "config.json").read_text()
+    assert '"auto_map"' in config_json and f"{family.code_files[0][:-3]}.{family.model_class.__name__}" in config_json
+    for name in (*family.code_files, "modeling_common.py", "configuration_common.py", "routing_cache.py"):
+        assert (tmp_path / name).exists(), name
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is family.model_class
+    saved, loaded = model.config.to_dict(), reloaded.config.to_dict()
+    assert {k: v for k, v in loaded.items() if k != "_name_or_path"} == {
+        k: v for k, v in saved.items() if k != "_name_or_path"
+    }
+    ids = input_ids()
+    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+    for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_trust_remote_code_reload_in_fresh_process(family, tmp_path):
+    """A process without hf_mohd installed loads the saved folder with `trust_remote_code=True`: the classes come
+    from the copied files, generate records every router, and the logits equal the saving process's."""
+    from tests.utils import run_python_without_hf_mohd
+
+    model = family.model(dtype=torch.float32, **family.saved_fields)
+    family.perturb(model)
+    model.save_pretrained(tmp_path)
+    ids = input_ids()
+    torch.save(ids, tmp_path / "ids.pt")
+    expected = model(ids).logits
+    result = run_python_without_hf_mohd(
+        f"""
+        import json, torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True).eval()
+        ids = torch.load({str(tmp_path / "ids.pt")!r})
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+        torch.save(model(ids).logits, {str(tmp_path / "logits.pt")!r})
+        print(json.dumps({{"module": type(model).__module__, "record": sorted(map(list, out.cache.routing_record)),
+                          "experts": getattr(model.config, "_experts_implementation", None)}}))
+        """,
+        cwd=str(tmp_path),
+    )
+    assert not result["module"].startswith("hf_mohd")
+    assert result["record"] == sorted(map(list, routers_by_key(model)))
+    assert result["experts"] == getattr(model.config, "_experts_implementation", None)
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-6, rtol=0)
 
 
 # --- generation -----------------------------------------------------------------------------------------------

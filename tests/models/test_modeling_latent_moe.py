@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, MixtralConfig, NemotronHConfig
+from transformers import MixtralConfig, NemotronHConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
 
@@ -20,7 +20,6 @@ from hf_mohd.models.modeling_latent_moe import (
     LatentMoERouter,
     LatentMoEUngatedExperts,
 )
-from tests.utils import run_python_without_hf_mohd
 
 
 VOCAB = 97
@@ -356,53 +355,6 @@ def test_sampling_beam_and_static_cache_equal_no_cache():
 
 
 # --- save / load ---------------------------------------------------------------------------------------------
-
-
-def test_save_and_reload_exact(tmp_path):
-    model = make_model(dtype=torch.float32, router_score_func="sigmoid", tie_word_embeddings=True)
-    with torch.no_grad():
-        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 0.1)
-    model.save_pretrained(tmp_path)
-    config_json = (tmp_path / "config.json").read_text()
-    assert '"auto_map"' in config_json and "modeling_latent_moe.LatentMoEForCausalLM" in config_json
-    assert '"per_layer_config"' in config_json
-    code_files = ("modeling_latent_moe.py", "configuration_latent_moe.py", "latent_moe_accounting.py")
-    for name in (*code_files, "modeling_common.py", "routing_cache.py"):
-        assert (tmp_path / name).exists(), name
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="eager").eval()
-    assert type(reloaded) is LatentMoEForCausalLM
-    assert [c.moe_latent_size for c in reloaded.config.per_layer_config] == [8, 8, None]
-    ids = input_ids()
-    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=0, rtol=0)
-    for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
-        assert torch.equal(a, b), name
-
-
-@pytest.mark.slow
-def test_trust_remote_code_reload_in_fresh_process(tmp_path):
-    model = make_model(dtype=torch.float32, router_score_func="sigmoid", experts_implementation="grouped_mm")
-    with torch.no_grad():
-        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 0.1)
-    model.save_pretrained(tmp_path)
-    ids = input_ids()
-    torch.save(ids, tmp_path / "ids.pt")
-    expected = model(ids).logits
-    result = run_python_without_hf_mohd(
-        f"""
-        import json, torch
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True).eval()
-        ids = torch.load({str(tmp_path / "ids.pt")!r})
-        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
-        torch.save(model(ids).logits, {str(tmp_path / "logits.pt")!r})
-        print(json.dumps({{"module": type(model).__module__, "record": sorted(k[0] for k in out.cache.routing_record),
-                          "experts": model.config._experts_implementation}}))
-        """,
-        cwd=str(tmp_path),
-    )
-    assert not result["module"].startswith("hf_mohd")
-    assert result["record"] == [1, 2] and result["experts"] == "grouped_mm"
-    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-6, rtol=0)
 
 
 # --- configuration -------------------------------------------------------------------------------------------

@@ -5,14 +5,13 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_mohd  # noqa: F401  (registers the Auto classes)
 from hf_mohd import MoHDConfig, MoHDForCausalLM, RoutingCache
 from hf_mohd.accounting import mohd_accounting
 from hf_mohd.models.configuration_mohd import MOHD_PRESETS
 from hf_mohd.models.modeling_common import load_balancing_loss
-from tests.utils import run_python_without_hf_mohd
 
 
 VOCAB = 97
@@ -241,45 +240,6 @@ def test_gradient_checkpointing_same_gradients():
 
 
 # --- save / load ---------------------------------------------------------------------------------------------
-
-
-def test_save_and_reload_exact(tmp_path):
-    model = make_model(dtype=torch.float32, tie_word_embeddings=True)
-    model.save_pretrained(tmp_path)
-    config_json = (tmp_path / "config.json").read_text()
-    assert '"auto_map"' in config_json and "modeling_mohd.MoHDForCausalLM" in config_json
-    for name in ("modeling_mohd.py", "configuration_mohd.py", "modeling_common.py", "routing_cache.py"):
-        assert (tmp_path / name).exists(), name
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert type(reloaded) is MoHDForCausalLM
-    ids = input_ids()
-    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=0, rtol=0)
-    for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
-        assert torch.equal(a, b), name
-
-
-@pytest.mark.slow
-def test_trust_remote_code_reload_in_fresh_process(tmp_path):
-    model = make_model(dtype=torch.float32)
-    model.save_pretrained(tmp_path)
-    ids = input_ids()
-    torch.save(ids, tmp_path / "ids.pt")
-    expected = model(ids).logits
-    result = run_python_without_hf_mohd(
-        f"""
-        import json, torch
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True).eval()
-        ids = torch.load({str(tmp_path / "ids.pt")!r})
-        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
-        torch.save(model(ids).logits, {str(tmp_path / "logits.pt")!r})
-        print(json.dumps({{"module": type(model).__module__, "record": len(out.cache.routing_record)}}))
-        """,
-        cwd=str(tmp_path),
-    )
-    assert not result["module"].startswith("hf_mohd")
-    assert result["record"] == 4
-    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=0, rtol=0)
 
 
 # --- configuration, presets, accounting ---------------------------------------------------------------------
