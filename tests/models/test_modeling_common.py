@@ -281,6 +281,61 @@ def test_routing_replay_reproduces_logits_and_keeps_indices(family):
     assert any(not torch.equal(own.routing_record[key].indices, entry.indices) for key, entry in record.items())
 
 
+def test_sampling_beam_search_and_static_cache_equal_no_cache(family):
+    """Seeded sampling, beam search (3 beams, 2 returned) and a static cache give what the uncached model gives."""
+    model = family.model()
+    ids = input_ids(batch=2, length=4)
+    sequences = []
+    for use_cache in (True, False):
+        torch.manual_seed(123)
+        sequences.append(
+            model.generate(ids, max_new_tokens=6, do_sample=True, top_k=10, pad_token_id=0, use_cache=use_cache)
+        )
+    torch.testing.assert_close(sequences[0], sequences[1])
+    kwargs = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(model.generate(ids, **kwargs), model.generate(ids, use_cache=False, **kwargs))
+    torch.testing.assert_close(greedy(model, ids, cache_implementation="static"), greedy(model, ids, use_cache=False))
+
+
+# --- LLaMA features -------------------------------------------------------------------------------------------
+
+
+def test_outputs_hidden_states_attentions_and_logits_to_keep(family):
+    model = family.model(attn_implementation="eager")
+    ids = input_ids()
+    out = model(ids, output_hidden_states=True, output_attentions=True)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    assert out.attentions[0].shape == (2, model.config.num_attention_heads, 9, 9)
+    torch.testing.assert_close(out.attentions[0].sum(-1), torch.ones(2, 4, 9, dtype=torch.float64))
+    torch.testing.assert_close(model(ids, logits_to_keep=1).logits, out.logits[:, -1:])
+
+
+def test_sdpa_equals_eager(family):
+    """fp32, as LLaMA's own check: eager attention takes its softmax in fp32 whatever the model dtype."""
+    from hf_mohd.models.routing_cache import RoutingCache
+
+    eager = family.model(dtype=torch.float32, attn_implementation="eager")
+    sdpa = family.model(dtype=torch.float32, attn_implementation="sdpa")
+    assert sdpa.config._attn_implementation == "sdpa"
+    ids = input_ids()
+    cache = RoutingCache(config=eager.config)
+    torch.testing.assert_close(sdpa(ids).logits, eager(ids, cache=cache, use_cache=True).logits, atol=1e-5, rtol=0)
+
+
+def test_gradient_checkpointing_same_gradients(family):
+    ids = input_ids()
+    grads = []
+    for checkpointing in (False, True):
+        model = family.model()
+        model.train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        model(ids, labels=ids, output_router_logits=True).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
+
+
 # --- save / load ----------------------------------------------------------------------------------------------
 
 

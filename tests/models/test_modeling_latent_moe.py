@@ -339,21 +339,6 @@ def test_softmax_routing_has_no_bias_and_no_update():
 # --- generation and the routing cache ------------------------------------------------------------------------
 
 
-def test_sampling_beam_and_static_cache_equal_no_cache():
-    model = make_model(router_score_func="sigmoid")
-    ids = input_ids(batch=2, length=4)
-    sequences = []
-    for use_cache in (True, False):
-        torch.manual_seed(123)
-        sequences.append(
-            model.generate(ids, max_new_tokens=6, do_sample=True, top_k=10, pad_token_id=0, use_cache=use_cache)
-        )
-    torch.testing.assert_close(sequences[0], sequences[1])
-    kwargs = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False, pad_token_id=0)
-    torch.testing.assert_close(model.generate(ids, **kwargs), model.generate(ids, use_cache=False, **kwargs))
-    torch.testing.assert_close(greedy(model, ids, cache_implementation="static"), greedy(model, ids, use_cache=False))
-
-
 # --- save / load ---------------------------------------------------------------------------------------------
 
 
@@ -393,21 +378,6 @@ def test_correction_bias_stays_fp32_through_dtype_casts():
     model.to(torch.bfloat16)
     assert router.weight.dtype == torch.bfloat16 and router.e_score_correction_bias.dtype == torch.float32
     assert router.e_score_correction_bias[0].item() == torch.tensor(0.123456789).item()
-
-
-def test_router_logits_fp32_under_autocast():
-    model = make_model(dtype=torch.float32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(input_ids(), output_router_logits=True)
-    assert out.logits.dtype == torch.bfloat16 and all(t.dtype == torch.float32 for t in out.router_logits)
-
-
-def test_sdpa_equals_eager_attention():
-    ids = input_ids()
-    eager = make_model(dtype=torch.float32, attn_implementation="eager")
-    sdpa = make_model(dtype=torch.float32, attn_implementation="sdpa")
-    assert sdpa.config._attn_implementation == "sdpa"
-    torch.testing.assert_close(sdpa(ids).logits, eager(ids).logits, atol=1e-5, rtol=0)
 
 
 def test_gradient_checkpointing_same_gradients_and_load_signs():

@@ -177,66 +177,7 @@ def greedy(model, ids, **kwargs):
     return model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **kwargs)
 
 
-def test_sampling_cached_equals_uncached():
-    model = make_model()
-    ids = input_ids(batch=2, length=4)
-    sequences = []
-    for use_cache in (True, False):
-        torch.manual_seed(123)
-        sequences.append(
-            model.generate(ids, max_new_tokens=6, do_sample=True, top_k=10, pad_token_id=0, use_cache=use_cache)
-        )
-    torch.testing.assert_close(sequences[0], sequences[1])
-
-
-def test_beam_search_equals_no_cache():
-    model = make_model()
-    ids = input_ids(batch=2, length=4)
-    kwargs = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False, pad_token_id=0)
-    torch.testing.assert_close(model.generate(ids, **kwargs), model.generate(ids, use_cache=False, **kwargs))
-
-
-def test_static_cache_generation_equals_dynamic():
-    model = make_model()
-    ids = input_ids(batch=2, length=4)
-    torch.testing.assert_close(greedy(model, ids, cache_implementation="static"), greedy(model, ids))
-
-
 # --- Llama features ------------------------------------------------------------------------------------------
-
-
-def test_outputs_hidden_states_attentions_and_logits_to_keep():
-    model = make_model(attn_implementation="eager")
-    ids = input_ids()
-    out = model(ids, output_hidden_states=True, output_attentions=True)
-    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
-    assert out.attentions[0].shape == (2, 4, 9, 9)
-    torch.testing.assert_close(out.attentions[0].sum(-1), torch.ones(2, 4, 9, dtype=torch.float64))
-    last = model(ids, logits_to_keep=1).logits
-    torch.testing.assert_close(last, out.logits[:, -1:])
-
-
-def test_sdpa_equals_eager():
-    # fp32 like LLaMA's own check: eager attention takes its softmax in fp32 whatever the model dtype.
-    eager = make_model(dtype=torch.float32, attn_implementation="eager")
-    sdpa = make_model(dtype=torch.float32, attn_implementation="sdpa")
-    ids = input_ids()
-    cache = RoutingCache(config=eager.config)
-    torch.testing.assert_close(sdpa(ids).logits, eager(ids, cache=cache, use_cache=True).logits, atol=1e-5, rtol=0)
-
-
-def test_gradient_checkpointing_same_gradients():
-    ids = input_ids()
-    grads = []
-    for checkpointing in (False, True):
-        model = make_model()
-        model.train()
-        if checkpointing:
-            model.activation_checkpointing_enable()
-        model(ids, labels=ids, output_router_logits=True).loss.backward()
-        grads.append({n: p.grad for n, p in model.named_parameters()})
-    for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
 
 
 # --- save / load ---------------------------------------------------------------------------------------------
