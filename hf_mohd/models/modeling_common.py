@@ -373,7 +373,8 @@ class TopKRouter(nn.Module):
         else:
             chosen = topk_lower_index(self.selection_scores(scores), self.top_k)
         weights = self.gates(scores.gather(-1, chosen), hidden_states.dtype)
-        indices = chosen + self.index_offset if self.index_offset else chosen
+        # contiguous either way: the plans flatten the ids with `view`
+        indices = chosen + self.index_offset if self.index_offset else chosen.contiguous()
         self.observe(indices)
         if isinstance(cache, RoutingCache):
             cache.update_routing(self.layer_idx, self.router_name, indices, weights)

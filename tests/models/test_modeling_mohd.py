@@ -317,3 +317,15 @@ def test_projections_that_are_not_plain_linears_take_the_masked_strategy():
     assert isinstance(attention.sub_dims.route(hidden, projections), MaskedPlan)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids()).logits, reference(input_ids()).logits, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("length", [1, 3, 9], ids=["host-ids", "host-ids-batch", "grouped"])
+def test_no_shared_sub_dimension_gather_equals_masked(length):
+    """N_s = 0: the router's ids carry no offset, so they are the top-k slice of a sort; the gather plans flatten
+    them, which needs them contiguous (a found-by-hypothesis regression)."""
+    fields = dict(num_sub_dims=4, num_shared_sub_dims=0, num_routed_sub_dims_per_tok=2)
+    gather = make_model(sparse_implementation="gather", **fields)
+    masked = make_model(sparse_implementation="masked", **fields)
+    ids = input_ids(batch=1, length=length)
+    with torch.no_grad():
+        torch.testing.assert_close(gather(ids).logits, masked(ids).logits, atol=1e-10, rtol=0)
