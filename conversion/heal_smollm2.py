@@ -237,6 +237,46 @@ def train_arm(work: Path, arm: str) -> None:
         del model
 
 
+BREAKDOWN = {
+    "as healed": {},
+    "every sub-dimension active (k = N_r)": "all",
+    "attention sparse, FFN dense": {"sparse_modules": ["attention"]},
+    "FFN sparse, attention dense": {"sparse_modules": ["ffn"]},
+}
+
+
+def breakdown(work: Path, arm: str) -> None:
+    """Where the healed model's remaining loss comes from: the weights of its newest checkpoint (or final/) evaluated
+    with every sub-dimension active (the weights alone, no sparsity), and with only one sublayer kind sparse (the
+    other computed densely by the same weights: a plain LLaMA sublayer, its router and group fusion left out), on the
+    held-out text."""
+    from transformers import AutoTokenizer
+
+    from hf_mohd.training.trainer import latest_checkpoint
+
+    out = work / "runs" / arm
+    final = out / "final"
+    latest = latest_checkpoint(str(out))
+    source = final if (final / "config.json").exists() else Path(latest)
+    healed = load_student(work, arm, None if source == final else source)
+    state = healed.state_dict()
+    windows = held_out_windows(AutoTokenizer.from_pretrained(work / "teacher"))
+    path = work / f"breakdown_{arm}.json"
+    result = {"arm": arm, "weights": str(source), "perplexity": {}, "machine": None}
+    for label, overrides in BREAKDOWN.items():
+        config = healed.config
+        if overrides == "all":
+            overrides = {"num_routed_sub_dims_per_tok": config.num_routed_sub_dims}
+        model = type(healed)(type(config).from_dict({**config.to_dict(), **overrides})) if overrides else healed
+        if overrides:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            assert not missing and all(".sub_dims." in key for key in unexpected), (missing, unexpected)
+        result["perplexity"][label] = ep.perplexity(model.eval(), windows, 4, label)
+        logger.info("%s %s: %.3f", arm, label, result["perplexity"][label])
+    result["machine"] = ep.machine()
+    write_json(path, result)
+
+
 def logged_seconds(out: Path, steps: int, last_step: int) -> float:
     """Training seconds of the `steps` optimizer steps ending at `last_step`, from the throughput in log.jsonl."""
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
@@ -348,8 +388,9 @@ def report(work: Path, output: Path) -> dict:
         for task in LM_EVAL_TASKS:
             if f"offline_{task}" not in found["results"]:
                 missing.append(f"lm-eval {arm} {task} ({limit} docs)")
+    breakdowns = {p.stem.removeprefix("breakdown_"): read_json(p, None) for p in sorted(work.glob("breakdown_*.json"))}
     result = {
-        "command": "python conversion/heal_smollm2.py prepare|train ARM|lm-eval ARM|report",
+        "command": "python conversion/heal_smollm2.py prepare|train ARM|lm-eval ARM|breakdown ARM|report",
         "complete": not missing,
         "missing": missing,
         "teacher": prepared["teacher"]["source"],
@@ -363,6 +404,7 @@ def report(work: Path, output: Path) -> dict:
         "dense_perplexity": dense,
         "healing": curves,
         "lm_eval": lm_eval,
+        "breakdown": breakdowns,
         "machine": ep.machine(),
         "torch_threads_per_run": 1,
     }
@@ -446,7 +488,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=("prepare", "train", "lm-eval", "report"))
+    parser.add_argument("stage", choices=("prepare", "train", "lm-eval", "breakdown", "report"))
     parser.add_argument("arm", nargs="?", help="train: an arm of ARMS; lm-eval: dense, mohd75, mohd50 or an arm.")
     parser.add_argument("--work-dir", type=Path, default=Path("runs/heal_smollm2"))
     parser.add_argument("--limit", type=int, default=500, help="lm-eval documents per task (default 500).")
@@ -462,6 +504,8 @@ def main(argv=None) -> int:
         train_arm(args.work_dir, args.arm)
     elif args.stage == "lm-eval":
         lm_eval_arm(args.work_dir, args.arm, args.limit)
+    elif args.stage == "breakdown":
+        breakdown(args.work_dir, args.arm)
     else:
         report(args.work_dir, args.output)
     return 0
