@@ -148,10 +148,10 @@ def load_student(work: Path, arm: str, checkpoint: Path | None = None):
 
     import hf_mohd  # noqa: F401
 
-    preset, trainable = ARMS[arm][:2] if arm in ARMS else (arm, "none")
+    if arm in STUDENTS.values():  # an unhealed conversion
+        return AutoModelForCausalLM.from_pretrained(str(work / arm), dtype=torch.float32).eval()
+    preset, trainable = ARMS[arm][:2]
     base = AutoModelForCausalLM.from_pretrained(str(work / STUDENTS[preset]), dtype=torch.float32)
-    if arm not in ARMS:
-        return base.eval()
     final = work / "runs" / arm / "final"
     if trainable == "lora":
         from peft import PeftModel
