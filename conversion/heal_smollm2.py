@@ -288,15 +288,23 @@ def logged_seconds(out: Path, steps: int, last_step: int) -> float:
     return round(seconds, 1)
 
 
-def lm_eval_arm(work: Path, arm: str, limit: int) -> None:
+def lm_eval_arm(work: Path, arm: str, limit: int, checkpoint: bool = False) -> None:
     """lm-eval (offline ARC-Easy, PIQA, HellaSwag, LAMBADA; the first `limit` documents of each) with per-document
-    scores, one task at a time: each finished task is written at once, so an interrupted run keeps what it did."""
+    scores, one task at a time: each finished task is written at once, so an interrupted run keeps what it did.
+    With `checkpoint`, the arm's newest training checkpoint is evaluated instead of its `final/` folder (a run still
+    under way), and its held-out perplexity is recorded with it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_mohd.evaluation.harness import evaluate
+    from hf_mohd.training.trainer import latest_checkpoint
 
-    path = work / f"lm_eval_{arm}_{limit}.json"
-    done = read_json(path, {"arm": arm, "limit": limit, "results": {}, "per_doc": {}, "cpu_seconds": {}})
+    label, weights = arm, None
+    if checkpoint:
+        weights = Path(latest_checkpoint(str(work / "runs" / arm)))
+        step = int(weights.name.rsplit("_", 1)[1])
+        label = f"{arm} at {step * TOKENS_PER_STEP} tokens"
+    path = work / f"lm_eval_{label.replace(' ', '_')}_{limit}.json"
+    done = read_json(path, {"arm": label, "limit": limit, "results": {}, "per_doc": {}, "cpu_seconds": {}})
     todo = [task for task in LM_EVAL_TASKS if f"offline_{task}" not in done["results"]]
     if not todo:
         return
@@ -304,7 +312,9 @@ def lm_eval_arm(work: Path, arm: str, limit: int) -> None:
     if arm == "dense":
         model = AutoModelForCausalLM.from_pretrained(str(work / "teacher"), dtype=torch.float32).eval()
     else:
-        model = load_student(work, arm)
+        model = load_student(work, arm, weights)
+    if checkpoint and "held_out_perplexity" not in done:
+        done["held_out_perplexity"] = ep.perplexity(model, held_out_windows(tokenizer), 4, label)
     for task in todo:
         started = cpu_seconds()
         results = evaluate(model, tokenizer, tasks=[task], limit=limit, batch_size=8, log_samples=True)
@@ -374,6 +384,8 @@ def report(work: Path, output: Path) -> dict:
         if found["limit"] < 100:
             continue  # smoke runs
         row = {"documents": found["limit"], "cpu_seconds_per_task": found["cpu_seconds"], "tasks": {}}
+        if "held_out_perplexity" in found:  # a checkpoint of a run still under way
+            row["held_out_perplexity"] = found["held_out_perplexity"]
         for task, doc in found["per_doc"].items():
             scores = doc["scores"]
             entry = {"metric": doc["metric"], "accuracy_points": 100 * sum(scores) / len(scores)}
@@ -492,6 +504,7 @@ def main(argv=None) -> int:
     parser.add_argument("arm", nargs="?", help="train: an arm of ARMS; lm-eval: dense, mohd75, mohd50 or an arm.")
     parser.add_argument("--work-dir", type=Path, default=Path("runs/heal_smollm2"))
     parser.add_argument("--limit", type=int, default=500, help="lm-eval documents per task (default 500).")
+    parser.add_argument("--checkpoint", action="store_true", help="lm-eval: the arm's newest checkpoint, not final/.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1).")
     parser.add_argument("--output", type=Path, default=Path("conversion/results/smollm2_healing.json"))
     args = parser.parse_args(argv)
@@ -503,7 +516,7 @@ def main(argv=None) -> int:
     elif args.stage == "train":
         train_arm(args.work_dir, args.arm)
     elif args.stage == "lm-eval":
-        lm_eval_arm(args.work_dir, args.arm, args.limit)
+        lm_eval_arm(args.work_dir, args.arm, args.limit, args.checkpoint)
     elif args.stage == "breakdown":
         breakdown(args.work_dir, args.arm)
     else:
