@@ -152,6 +152,19 @@ FSDP_CHECKPOINT = {
 }
 
 
+def assert_resumed_equals_whole(resumed_dir, whole_dir):
+    """The resumed run logged exactly the uninterrupted run's 4 steps (loss, aux, lr, grad norm) and ends with its
+    weights, bit for bit (fp32)."""
+
+    def curve(output_dir):
+        return [(r["step"], r["loss"], r["aux_loss"], r["lr"], r["grad_norm"]) for r in logged(output_dir)]
+
+    assert curve(resumed_dir) == curve(whole_dir)
+    assert [r[0] for r in curve(whole_dir)] == [1, 2, 3, 4]
+    a, b = final_weights(resumed_dir), final_weights(whole_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def assert_same_run(sharded_dir, single_dir, checkpoint_layout=FSDP_CHECKPOINT):
     """Same weights (<= TOLERANCE), same logged losses; the sharded run wrote a checkpoint of `checkpoint_layout`."""
     sharded, single = final_weights(sharded_dir), final_weights(single_dir)
@@ -277,13 +290,7 @@ def test_fsdp2_sharded_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_pa
     resumed = run_config(tmp_path, corpus, "resumed", architecture, **common)
     launch(tmp_path, resumed, "-m", "hf_mohd", "train", "{config}")
 
-    def curve(output_dir):
-        return [(r["step"], r["loss"], r["aux_loss"], r["lr"], r["grad_norm"]) for r in logged(output_dir)]
-
-    assert curve(resumed.output_dir) == curve(whole.output_dir)
-    assert [r[0] for r in curve(whole.output_dir)] == [1, 2, 3, 4]
-    a, b = final_weights(resumed.output_dir), final_weights(whole.output_dir)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_resumed_equals_whole(resumed.output_dir, whole.output_dir)
     assert sorted(n for n in os.listdir(checkpoints) if n.startswith("step_")) == ["step_0000002", "step_0000004"]
 
 
@@ -340,10 +347,4 @@ def test_deepspeed_zero2_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_
     resumed = run_config(tmp_path, corpus, "resumed", architecture, **common)
     launch(tmp_path, resumed, *script, config_file=DEEPSPEED_ZERO2_CPU)
 
-    def curve(output_dir):
-        return [(r["step"], r["loss"], r["aux_loss"], r["lr"], r["grad_norm"]) for r in logged(output_dir)]
-
-    assert curve(resumed.output_dir) == curve(whole.output_dir)
-    assert [r[0] for r in curve(whole.output_dir)] == [1, 2, 3, 4]
-    a, b = final_weights(resumed.output_dir), final_weights(whole.output_dir)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_resumed_equals_whole(resumed.output_dir, whole.output_dir)

@@ -95,3 +95,16 @@ def check_llama_fields(config) -> None:
     theta = rope.get("rope_theta", 1.0)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
         raise ValueError(f"`rope_parameters` has rope_theta {theta!r}; expected a finite number > 0.")
+
+
+# Llama's tensor-parallel plan of its decoder layers (`LlamaConfig.base_model_tp_plan`): q/k/v and gate/up shard their
+# output features, o_proj and down_proj their input features, so the hidden axis stays whole on every rank.
+LLAMA_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}

@@ -23,6 +23,7 @@ from transformers.utils import auto_docstring
 from transformers.utils.type_validators import interval
 
 from .configuration_common import (
+    LLAMA_TP_PLAN,
     check_llama_fields,
     check_positive_ints,
     check_real,
@@ -107,13 +108,7 @@ class LatentMoEConfig(PreTrainedConfig):
     # write the whole latent vector (they shard their hidden width m, not l), so sharding fc1/fc2 would add a
     # collective on each side for 2 l D parameters.
     base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
+        **LLAMA_TP_PLAN,
         "layers.*.mlp.shared_experts.gate_proj": "colwise",
         "layers.*.mlp.shared_experts.up_proj": "colwise",
         "layers.*.mlp.shared_experts.down_proj": "rowwise",

@@ -19,7 +19,13 @@ from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils import auto_docstring
 from transformers.utils.type_validators import interval
 
-from .configuration_common import check_llama_fields, check_positive_ints, check_real, raise_value_errors
+from .configuration_common import (
+    LLAMA_TP_PLAN,
+    check_llama_fields,
+    check_positive_ints,
+    check_real,
+    raise_value_errors,
+)
 
 
 SPARSE_MODULES = ("attention", "ffn")
@@ -86,15 +92,7 @@ class MoHDConfig(PreTrainedConfig):
     # hidden axis (the sub-dimension blocks) stays whole on every rank. The sparse sublayers do not call these
     # modules (the gather path reads their weights); `TensorParallelProjections` in modeling_mohd.py runs them on the
     # local shards with the two styles' collectives. Routers and group fusion are replicated.
-    base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-    }
+    base_model_tp_plan = dict(LLAMA_TP_PLAN)
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
