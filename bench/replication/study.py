@@ -1,0 +1,589 @@
+"""Replication study past the n-gram regime: MoHD vs dense with matched baselines, learning-rate sweeps, 3 seeds.
+
+The first round of replication runs (`runner.py`, 0.1-0.2 M activated parameters, 409,600 tokens) ended between
+the unigram and the bigram reference lines, so it compared early optimisation speed, not capacity. This study uses
+a width-128 base (4 layers, 8 heads of 16, SwiGLU FFN 384, tied embeddings, vocabulary 2,048) trained on 2,048,000
+tokens (1,000 steps x 16 sequences x 128 tokens, 2.2 epochs of the 931,072-token training split), and scores every
+run against both reference lines (`reference.py`) on the same tokens.
+
+Data: the runner's corpus, fixed document split and tokenizer (`runner.prepare_data`). The 11 held-out articles
+are cut in two disjoint halves: the *validation* set (articles 0, 2, 4, ...) chooses the learning rates, the
+*verdict* set (articles 1, 3, 5, ...) scores every comparison. The trainer gets a JSONL of the training articles
+only (`eval_fraction` 0), so every seed trains on the same packed blocks in a seeded order; a seed changes the
+initialisation and the block order.
+
+Protocol (fixed before the runs):
+1. Learning-rate sweep, seed 0, over `LR_GRID` for each family that has its own sweep (dense, MoHD compression 50%,
+   MoHD expansion x2); the rate with the lowest validation loss is the family's rate. The sweep run at the chosen
+   rate is that arm's seed 0 (it was selected on the validation set, which the verdicts never read).
+2. Every arm at its family's rate with `SEEDS`; dense baselines use the dense rate.
+3. Noise: the pooled standard deviation of the verdict losses over all arms (`verdicts.pooled_sd`); each comparison
+   gets a 95% interval and a two-sided p-value, "keeps quality" claims an equivalence test (TOST) with margin
+   `MARGIN`; Holm's correction runs over every p-value of the study.
+4. A comparison is a verdict only where both arms end at least `REGIME_GAP` nats below the bigram reference of the
+   verdict set; otherwise it is reported as "in the n-gram regime".
+
+Arms (parameters and FLOPs from the package's accounting, printed into the results):
+- `dense`: the base Llama.
+- `mohd_compression_50`, `mohd_expansion_x2`: the project's presets on the base (16 sub-dimensions, 6 shared and 2
+  routed active; expansion at width 256 with the base's attention heads and FFN).
+- `dense_at_c50_active`: dense at the compression model's activated decoder parameters (width 96, 6 heads of 16,
+  FFN 256: 443,232 vs 439,424).
+- `dense_at_x2_flops`: dense at the expansion model's forward FLOPs per token (width 128, FFN 592).
+- `dense_at_x2_params`: dense at the expansion model's total parameters (width 256, 8 heads of 16, FFN 384: the
+  expansion model with every sub-dimension active, less its routers).
+
+Every run is resumable (trainer checkpoints every 250 steps; a finished run keeps its `summary.json`), and several
+workers may share the queue (`--workers 2` starts two processes of one torch thread each; a lock file per run keeps
+them apart). `--scale K` multiplies the training tokens by K (results and runs get a `_xK` suffix): the same suite at
+10x is `python bench/replication/study.py --scale 10 --threads 8` on a CUDA machine (the trainer picks the device).
+
+    nice -n 10 python bench/replication/study.py --workers 2      # train what is missing, then write the results
+    python bench/replication/study.py --report                    # results JSON, plots, table from what exists
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import runner  # noqa: E402
+import verdicts  # noqa: E402
+
+
+RESULTS = HERE.parent / "results" / "replication"
+BASE = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+BUDGET = {"seq_len": 128, "micro_batch_size": 16, "max_steps": 1000, "warmup_steps": 50, "save_every": 250}
+LR_GRID = (1.5e-3, 3e-3, 6e-3)
+SEEDS = (0, 1, 2)
+MARGIN = 0.05  # nats/token: "keeps quality" means the verdict losses differ by less than this (perplexity within 5%)
+REGIME_GAP = 0.1  # nats/token below the bigram reference for a comparison to count as a verdict
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One model of the study: `family` names the learning-rate sweep whose rate it uses."""
+
+    family: str
+    architecture: dict
+    description: str
+
+
+def _dense(**overrides) -> dict:
+    return {"model_type": "llama", **BASE, **overrides}
+
+
+def _mohd(preset: str) -> dict:
+    from hf_mohd.models.configuration_mohd import MoHDConfig
+
+    fields = MoHDConfig.preset_fields(preset, BASE["hidden_size"], BASE["num_attention_heads"], BASE["head_dim"])
+    return {"model_type": "mohd", **BASE, **fields, "sparse_implementation": "masked"}
+
+
+ARMS = {
+    "dense": Arm("dense", _dense(), "Llama, width 128, FFN 384"),
+    "mohd_compression_50": Arm("mohd_compression_50", _mohd("compression_50"), "MoHD compression_50 (8 of 16 active)"),
+    "mohd_expansion_x2": Arm("mohd_expansion_x2", _mohd("expansion_x2"), "MoHD expansion_x2 (width 256, 8 of 16)"),
+    "dense_at_c50_active": Arm(
+        "dense",
+        _dense(hidden_size=96, num_attention_heads=6, intermediate_size=256),
+        "Llama at compression_50's activated decoder parameters (width 96, FFN 256)",
+    ),
+    "dense_at_x2_flops": Arm(
+        "dense", _dense(intermediate_size=592), "Llama at expansion_x2's FLOPs per token (width 128, FFN 592)"
+    ),
+    "dense_at_x2_params": Arm(
+        "dense",
+        _dense(hidden_size=256),
+        "Llama at expansion_x2's total parameters (width 256, 8 heads of 16, FFN 384)",
+    ),
+}
+SWEPT = ("dense", "mohd_compression_50", "mohd_expansion_x2")
+# Comparisons: (name, arm a, arm b, claim, equivalence margin or None). diff = loss(a) - loss(b).
+COMPARISONS = (
+    (
+        "compression_vs_dense",
+        "mohd_compression_50",
+        "dense",
+        "compression at 50% active keeps dense quality (MoHD, arXiv 2412.05644 abstract)",
+        MARGIN,
+    ),
+    (
+        "compression_vs_dense_at_active",
+        "mohd_compression_50",
+        "dense_at_c50_active",
+        "compression beats a dense model of its activated parameters",
+        None,
+    ),
+    ("expansion_vs_dense", "mohd_expansion_x2", "dense", "expansion x2 improves on dense (MoHD abstract)", None),
+    (
+        "expansion_vs_dense_at_flops",
+        "mohd_expansion_x2",
+        "dense_at_x2_flops",
+        "expansion x2 improves on dense at equal FLOPs per token",
+        None,
+    ),
+    (
+        "expansion_vs_dense_at_params",
+        "mohd_expansion_x2",
+        "dense_at_x2_params",
+        "expansion x2 keeps the quality of dense at equal total parameters",
+        MARGIN,
+    ),
+)
+
+
+def _suffix(scale: int) -> str:
+    return "" if scale == 1 else f"_x{scale}"
+
+
+def runs_dir(scale: int) -> Path:
+    return runner.REPO / "runs" / f"replication_v2{_suffix(scale)}"
+
+
+def run_dir(scale: int, arm: str, lr: float, seed: int) -> Path:
+    return runs_dir(scale) / arm / f"lr{lr:g}_s{seed}"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def data(scale: int) -> dict:
+    """Training JSONL (training articles only) and the validation / verdict blocks (cached as .pt)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from hf_mohd.training.data import pack, split_documents
+
+    info = runner.prepare_data()
+    folder = runs_dir(scale) / "data"
+    folder.mkdir(parents=True, exist_ok=True)
+    train_path, blocks_path = folder / "train.jsonl", folder / "held_out_blocks.pt"
+    if not (train_path.exists() and blocks_path.exists()):
+        texts = runner._texts_of(Path(info["corpus"]))
+        train_texts, eval_texts = split_documents(texts, runner.EVAL_FRACTION, runner.SPLIT_SEED)
+        tokenizer = AutoTokenizer.from_pretrained(info["tokenizer"])
+        seq_len = BUDGET["seq_len"]
+        blocks = {
+            "validation": pack(eval_texts[0::2], tokenizer, seq_len),
+            "verdict": pack(eval_texts[1::2], tokenizer, seq_len),
+            "train": pack(train_texts, tokenizer, seq_len),
+        }
+        torch.save(blocks, blocks_path)
+        tmp = train_path.with_suffix(".tmp")
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps({"text": text}) + "\n" for text in train_texts)
+        os.replace(tmp, train_path)
+    blocks = torch.load(blocks_path)
+    return {"info": info, "train_path": str(train_path), "blocks": blocks}
+
+
+def references(scale: int) -> dict:
+    """Unigram and Kneser-Ney bigram losses of the training blocks on the validation and verdict sets."""
+    import reference
+
+    path = runs_dir(scale) / "data" / "references.json"
+    if path.exists():
+        return json.loads(path.read_text(encoding="utf-8"))
+    loaded = data(scale)
+    blocks = {name: value.numpy() for name, value in loaded["blocks"].items()}
+    vocab = runner.BUDGET["vocab_size"]
+    out = {
+        name: {
+            "predicted_tokens": int(blocks[name][:, 1:].size),
+            "unigram_add_one": reference.unigram_loss(blocks["train"], blocks[name], vocab),
+            "bigram_kneser_ney": reference.bigram_loss(blocks["train"], blocks[name], vocab),
+        }
+        for name in ("validation", "verdict")
+    }
+    out["train_tokens"] = int(blocks["train"].size)
+    path.write_text(json.dumps(out, indent=1), encoding="utf-8")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Runs
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def train_config(scale: int, arm: str, lr: float, seed: int, loaded: dict):
+    from hf_mohd.training import train_config_from_dict
+
+    steps = BUDGET["max_steps"] * scale
+    values = {
+        "output_dir": str(run_dir(scale, arm, lr, seed)),
+        "max_steps": steps,
+        "micro_batch_size": BUDGET["micro_batch_size"],
+        "seed": seed,
+        "log_every": max(1, steps // 50),
+        "eval_every": 0,
+        "save_every": BUDGET["save_every"] * scale,
+        "keep_checkpoints": 1,
+        "resume": "auto",
+        "progress_bar": False,
+        "save_final": False,
+        "mixed_precision": "no",
+        "router_aux_loss": True,
+        "optim": {"lr": lr, "warmup_steps": BUDGET["warmup_steps"] * scale},
+        "model": {"architecture": ARMS[arm].architecture, "tokenizer": loaded["info"]["tokenizer"]},
+        "data": {"path": loaded["train_path"], "seq_len": BUDGET["seq_len"], "eval_fraction": 0.0},
+    }
+    return train_config_from_dict(values, source=f"study:{arm}")
+
+
+def run_one(scale: int, arm: str, lr: float, seed: int) -> dict:
+    """Train (or resume) one run, score it on the validation and verdict sets, write its `summary.json`."""
+    import resource
+
+    from hf_mohd.demo import parameter_counts
+    from hf_mohd.training import train
+    from hf_mohd.training.trainer import evaluate_perplexity
+
+    loaded = data(scale)
+    config = train_config(scale, arm, lr, seed, loaded)
+    folder = Path(config.output_dir)
+    load_before, cpu_before = os.getloadavg()[0], time.process_time()
+    result = train(config)
+    losses = {
+        name: evaluate_perplexity(result.model, loaded["blocks"][name], 32)[0] for name in ("validation", "verdict")
+    }
+    with open(folder / "log.jsonl", encoding="utf-8") as handle:
+        log = [json.loads(line) for line in handle]
+    summary = {
+        "arm": arm,
+        "lr": lr,
+        "seed": seed,
+        "architecture": ARMS[arm].architecture,
+        "params": parameter_counts(result.model),
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "validation_loss": losses["validation"],
+        "verdict_loss": losses["verdict"],
+        "train_curve": [{"step": r["step"], "tokens": r["tokens"], "loss": r["loss"]} for r in log if "loss" in r],
+        # CPU time of this call only (training since the last resume, plus the two evaluations).
+        "cpu_seconds_this_process": time.process_time() - cpu_before,
+        "wall_seconds_this_process": result.seconds,
+        "loadavg_1min_start_end": [load_before, os.getloadavg()[0]],
+        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    tmp = folder / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    os.replace(tmp, folder / "summary.json")
+    return summary
+
+
+def summary_of(scale: int, arm: str, lr: float, seed: int) -> dict | None:
+    path = run_dir(scale, arm, lr, seed) / "summary.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
+def chosen_lr(scale: int, family: str) -> float | None:
+    """The family's learning rate: lowest validation loss of its seed-0 sweep (None until the sweep is complete)."""
+    sweep = {lr: summary_of(scale, family, lr, 0) for lr in LR_GRID}
+    if any(s is None for s in sweep.values()):
+        return None
+    return min(LR_GRID, key=lambda lr: sweep[lr]["validation_loss"])
+
+
+def jobs(scale: int) -> list[tuple[str, float | None, int]]:
+    """Every run in priority order; `lr` None means "the family's rate, once its sweep is done"."""
+    order = []
+    for family in ("dense", "mohd_compression_50"):
+        order += [(family, lr, 0) for lr in LR_GRID]
+    for arm in ("dense", "mohd_compression_50", "dense_at_c50_active"):
+        order += [(arm, None, seed) for seed in SEEDS]
+    order += [("mohd_expansion_x2", lr, 0) for lr in LR_GRID]
+    for arm in ("mohd_expansion_x2", "dense_at_x2_flops", "dense_at_x2_params"):
+        order += [(arm, None, seed) for seed in SEEDS]
+    return order
+
+
+def _lock(path: Path) -> bool:
+    """Takes the run's lock file (atomic create); a lock whose process is gone is taken over."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        owner = int(path.read_text())
+        os.kill(owner, 0)
+        return False
+    except (FileNotFoundError, ValueError):
+        pass
+    except ProcessLookupError:
+        path.unlink(missing_ok=True)
+    try:
+        descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(descriptor, str(os.getpid()).encode())
+    os.close(descriptor)
+    return True
+
+
+def worker(scale: int) -> None:
+    """Runs jobs until none is left: the first ready, unlocked job in priority order each time."""
+    while True:
+        pending, started = 0, False
+        for arm, lr, seed in jobs(scale):
+            rate = lr if lr is not None else chosen_lr(scale, ARMS[arm].family)
+            if rate is not None and summary_of(scale, arm, rate, seed) is not None:
+                continue
+            pending += 1
+            if rate is None:
+                continue
+            lock = run_dir(scale, arm, rate, seed) / "worker.lock"
+            if not _lock(lock):
+                continue
+            try:
+                if summary_of(scale, arm, rate, seed) is None:
+                    print(f"== {arm} lr {rate:g} seed {seed} (pid {os.getpid()})", flush=True)
+                    s = run_one(scale, arm, rate, seed)
+                    print(f"   validation {s['validation_loss']:.4f} verdict {s['verdict_loss']:.4f}", flush=True)
+            finally:
+                lock.unlink(missing_ok=True)
+            started = True
+            break
+        if pending == 0:
+            return
+        if not started:
+            time.sleep(30)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Results
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def accounting_of(arm: str) -> dict:
+    from transformers import LlamaConfig
+
+    from hf_mohd.accounting import mohd_accounting
+    from hf_mohd.models.configuration_mohd import MoHDConfig
+
+    fields = {k: v for k, v in ARMS[arm].architecture.items() if k != "model_type"}
+    fields["vocab_size"] = runner.BUDGET["vocab_size"]
+    config = MoHDConfig(**fields) if ARMS[arm].architecture["model_type"] == "mohd" else LlamaConfig(**fields)
+    acc = mohd_accounting(config, context_length=(BUDGET["seq_len"] + 1) // 2)
+    return {
+        "total_params": acc.total_params,
+        "activated_decoder_params": acc.activated_decoder_params,
+        "flops_per_token": acc.decoder_flops_per_token + acc.lm_head_flops_per_token,
+    }
+
+
+def report(scale: int) -> dict:
+    """Results JSON (`study_v2<suffix>.json`), plot, and the markdown table, from every finished run."""
+    refs = references(scale)
+    bigram = refs["verdict"]["bigram_kneser_ney"]
+    sweeps = {
+        family: {f"{lr:g}": (summary_of(scale, family, lr, 0) or {}).get("validation_loss") for lr in LR_GRID}
+        for family in SWEPT
+    }
+    rates = {family: chosen_lr(scale, family) for family in SWEPT}
+    arms, groups = {}, {}
+    for name, arm in ARMS.items():
+        rate = rates[arm.family]
+        runs = [s for s in (summary_of(scale, name, rate, seed) for seed in SEEDS) if s] if rate else []
+        losses = [r["verdict_loss"] for r in runs]
+        if losses:
+            groups[name] = losses
+        arms[name] = {
+            "description": arm.description,
+            "family": arm.family,
+            "lr": rate,
+            "seeds_done": [r["seed"] for r in runs],
+            "verdict_loss_per_seed": losses,
+            "verdict_loss_mean": statistics.fmean(losses) if losses else None,
+            "below_bigram_by": bigram - statistics.fmean(losses) if losses else None,
+            "accounting": accounting_of(name),
+            "cpu_seconds": [r["cpu_seconds_this_process"] for r in runs],
+        }
+    complete = {name: values for name, values in groups.items() if len(values) == len(SEEDS)}
+    out = {
+        "title": "MoHD vs dense past the n-gram regime (width-128 base, 2.05M tokens, 3 seeds)",
+        "scale": scale,
+        "status": "complete" if len(complete) == len(ARMS) else "partial",
+        "command": f"nice -n 10 python bench/replication/study.py --workers 2{'' if scale == 1 else f' --scale {scale}'}",
+        "base_shape": BASE,
+        "budget": {
+            **BUDGET,
+            "vocab_size": runner.BUDGET["vocab_size"],
+            "tokens_per_run": BUDGET["max_steps"] * scale * BUDGET["micro_batch_size"] * BUDGET["seq_len"],
+        },
+        "lr_grid": list(LR_GRID),
+        "lr_sweep_validation_loss": sweeps,
+        "chosen_lr": rates,
+        "references": refs,
+        "margin": MARGIN,
+        "regime_gap": REGIME_GAP,
+        "arms": arms,
+        "comparisons": {},
+    }
+    if complete and sum(len(v) - 1 for v in complete.values()) > 0:
+        sd, df = verdicts.pooled_sd(complete)
+        out["pooled_sd"], out["pooled_df"] = sd, df
+        for name in complete:
+            arms[name]["verdict_loss_ci95"] = verdicts.arm_interval(complete[name], sd, df)
+        tests, pvalues = {}, {}
+        for key, a, b, claim, margin in COMPARISONS:
+            if a not in complete or b not in complete:
+                continue
+            result = verdicts.difference(a, b, complete, sd, df, margin)
+            tests[key] = {"claim": claim, **result.as_dict()}
+            pvalues[f"{key}:difference"] = result.p
+            if margin is not None:
+                pvalues[f"{key}:equivalence"] = result.tost_p
+        adjusted = verdicts.holm(pvalues)
+        for key, test in tests.items():
+            test["holm_p"] = adjusted[f"{key}:difference"]
+            test["holm_tost_p"] = adjusted.get(f"{key}:equivalence")
+            in_regime = all(statistics.fmean(complete[arm]) <= bigram - REGIME_GAP for arm in (test["a"], test["b"]))
+            test["verdict"] = _wording(test, in_regime)
+        out["comparisons"] = tests
+        out["holm_family"] = sorted(pvalues)
+    path = RESULTS / f"study_v2{_suffix(scale)}.json"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    plot(out, path.with_suffix(".png"))
+    print(table(out))
+    print(f"wrote {path}")
+    return out
+
+
+def _wording(test: dict, in_regime: bool) -> str:
+    """The verdict phrase the numbers allow (alpha 0.05 after Holm)."""
+    if not in_regime:
+        return "no verdict: an arm ends less than 0.1 nats below the bigram reference"
+    if test["holm_p"] < 0.05:
+        return "lower loss (significant)" if test["diff"] < 0 else "higher loss (significant)"
+    if test["holm_tost_p"] is not None and test["holm_tost_p"] < 0.05:
+        return f"equivalent within {test['margin']} nats"
+    return "no detectable difference (neither a difference nor equivalence is shown)"
+
+
+def table(results: dict) -> str:
+    refs = results["references"]["verdict"]
+    lines = [
+        f"Reference lines on the verdict set: unigram {refs['unigram_add_one']:.3f}, "
+        f"bigram {refs['bigram_kneser_ney']:.3f} (verdicts need <= {refs['bigram_kneser_ney'] - REGIME_GAP:.3f}).",
+        f"Chosen learning rates: {results['chosen_lr']}; pooled sd "
+        f"{results.get('pooled_sd', float('nan')):.4f} ({results.get('pooled_df', 0)} df).",
+        "",
+        "| arm | lr | seeds | verdict loss (mean, 95% CI) | below bigram | activated decoder params | FLOPs/token |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, arm in results["arms"].items():
+        if arm["verdict_loss_mean"] is None:
+            lines.append(
+                f"| {name} | {arm['lr']} | 0 | not run | | {arm['accounting']['activated_decoder_params']:,} | "
+                f"{arm['accounting']['flops_per_token']:,} |"
+            )
+            continue
+        ci = arm.get("verdict_loss_ci95")
+        ci_text = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
+        lines.append(
+            f"| {name} | {arm['lr']:g} | {len(arm['seeds_done'])} | {arm['verdict_loss_mean']:.3f}{ci_text} | "
+            f"{arm['below_bigram_by']:.3f} | {arm['accounting']['activated_decoder_params']:,} | "
+            f"{arm['accounting']['flops_per_token']:,} |"
+        )
+    if results["comparisons"]:
+        lines += [
+            "",
+            "| comparison | diff (a - b) | 95% CI | p (Holm) | equivalence p (Holm) | verdict |",
+            "|---|---|---|---|---|---|",
+        ]
+        for key, test in results["comparisons"].items():
+            tost = "" if test["holm_tost_p"] is None else f"{test['holm_tost_p']:.3f}"
+            lines.append(
+                f"| {key} | {test['diff']:+.3f} | [{test['ci95'][0]:+.3f}, {test['ci95'][1]:+.3f}] | "
+                f"{test['holm_p']:.3f} | {tost} | {test['verdict']} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for family, sweep in results["lr_sweep_validation_loss"].items():
+        points = [(float(lr), loss) for lr, loss in sweep.items() if loss is not None]
+        if points:
+            left.plot(*zip(*points, strict=True), "o-", label=family)
+    left.set(xscale="log", xlabel="learning rate", ylabel="validation loss (nats/token)", title="Sweep (seed 0)")
+    names = [n for n, a in results["arms"].items() if a["verdict_loss_mean"] is not None]
+    for index, name in enumerate(names):
+        arm = results["arms"][name]
+        ci = arm.get("verdict_loss_ci95")
+        error = [[arm["verdict_loss_mean"] - ci[0]], [ci[1] - arm["verdict_loss_mean"]]] if ci else None
+        right.errorbar([index], [arm["verdict_loss_mean"]], yerr=error, fmt="o", capsize=4)
+        right.plot([index] * len(arm["verdict_loss_per_seed"]), arm["verdict_loss_per_seed"], "x", color="grey")
+    refs = results["references"]["verdict"]
+    right.axhline(refs["bigram_kneser_ney"], color="red", ls="--", label="Kneser-Ney bigram")
+    right.axhline(refs["bigram_kneser_ney"] - REGIME_GAP, color="red", ls=":", label="bigram - 0.1 (verdict line)")
+    right.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=7)
+    right.set(ylabel="verdict-set loss (nats/token)", title="Arms: mean, 95% CI (pooled), seeds (x)")
+    right.text(0.01, 0.02, f"unigram reference {refs['unigram_add_one']:.2f}", transform=right.transAxes, fontsize=7)
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.suptitle(f"{results['title']} [{results['status']}]", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=1, help="worker processes sharing the queue (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    parser.add_argument("--scale", type=int, default=1, help="multiply the training tokens (default 1)")
+    parser.add_argument("--report", action="store_true", help="only write the results from the finished runs")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.scale < 1 or args.workers < 1 or args.threads < 1:
+        parser.error("--scale, --workers and --threads must be positive integers")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.report:
+        report(args.scale)
+        return
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.worker or args.workers == 1:
+        data(args.scale)
+        references(args.scale)
+        worker(args.scale)
+        if not args.worker:
+            report(args.scale)
+        return
+    data(args.scale)
+    references(args.scale)
+    command = [sys.executable, __file__, "--worker", "--scale", str(args.scale), "--threads", str(args.threads)]
+    processes = [subprocess.Popen(command) for _ in range(args.workers)]
+    codes = [process.wait() for process in processes]
+    if any(codes):
+        raise SystemExit(f"a worker failed (exit codes {codes}); rerun the same command to resume")
+    report(args.scale)
+
+
+if __name__ == "__main__":
+    main()
