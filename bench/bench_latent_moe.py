@@ -39,7 +39,7 @@ import common  # noqa: E402
 
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM  # noqa: E402
 from hf_mohd.interop.nemotron_h import nemotron_h_config_from_latent_moe  # noqa: E402
-from hf_mohd.models.latent_moe_accounting import layer_accounting, model_accounting  # noqa: E402
+from hf_mohd.models.accounting import layer_accounting, model_accounting  # noqa: E402
 from hf_mohd.models.modeling_latent_moe import LatentMoEBlock  # noqa: E402
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_mohd.cli import main as cli_main
-from hf_mohd.models.latent_moe_accounting import (
+from hf_mohd.models.accounting import (
     all_to_all_scalars,
     attention_params,
     dense_mlp_params,

@@ -114,7 +114,7 @@ SEEDS = {
 
 def accounting() -> dict:
     """Per-layer routed params, activated MACs and all-to-all payload of each variant (library accounting)."""
-    from hf_mohd.models.latent_moe_accounting import mixer_accounting
+    from hf_mohd.models.accounting import mixer_accounting
 
     out = {}
     for name, fields in (

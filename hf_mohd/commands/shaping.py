@@ -147,7 +147,7 @@ def run_alpha_transform(args) -> int:
 
 
 def run_propose_shape(args) -> int:
-    from hf_mohd.models.latent_moe_accounting import layer_fields
+    from hf_mohd.models.accounting import layer_fields
     from hf_mohd.shaping.accounting import load_config
     from hf_mohd.shaping.shapes import propose_shapes
 

@@ -22,6 +22,7 @@ from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils import auto_docstring
 from transformers.utils.type_validators import interval
 
+from .accounting import PER_LAYER_FIELDS, check_layer_overrides, layer_accounting, model_accounting
 from .configuration_common import (
     LLAMA_TP_PLAN,
     check_llama_fields,
@@ -29,7 +30,6 @@ from .configuration_common import (
     check_real,
     raise_value_errors,
 )
-from .latent_moe_accounting import PER_LAYER_FIELDS, check_layer_overrides, layer_accounting, model_accounting
 
 
 MIXER_TYPES = ("moe", "mlp")
@@ -45,7 +45,7 @@ POSITION_EMBEDDING_TYPES = ("rope", "none")
     `hidden_size`, `fc1_latent_proj` maps each token to `moe_latent_size` once, the routed experts run and are combined
     at that latent width, and `fc2_latent_proj` maps back; a shared expert works at full width (as Nemotron 3 /
     transformers' `NemotronHMoE`). `moe_latent_size=None` is the standard fine-grained MoE baseline.
-    Any layer may override the fields in `PER_LAYER_FIELDS` (latent_moe_accounting.py, one list for the config and
+    Any layer may override the fields in `PER_LAYER_FIELDS` (accounting.py, one list for the config and
     the accounting) through transformers' native `per_layer_config`
     (a sparse map {layer index: {field: value}}), e.g. `per_layer_config={0: {"mixer_type": "mlp"}}`.
     """,
@@ -210,7 +210,7 @@ class LatentMoEConfig(PreTrainedConfig):
             _validate_layer_fields(layer_config, where=f"layer {layer_idx}: ")
 
     # Parameter accounting (docs/design.md section 4, "Accounting per layer"): the formulas of arXiv 2610.14644 B.2 live in
-    # `latent_moe_accounting.py` (weights only); the biases `mlp_bias` adds to the built modules are counted here.
+    # `accounting.py` (weights only); the biases `mlp_bias` adds to the built modules are counted here.
 
     def _layer_bias_parameters(self, layer_idx: int) -> int:
         """Biases of layer `layer_idx` when `mlp_bias` (dense MLP, shared expert, latent projections; experts have none)."""

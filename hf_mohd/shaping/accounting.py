@@ -1,6 +1,6 @@
 """Model-level LatentMoE accounting from a config object, a `config.json` dict or a path.
 
-The formulas live in `hf_mohd.models.latent_moe_accounting` (pure Python, shipped as remote code with the model);
+The formulas live in `hf_mohd.models.accounting` (pure Python, shipped as remote code with the model);
 this module adds loading and a readable table. Source: arXiv 2610.14644 appendix B.2, docs/design.md section 4.
 """
 
@@ -8,7 +8,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from ..models.latent_moe_accounting import LatentMoEAccounting, model_accounting
+from ..models.accounting import LatentMoEAccounting, model_accounting
 
 
 def load_config(config_or_path):
@@ -56,7 +56,7 @@ def config_to_dict(config) -> dict:
 def latent_moe_accounting(config_or_path, context_length: int = 0) -> LatentMoEAccounting:
     """Per-layer and total accounting of a LatentMoE config (object, dict, or path to a config.json / folder).
 
-    See `hf_mohd.models.latent_moe_accounting.model_accounting` for the terms and units.
+    See `hf_mohd.models.accounting.model_accounting` for the terms and units.
     """
     return model_accounting(load_config(config_or_path), context_length)
 

@@ -21,7 +21,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from ..models.latent_moe_accounting import layer_fields, mixer_accounting
+from ..models.accounting import layer_fields, mixer_accounting
 from .accounting import config_to_dict, load_config
 from .shapes import MOE_FIELDS
 

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from ..models.latent_moe_accounting import LAYER_FIELD_DEFAULTS, layer_fields
+from ..models.accounting import LAYER_FIELD_DEFAULTS, layer_fields
 from .accounting import config_to_dict
 
 
