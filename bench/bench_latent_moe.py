@@ -39,7 +39,7 @@ import common  # noqa: E402
 
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM  # noqa: E402
 from hf_mohd.interop.nemotron_h import nemotron_h_config_from_latent_moe  # noqa: E402
-from hf_mohd.models.latent_moe_accounting import layer_accounting, model_accounting  # noqa: E402
+from hf_mohd.models.accounting import layer_accounting, model_accounting  # noqa: E402
 from hf_mohd.models.modeling_latent_moe import LatentMoEBlock  # noqa: E402
 
 
@@ -120,7 +120,7 @@ def layer_benchmark(shape: dict, args) -> dict:
     return {
         "config": {k: getattr(config, k) for k in ("hidden_size", *LATENT_MOE, "moe_shared_expert_intermediate_size")},
         "tokens": shape["batch"] * shape["seq"],
-        "mixer_macs_per_token": acc.mixer_macs,
+        "mixer_flops_per_token": acc.mixer_flops,
         "all_to_all_scalars_per_token": acc.all_to_all_scalars,
         "results": results,
     }
@@ -179,9 +179,9 @@ def model_benchmark(shape: dict, args) -> dict:
         acc = model_accounting(config, context_length=(shape["seq"] + 1) // 2)
         per_layer = layer_accounting(config, 0, context_length=(shape["seq"] + 1) // 2)
         accounting[label] = {
-            "total_params": acc.total_params if hasattr(acc, "total_params") else None,
-            "mixer_macs_per_token_per_layer": per_layer.mixer_macs,
-            "activated_macs_per_token_per_layer": per_layer.activated_macs,
+            "total_params": acc.total_params,
+            "mixer_flops_per_token_per_layer": per_layer.mixer_flops,
+            "activated_flops_per_token_per_layer": per_layer.activated_flops,
             "all_to_all_scalars_per_token_per_layer": per_layer.all_to_all_scalars,
             "all_to_all_scalars_per_token": per_layer.all_to_all_scalars * shape["num_hidden_layers"],
             "all_to_all_bytes_per_token_bf16": 2 * per_layer.all_to_all_scalars * shape["num_hidden_layers"],
@@ -241,8 +241,8 @@ def summarize(layer: dict, model: dict, clock: str) -> list[str]:
         for label, res in model["results"][mode].items():
             lines.append(
                 f"model {mode:8s} {label:12s} {res['tokens_per_s']:.0f} tok/s ({clock} clock), "
-                f"{res['speedup_vs_standard_moe']:.3f}x vs standard MoE (activated MACs ratio "
-                f"{acc['standard_moe']['activated_macs_per_token_per_layer'] / acc[label]['activated_macs_per_token_per_layer']:.3f}), "
+                f"{res['speedup_vs_standard_moe']:.3f}x vs standard MoE (activated FLOPs ratio "
+                f"{acc['standard_moe']['activated_flops_per_token_per_layer'] / acc[label]['activated_flops_per_token_per_layer']:.3f}), "
                 f"all-to-all {acc[label]['all_to_all_scalars_per_token']} scalars/token "
                 f"({acc[label]['all_to_all_bytes_per_token_bf16'] / 1024:.0f} KiB in bf16), "
                 f"peak RSS +{res['peak_rss_above_start_mib']} MiB"

@@ -19,7 +19,7 @@ Models (fp32, CPU, sdpa attention), all built in this run from the fixed bench s
   (the gather model in its default block-major layout);
 - `llama_active`: `LlamaForCausalLM` at the activated width (hidden 512, same heads and FFN; reference only).
 
-Ceilings come from `hf_mohd.accounting.mohd_accounting`: forward FLOPs per token (decoder at the mean causal context
+Ceilings come from `hf_mohd.models.accounting.model_accounting`: forward FLOPs per token (decoder at the mean causal context
 (T + 1) / 2, plus the LM head).
 
     python bench/bench_mohd.py            # fixed shape, writes bench/results/mohd.json and mohd.png
@@ -37,7 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from hf_mohd.accounting import mohd_accounting  # noqa: E402
+from hf_mohd.models.accounting import model_accounting  # noqa: E402
 from hf_mohd.models.configuration_mohd import MoHDConfig  # noqa: E402
 from hf_mohd.models.modeling_mohd import MoHDForCausalLM  # noqa: E402
 
@@ -92,8 +92,7 @@ MODELS_PER_MODE = {
 
 def prefill_flops(config, seq: int) -> int:
     """Forward FLOPs per token of a causal prefill of `seq` tokens (mean context (seq + 1) / 2) plus the LM head."""
-    acc = mohd_accounting(config, context_length=(seq + 1) // 2)
-    return acc.decoder_flops_per_token + acc.lm_head_flops_per_token
+    return model_accounting(config, context_length=(seq + 1) // 2).flops_per_token
 
 
 def prefill_fn(model, ids):

@@ -29,7 +29,7 @@ at every step, so the decode time excludes the prefill: (N - 1) steps between th
   prompt-lookup decoding run per step); time per verified token.
 Ratios are medians over `--reps` repetitions (after one warm-up), on the process CPU clock by default (`--clock`).
 Ceiling: weight bytes read per decoded token (activated decoder weights plus the LM head, fp32) from
-`mohd_accounting(...).decode_weight_bytes_per_token`; a model's fraction of its ceiling is its speedup over Llama
+`model_accounting(...).decode_weight_bytes_per_token`; a model's fraction of its ceiling is its speedup over Llama
 divided by its byte ratio to Llama.
 
     python bench/bench_mohd_decode.py --reps 5          # results/mohd_decode.json and .png
@@ -48,7 +48,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, LogitsProcessor
 
 import hf_mohd  # noqa: F401  (registers "mohd" with the Auto classes)
 from hf_mohd import MoHDConfig, MoHDForCausalLM
-from hf_mohd.accounting import mohd_accounting
+from hf_mohd.models.accounting import model_accounting
 
 
 MODELS = ("llama", "mohd", "mohd_row_major", "llama_active")
@@ -141,7 +141,7 @@ def main():
     layout = models["mohd"].model.layers[0].self_attn.q_proj.weight.stride()
     print(f"mohd q_proj stride after from_pretrained: {layout} (block-major: stride[0] == 1)", flush=True)
     weight_bytes = {
-        name: mohd_accounting(cfg, context_length=args.prompt).decode_weight_bytes_per_token(4)
+        name: model_accounting(cfg, context_length=args.prompt).decode_weight_bytes_per_token(4)
         for name, cfg in configs.items()
     }
     generator = torch.Generator().manual_seed(0)

@@ -35,8 +35,8 @@ from bench_mohd_decode import time_generate
 from transformers import AutoModelForCausalLM
 
 import hf_mohd  # noqa: F401  (registers "mohd" with the Auto classes)
-from hf_mohd.accounting import mohd_accounting
 from hf_mohd.conversion import llama_to_mohd, load_dense_llama
+from hf_mohd.models.accounting import model_accounting
 
 
 PRESETS = ("compression_75", "compression_50")
@@ -110,7 +110,8 @@ def main():
     prefill_ids = torch.randint(3, vocab, (4, 256), generator=generator)
     prompt = torch.randint(3, vocab, (1, 32), generator=generator)
     weight_bytes = {
-        name: mohd_accounting(cfg, context_length=32).decode_weight_bytes_per_token(4) for name, cfg in configs.items()
+        name: model_accounting(cfg, context_length=32).decode_weight_bytes_per_token(4)
+        for name, cfg in configs.items()
     }
     results = {"prefill": {}, "decode": {}}
     for name, model in models.items():

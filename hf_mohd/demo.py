@@ -196,21 +196,18 @@ def architectures(demo: DemoConfig) -> dict[str, dict]:
 def parameter_counts(model) -> dict[str, int]:
     """Total parameters (built), and decoder parameters one token reads (embedding and LM head excluded).
 
-    Activated counts come from the accounting of each family: `mohd_accounting` (MoHD and Llama, docs/design.md section 3)
-    and `LatentMoEConfig.layer_num_active_parameters` (docs/design.md section 4).
+    Decoder and activated counts come from `hf_mohd.models.accounting.model_accounting`, one accounting for MoHD,
+    LatentMoE and Llama (docs/design.md sections 3 and 4).
     """
-    from .accounting import mohd_accounting
+    from .models.accounting import model_accounting
 
-    config = model.config
-    total = sum(p.numel() for p in model.parameters())
-    embedding = model.get_input_embeddings().weight.numel()
-    if config.model_type == "latent_moe":
-        activated = sum(config.layer_num_active_parameters(i) for i in range(config.num_hidden_layers))
-        decoder = sum(config.layer_num_parameters(i) for i in range(config.num_hidden_layers))
-    else:
-        accounting = mohd_accounting(config)
-        activated, decoder = accounting.activated_decoder_params, accounting.decoder_params
-    return {"total": total, "embedding": embedding, "decoder": decoder, "activated_decoder": activated}
+    accounting = model_accounting(model.config)
+    return {
+        "total": sum(p.numel() for p in model.parameters()),
+        "embedding": model.get_input_embeddings().weight.numel(),
+        "decoder": accounting.decoder_params,
+        "activated_decoder": accounting.activated_decoder_params,
+    }
 
 
 def train_config(demo: DemoConfig, name: str, architecture: dict, corpus: str, tokenizer_dir: str) -> TrainConfig:

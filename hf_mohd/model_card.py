@@ -159,28 +159,21 @@ def lm_eval_to_eval_results(results: Mapping[str, Any], *, task_type: str = PIPE
 
 
 def parameter_counts(config) -> dict[str, int]:
-    """Total and activated parameters of a MoHD or LatentMoE config, without building the model.
-
-    MoHD: `hf_mohd.accounting.mohd_accounting` (activated = decoder parameters a token reads plus the LM head).
-    LatentMoE: the config's own `num_parameters()` / `num_active_parameters()`.
+    """Total and activated parameters of a MoHD or LatentMoE config, without building the model
+    (`hf_mohd.models.accounting.model_accounting`: activated = decoder parameters a token reads plus the LM head),
+    with the embedding, and the router and group-fusion parameters where the model has any.
 
     Raises:
-        TypeError: a config of neither family (no accounting is known for it).
+        ValueError: a config the accounting does not cover (a mixture-of-experts of another family).
     """
-    if getattr(config, "model_type", None) == "mohd":
-        from .accounting import mohd_accounting
+    from .models.accounting import model_accounting
 
-        acc = mohd_accounting(config)
-        return {
-            "total": acc.total_params,
-            "activated": acc.activated_params,
-            "embedding": acc.embedding_params,
-            "router": acc.router_params,
-            "group fusion": acc.fusion_params,
-        }
-    if hasattr(config, "num_parameters") and hasattr(config, "num_active_parameters"):
-        return {"total": int(config.num_parameters()), "activated": int(config.num_active_parameters())}
-    raise TypeError(f"No parameter accounting for model_type {getattr(config, 'model_type', None)!r}.")
+    acc = model_accounting(config)
+    counts = {"total": acc.total_params, "activated": acc.activated_params, "embedding": acc.embedding_params}
+    for name, value in (("router", acc.router_params), ("group fusion", acc.fusion_params)):
+        if value:
+            counts[name] = value
+    return counts
 
 
 def _fmt(value: Any) -> str:
@@ -243,7 +236,8 @@ def render_model_card(
         A `huggingface_hub.ModelCard`; `card.data` is its `ModelCardData`, `str(card)` the README text.
 
     Raises:
-        TypeError: `model_or_config` is of neither family; ValueError: `eval_results` without numeric metrics.
+        ValueError: a config the accounting does not cover (`parameter_counts`), or `eval_results` without numeric
+            metrics.
     """
     config = getattr(model_or_config, "config", model_or_config)
     family = config.model_type

@@ -8,9 +8,9 @@ from huggingface_hub import ModelCard
 from huggingface_hub.repocard_data import model_index_to_eval_results
 
 from hf_mohd import MoHDConfig
-from hf_mohd.accounting import mohd_accounting
 from hf_mohd.lora import lora_targets
 from hf_mohd.model_card import lm_eval_to_eval_results, render_model_card
+from hf_mohd.models.accounting import model_accounting
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def test_rendered_mohd_card_metadata_is_valid_and_round_trips():
         ("exact_match", 0.125),
     ]
     # Body: parameter accounting, sparsity settings, how to load, limits.
-    acc = mohd_accounting(config)
+    acc = model_accounting(config)
     text = reparsed.text
     assert f"| total parameters | {acc.total_params:,} |" in text
     assert f"| activated parameters | {acc.activated_params:,} |" in text

@@ -7,8 +7,8 @@ softmax or sigmoid routing, and check on each draw:
 - MoHD: the gather path (grouped and few-tokens plans, optionally the block-major weight layout) equals the masked
   reference path in logits, loss and every gradient: to float64 rounding (1e-10), and within 1e-5 in float32;
 - both: greedy generation with the cache equals generation without it (float64, routers spread: no near-ties);
-- both: the parameter accounting (`hf_mohd.accounting.mohd_accounting`, `LatentMoEConfig.num_parameters`) equals
-  the parameters the model actually builds;
+- both: the parameter accounting (`config.num_parameters()`, `hf_mohd.models.accounting.model_accounting`) equals
+  the parameters the model actually builds, and `num_active_parameters()` what a token reads of them;
 - both: `save_pretrained` / `from_pretrained` round trips are exact (weights and logits);
 - LatentMoE of the Nemotron-H form: transformers' own `NemotronHForCausalLM` holding the exported weights gives the
   same logits.
@@ -28,7 +28,6 @@ from transformers import AutoModelForCausalLM
 
 import hf_mohd  # noqa: F401  (registers the Auto classes)
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
-from hf_mohd.accounting import mohd_accounting
 from hf_mohd.interop import to_nemotron_h
 
 
@@ -226,7 +225,25 @@ def test_mohd_accounting_equals_built_parameters(fields):
     config = MoHDConfig(**fields)
     with torch.device("meta"):
         model = MoHDForCausalLM(config)
-    assert mohd_accounting(config).total_params == _built_parameters(model)
+    assert config.num_parameters() == _built_parameters(model)
+    # a token reads n_a / N of the sparsified projections (whole biases on the input side), the rest whole, the LM
+    # head, and not the embedding lookup
+    n, n_active = config.num_sub_dims, config.num_active_sub_dims
+    sparse = set(config.sparse_modules) if config.num_routed_sub_dims else set()
+    skipped = 0 if config.tie_word_embeddings else model.model.embed_tokens.weight.numel()
+    for layer in model.model.layers:
+        for name, projections in (
+            (
+                "attention",
+                [layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight],
+            ),
+            ("ffn", [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
+        ):
+            output = layer.self_attn.o_proj if name == "attention" else layer.mlp.down_proj
+            if name in sparse:
+                sliced = sum(w.numel() for w in projections) + sum(p.numel() for p in output.parameters())
+                skipped += sliced - sliced * n_active // n
+    assert config.num_active_parameters() == _built_parameters(model) - skipped
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=SLOW_OK)
@@ -238,8 +255,14 @@ def test_latent_moe_accounting_equals_built_parameters(fields):
         model = LatentMoEForCausalLM(config)
     assert config.num_parameters() == _built_parameters(model)
     layers = model.model.layers
+    skipped = 0 if config.tie_word_embeddings else model.model.embed_tokens.weight.numel()
     for index, layer in enumerate(layers):
         assert config.layer_num_parameters(index) == _built_parameters(layer), index
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:  # a token reads K of the N experts
+            per_expert = sum(p[0].numel() for p in experts.parameters())
+            skipped += (layer.mlp.gate.num_experts - layer.mlp.gate.top_k) * per_expert
+    assert config.num_active_parameters() == _built_parameters(model) - skipped
 
 
 def _assert_round_trip_exact(model) -> None:

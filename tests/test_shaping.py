@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from hf_mohd.cli import main as cli_main
-from hf_mohd.models.latent_moe_accounting import (
+from hf_mohd.models.accounting import (
     all_to_all_scalars,
     attention_params,
-    dense_mlp_params,
     latent_projection_params,
     layer_accounting,
+    mlp_params,
     model_accounting,
-    moe_activated_macs,
+    moe_activated_flops,
     routed_expert_params,
     router_params,
     shared_expert_params,
@@ -29,7 +29,6 @@ from hf_mohd.shaping import (
     collect_hidden_states,
     find_split,
     intrinsic_dimension_profile,
-    latent_moe_accounting,
     nearest_neighbour_distances,
     propose_shape,
     propose_shapes,
@@ -80,35 +79,53 @@ def test_component_formulas_match_hand_counts():
     assert latent_projection_params(64, 16) == 2048 and latent_projection_params(64, None) == 0
     assert router_params(64, 8) == 512
     assert shared_expert_params(64, 48) == 9216 and shared_expert_params(64, None) == 0
-    assert dense_mlp_params(64, 128, False) == 2 * 64 * 128
-    # 3 K l m + 2 D l + D N + 3 D m_s = 3072 + 2048 + 512 + 9216
-    assert moe_activated_macs(64, 32, 8, 2, 16, 48) == 14848
-    assert moe_activated_macs(64, 32, 8, 2, None, 0, False) == 2 * 2 * 64 * 32 + 512
+    assert mlp_params(64, 128, False) == 2 * 64 * 128
+    # biases: gate and up I each (up only when not gated), down D
+    assert mlp_params(64, 128, True, True) == 3 * 64 * 128 + 2 * 128 + 64
+    assert mlp_params(64, 128, False, True) == 2 * 64 * 128 + 128 + 64
+    assert latent_projection_params(64, 16, mlp_bias=True) == 2048 + 16 + 64
+    assert shared_expert_params(64, 48, mlp_bias=True) == 9216 + 2 * 48 + 64
+    assert shared_expert_params(64, 0, mlp_bias=True) == 0
+    # FLOPs = 2 x MACs, MACs 3 K l m + 2 D l + D N + 3 D m_s = 3072 + 2048 + 512 + 9216
+    assert moe_activated_flops(64, 32, 8, 2, 16, 48) == 2 * 14848
+    assert moe_activated_flops(64, 32, 8, 2, None, 0, False) == 2 * (2 * 2 * 64 * 32 + 512)
     assert all_to_all_scalars(64, 2, 16) == 64 and all_to_all_scalars(64, 2) == 256
 
 
 def test_layer_and_model_accounting_of_a_dict_config():
-    layers = latent_moe_accounting(DICT_CONFIG).layers
+    layers = model_accounting(DICT_CONFIG).layers
     latent, dense, standard, small = layers
     assert latent.total_params == 12288 + 12288 + 2048 + 512 + 9216 + 128
     assert latent.activated_params == 12288 + 3 * 2 * 16 * 32 + 2048 + 512 + 9216 + 128
-    assert (latent.mixer_macs, latent.all_to_all_scalars) == (14848, 64)
+    assert (latent.mixer_flops, latent.all_to_all_scalars) == (2 * 14848, 64)
     assert dense.mixer_type == "mlp" and dense.total_params == 12288 + 3 * 64 * 128 + 128
-    assert (dense.mixer_macs, dense.all_to_all_scalars) == (3 * 64 * 128, 0)
+    assert (dense.mixer_flops, dense.all_to_all_scalars) == (2 * 3 * 64 * 128, 0)
     assert standard.routed_expert_params == 3 * 8 * 64 * 32 and standard.latent_projection_params == 0
-    assert (standard.mixer_macs, standard.all_to_all_scalars) == (3 * 2 * 64 * 32 + 512 + 9216, 2 * 2 * 64)
+    assert (standard.mixer_flops, standard.all_to_all_scalars) == (2 * (3 * 2 * 64 * 32 + 512 + 9216), 2 * 2 * 64)
     # N = 4, K = 1, m_s = 0: routed 3 * 4 * 16 * 32, router 64 * 4, latent projections 2 * 64 * 16, no shared expert
     assert small.total_params == 12288 + 6144 + 2048 + 256 + 128
     assert small.activated_params == 12288 + 3 * 1 * 16 * 32 + 2048 + 256 + 128
-    assert (small.shared_expert_params, small.mixer_macs, small.all_to_all_scalars) == (0, 1536 + 2048 + 256, 32)
-    total = latent_moe_accounting(DICT_CONFIG)
+    assert (small.shared_expert_params, small.mixer_flops, small.all_to_all_scalars) == (
+        0,
+        2 * (1536 + 2048 + 256),
+        32,
+    )
+    total = model_accounting(DICT_CONFIG)
     assert total.total_params == sum(layer.total_params for layer in layers) + 64 + 2 * 100 * 64
     assert total.all_to_all_scalars == 64 + 0 + 256 + 32
     # non-gated experts and shared expert (`mlp_gated=False`, global): c = 2
-    ungated = latent_moe_accounting({**DICT_CONFIG, "mlp_gated": False}).layers[0]
+    assert total.flops_per_token == sum(layer.activated_flops for layer in layers) + 2 * 100 * 64
+    assert total.activated_params == sum(layer.activated_params for layer in layers) + 64 + 100 * 64
+    ungated = model_accounting({**DICT_CONFIG, "mlp_gated": False}).layers[0]
     assert ungated.routed_expert_params == 2 * 8 * 16 * 32 and ungated.shared_expert_params == 2 * 64 * 48
     with_context = layer_accounting(DICT_CONFIG, 0, context_length=10)
-    assert with_context.attention_macs == 12288 + 2 * 4 * 16 * 10
+    assert with_context.attention_flops == 2 * (12288 + 2 * 4 * 16 * 10)
+    # `mlp_bias` (one value for the model): dense MLP, shared expert and latent projections gain their biases
+    biased = model_accounting({**DICT_CONFIG, "mlp_bias": True}).layers
+    assert biased[0].total_params == latent.total_params + (16 + 64) + (2 * 48 + 64)
+    assert biased[1].total_params == dense.total_params + 2 * 128 + 64
+    assert biased[2].total_params == standard.total_params + 2 * 48 + 64
+    assert [b.mixer_flops for b in biased] == [layer.mixer_flops for layer in layers]  # biases add no FLOPs
 
 
 @pytest.mark.parametrize(
@@ -141,7 +158,7 @@ def test_dict_fixture_is_a_valid_latent_moe_config():
 
     config = LatentMoEConfig.from_dict(DICT_CONFIG)
     assert [layer.num_experts for layer in config.per_layer_config] == [8, 8, 8, 4]
-    assert model_accounting(config).as_dict() == latent_moe_accounting(DICT_CONFIG).as_dict()
+    assert model_accounting(config).as_dict() == model_accounting(DICT_CONFIG).as_dict()
 
 
 def test_accounting_errors_name_layer_and_field():
@@ -177,11 +194,11 @@ def test_accounting_matches_parameters_actually_built(gated):
     model = LatentMoEForCausalLM(config)
     built = sum(p.numel() for p in model.parameters())
     as_dict = {**fields, "per_layer_config": {str(k): v for k, v in per_layer.items()}}
-    assert built == model_accounting(config).total_params == latent_moe_accounting(as_dict).total_params
+    assert built == model_accounting(config).total_params == model_accounting(as_dict).total_params
     for idx, layer in enumerate(model.model.layers):
         assert sum(p.numel() for p in layer.parameters()) == layer_accounting(config, idx).total_params, idx
     # the config as serialised (`to_dict`, what config.json holds) gives the same numbers
-    assert latent_moe_accounting(config.to_dict()).as_dict() == model_accounting(config).as_dict()
+    assert model_accounting(config.to_dict()).as_dict() == model_accounting(config).as_dict()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -203,9 +220,9 @@ STANDARD = {
 
 
 def _routed_terms(layer):
-    """(routed params, routed MACs, all-to-all) of one layer: what the alpha-transform must keep."""
-    routed_macs = layer.mixer_macs - layer.latent_projection_params - layer.router_params - layer.shared_expert_params
-    return layer.routed_expert_params, routed_macs, layer.all_to_all_scalars
+    """(routed params, routed FLOPs, all-to-all) of one layer: what the alpha-transform must keep."""
+    others = layer.latent_projection_params + layer.router_params + layer.shared_expert_params
+    return layer.routed_expert_params, layer.mixer_flops - 2 * others, layer.all_to_all_scalars
 
 
 @pytest.mark.parametrize("alpha", [2, 4, 0.5])
@@ -215,7 +232,7 @@ def test_alpha_transform_keeps_routed_params_compute_and_communication(alpha):
     assert out["moe_latent_size"] == 512 / alpha and out["num_experts"] == 16 * alpha
     assert out["num_experts_per_tok"] == 4 * alpha and out["moe_intermediate_size"] == 128
     assert out["per_layer_config"]["4"]["num_experts"] == 32 * alpha
-    before, after = latent_moe_accounting(config), latent_moe_accounting(out)
+    before, after = model_accounting(config), model_accounting(out)
     for old, new in zip(before.layers, after.layers, strict=True):
         assert old.mixer_type == new.mixer_type
         assert _routed_terms(old) == _routed_terms(new), old.layer_idx
@@ -487,10 +504,10 @@ def test_allocation_keeps_per_layer_budgets_and_writes_config_and_plot(tmp_path)
         assert shape.moe_intermediate_size % 16 == 0
         assert shape.num_experts / shape.num_experts_per_tok == pytest.approx(4, rel=0.05)
     # Oracle: the accounting of the written config, layer by layer, against the uniform config.
-    before, after = latent_moe_accounting(UNIFORM), latent_moe_accounting(allocation.config)
+    before, after = model_accounting(UNIFORM), model_accounting(allocation.config)
     for old, new in zip(before.layers, after.layers, strict=True):
         assert new.mixer_params == pytest.approx(old.mixer_params, rel=0.05)
-        assert new.mixer_macs == pytest.approx(old.mixer_macs, rel=0.05)
+        assert new.mixer_flops == pytest.approx(old.mixer_flops, rel=0.05)
         assert new.all_to_all_scalars == pytest.approx(old.all_to_all_scalars, rel=0.05)
     assert after.total_params == pytest.approx(before.total_params, rel=0.05)
     assert [layer.latent_projection_params // 512 for layer in after.layers] == [narrow.moe_latent_size] * 2 + [
@@ -505,7 +522,7 @@ def test_allocation_keeps_per_layer_budgets_and_writes_config_and_plot(tmp_path)
     assert width > 200 and height > 200
     with open(paths["config"]) as handle:
         written = json.load(handle)
-    assert latent_moe_accounting(written).as_dict() == after.as_dict()
+    assert model_accounting(written).as_dict() == after.as_dict()
     assert json.load(open(paths["allocation"]))["split"] == 2
     if HAS_LATENT_MOE:
         from hf_mohd.models.configuration_latent_moe import LatentMoEConfig
@@ -542,7 +559,7 @@ def test_cli_commands(tmp_path, capsys, tiny_llama):
     standard = tmp_path / "standard.json"
     standard.write_text(json.dumps(STANDARD))
     assert cli_main(["latent-accounting", str(standard), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["total_params"] == latent_moe_accounting(STANDARD).total_params
+    assert json.loads(capsys.readouterr().out)["total_params"] == model_accounting(STANDARD).total_params
 
     assert cli_main(["alpha-transform", str(standard), "--alpha", "4", "--output", str(tmp_path / "latent")]) == 0
     written = json.loads((tmp_path / "latent" / "config.json").read_text())
@@ -579,6 +596,36 @@ def test_cli_commands(tmp_path, capsys, tiny_llama):
     capsys.readouterr()
     assert cli_main(args) == 2
     assert "hf-mohd allocate: error: No narrow shape" in capsys.readouterr().err
+
+
+def test_cli_accounting_of_a_latent_moe_and_a_mohd_folder(tmp_path, capsys):
+    """`hf-mohd accounting` (JSON) and `hf-mohd latent-accounting` (table) read a saved folder of either family:
+    the numbers are the config's own accounting, and the total is what the built model holds."""
+    from hf_mohd import MoHDConfig, MoHDForCausalLM
+    from hf_mohd.models.configuration_latent_moe import LatentMoEConfig
+    from hf_mohd.models.modeling_latent_moe import LatentMoEForCausalLM
+
+    latent = LatentMoEConfig.from_dict({**DICT_CONFIG, "mlp_bias": True})
+    mohd = MoHDConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_sub_dims=8,
+    )
+    for name, config, model_class in (("latent", latent, LatentMoEForCausalLM), ("mohd", mohd, MoHDForCausalLM)):
+        config.save_pretrained(tmp_path / name)
+        assert cli_main(["accounting", str(tmp_path / name), "--context-length", "10"]) == 0
+        printed = json.loads(capsys.readouterr().out)
+        assert printed == json.loads(json.dumps(model_accounting(config, 10).as_dict()))
+        assert printed["total_params"] == model_class(config).num_parameters()
+        assert printed["flops_per_token"] == config.flops_per_token(10)
+        assert cli_main(["latent-accounting", str(tmp_path / name)]) == 0
+        table = capsys.readouterr().out
+        assert f"total parameters           {printed['total_params']:,}" in table
+        assert len(table.splitlines()) == 2 + config.num_hidden_layers + 7
+    assert len(printed["layers"]) == 2 and printed["fusion_params"] == 2 * 2 * 8 * 8
 
 
 @pytest.mark.parametrize(

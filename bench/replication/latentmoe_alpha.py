@@ -113,8 +113,8 @@ SEEDS = {
 
 
 def accounting() -> dict:
-    """Per-layer routed params, activated MACs and all-to-all payload of each variant (library accounting)."""
-    from hf_mohd.models.latent_moe_accounting import mixer_accounting
+    """Per-layer routed params, FLOPs per token and all-to-all payload of each variant (library accounting)."""
+    from hf_mohd.models.accounting import mixer_accounting
 
     out = {}
     for name, fields in (

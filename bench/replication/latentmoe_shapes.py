@@ -53,7 +53,7 @@ VARIANTS = {f"l{latent}_m{PRODUCT // latent}": variant(latent) for latent in LAT
 
 
 def accounting() -> dict:
-    from hf_mohd.models.latent_moe_accounting import mixer_accounting
+    from hf_mohd.models.accounting import mixer_accounting
 
     out = {}
     for latent in LATENTS:

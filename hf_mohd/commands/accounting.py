@@ -1,13 +1,15 @@
-"""`hf-mohd accounting`: total / activated parameters and FLOPs per token of a saved config or a MoHD preset."""
+"""`hf-mohd accounting`: total / activated parameters and FLOPs per token of a saved config (MoHD, LatentMoE or
+LLaMA), or of a MoHD preset of a LLaMA config (`hf_mohd.models.accounting.model_accounting`)."""
 
 import json
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "accounting", help="Parameter and FLOP accounting of a config.json or a MoHD preset of a LLaMA config."
+        "accounting",
+        help="Parameter and FLOP accounting of a config.json (MoHD, LatentMoE, LLaMA) or a MoHD preset of a LLaMA one.",
     )
-    parser.add_argument("config", help="Path to a config.json (or a model folder) of MoHD or LLaMA.")
+    parser.add_argument("config", help="Path to a config.json (or a model folder) of MoHD, LatentMoE or LLaMA.")
     parser.add_argument("--preset", help="Apply a MoHD preset (e.g. compression_50) to a LLaMA config first.")
     parser.add_argument("--context-length", type=int, default=2048, help="Context length for attention FLOPs.")
     parser.set_defaults(func=run)
@@ -17,11 +19,11 @@ def run(args) -> int:
     from transformers import AutoConfig
 
     import hf_mohd  # noqa: F401  (registers model types)
-    from hf_mohd.accounting import mohd_accounting
+    from hf_mohd.models.accounting import model_accounting
     from hf_mohd.models.configuration_mohd import MoHDConfig
 
     config = AutoConfig.from_pretrained(args.config)
     if args.preset:
         config = MoHDConfig.from_llama_config(config, args.preset)
-    print(json.dumps(mohd_accounting(config, args.context_length).as_dict(), indent=2))
+    print(json.dumps(model_accounting(config, args.context_length).as_dict(), indent=2))
     return 0

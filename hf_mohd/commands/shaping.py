@@ -16,13 +16,13 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "latent-accounting",
         formatter_class=fmt,
-        help="Per-layer and total params, activated MACs and all-to-all payload of a LatentMoE config.",
-        description="Accounting of a LatentMoE config.json (arXiv 2610.14644 appendix B.2): per layer c N l m routed "
-        "+ 2 D l latent + D N router + c D m_s shared parameters (c = 3 gated, 2 not), activated MACs "
-        "c K l m + 2 D l + D N + c D m_s per token, all-to-all 2 K l scalars per token (2 K D without a latent).",
+        help="Per-layer and total params, FLOPs per token and all-to-all payload of a config (a table).",
+        description="Accounting of a LatentMoE (or MoHD, LLaMA) config.json (arXiv 2610.14644 appendix B.2): per layer "
+        "c N l m routed + 2 D l latent + D N router + c D m_s shared parameters (c = 3 gated, 2 not), mixer FLOPs "
+        "2 (c K l m + 2 D l + D N + c D m_s) per token, all-to-all 2 K l scalars per token (2 K D without a latent).",
     )
-    p.add_argument("config", help="config.json of a LatentMoE model, or the folder holding it.")
-    p.add_argument("--context-length", type=int, default=0, help="Keys per query for attention-score MACs.")
+    p.add_argument("config", help="config.json of a LatentMoE (or MoHD, LLaMA) model, or the folder holding it.")
+    p.add_argument("--context-length", type=int, default=0, help="Keys per query for attention-score FLOPs.")
     p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
     p.set_defaults(func=_guard(run_accounting, "latent-accounting"))
 
@@ -86,7 +86,7 @@ def register(subparsers) -> None:
         help="ID-guided two-regime per-layer LatentMoE config (narrow shallow prefix, wide rest) with a plot.",
         description="Splits at the steepest rise of the ID profile in the first two thirds of depth and gives the "
         "prefix a narrow and the rest a wide near-square expert shape, each keeping per-layer parameters, activated "
-        "MACs and all-to-all volume within the tolerance of the uniform config (arXiv 2610.14644 section 4.2). "
+        "FLOPs and all-to-all volume within the tolerance of the uniform config (arXiv 2610.14644 section 4.2). "
         "Writes config.json (per_layer_config), allocation.json and id_profile.png.",
     )
     p.add_argument("config", help="Uniform LatentMoE config.json (or folder).")
@@ -122,15 +122,16 @@ def _write_json(data, output: str, default_name: str) -> str:
 
 
 def run_accounting(args) -> int:
-    from hf_mohd.shaping.accounting import format_accounting, latent_moe_accounting
+    from hf_mohd.models.accounting import model_accounting
+    from hf_mohd.shaping.config_io import format_accounting, load_config
 
-    accounting = latent_moe_accounting(args.config, args.context_length)
+    accounting = model_accounting(load_config(args.config), args.context_length)
     print(json.dumps(accounting.as_dict(), indent=2) if args.json else format_accounting(accounting))
     return 0
 
 
 def run_alpha_transform(args) -> int:
-    from hf_mohd.shaping.accounting import alpha_transform_summary, load_config
+    from hf_mohd.shaping.config_io import alpha_transform_summary, load_config
     from hf_mohd.shaping.shapes import alpha_transform
 
     alpha = int(args.alpha) if float(args.alpha).is_integer() else args.alpha
@@ -147,8 +148,8 @@ def run_alpha_transform(args) -> int:
 
 
 def run_propose_shape(args) -> int:
-    from hf_mohd.models.latent_moe_accounting import layer_fields
-    from hf_mohd.shaping.accounting import load_config
+    from hf_mohd.models.accounting import layer_fields
+    from hf_mohd.shaping.config_io import load_config
     from hf_mohd.shaping.shapes import propose_shapes
 
     max_latent = args.max_latent_size

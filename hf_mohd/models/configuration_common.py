@@ -11,10 +11,11 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Validation helpers shared by the configurations of both families (`MoHDConfig`, `LatentMoEConfig`).
+"""Validation helpers and the accounting methods shared by the configurations of both families (`MoHDConfig`,
+`LatentMoEConfig`).
 
-A sibling of the configuration files: `save_pretrained` copies it next to the weights with them (remote code), so it
-imports only `transformers`, `huggingface_hub` and the standard library.
+A sibling of the configuration files: `save_pretrained` copies it next to the weights with them (remote code), with
+accounting.py, so it imports only `transformers`, `huggingface_hub`, the standard library and accounting.py.
 """
 
 import math
@@ -22,6 +23,38 @@ import math
 from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .accounting import ModelAccounting, model_accounting
+
+
+class AccountingMixin:
+    """Parameter and FLOP accounting of the model a config describes, without building it: every method reads
+    `model_accounting(self, ...)` (accounting.py; docs/design.md sections 3 and 4), so both families answer the
+    same questions with the same rules and units (FLOPs per token, 2 per multiply-add)."""
+
+    def accounting(self, context_length: int = 0) -> ModelAccounting:
+        """The whole `ModelAccounting` (per-layer entries and totals) at `context_length` keys per query.
+
+        Raises:
+            ValueError: `context_length` negative or not an integer.
+        """
+        return model_accounting(self, context_length)
+
+    def num_parameters(self) -> int:
+        """All parameters the model builds (a tied LM head counted once; buffers excluded)."""
+        return model_accounting(self).total_params
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token reads: the activated decoder parameters plus the LM head (embedding excluded)."""
+        return model_accounting(self).activated_params
+
+    def flops_per_token(self, context_length: int = 0) -> int:
+        """Forward FLOPs per token (matmuls, 2 per multiply-add, plus attention scores over `context_length` keys)."""
+        return model_accounting(self, context_length).flops_per_token
+
+    def decode_weight_bytes_per_token(self, bytes_per_param: int = 4) -> int:
+        """Bytes of weights a batch-1 decoding step reads (activated decoder parameters plus the LM head)."""
+        return model_accounting(self).decode_weight_bytes_per_token(bytes_per_param)
 
 
 class ConfigFieldError(StrictDataclassFieldValidationError, ValueError):

@@ -22,17 +22,30 @@ from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils import auto_docstring
 from transformers.utils.type_validators import interval
 
+from .accounting import MIXER_TYPES, check_layer_overrides, layer_accounting
 from .configuration_common import (
     LLAMA_TP_PLAN,
+    AccountingMixin,
     check_llama_fields,
     check_positive_ints,
     check_real,
     raise_value_errors,
 )
-from .latent_moe_accounting import PER_LAYER_FIELDS, check_layer_overrides, layer_accounting, model_accounting
 
 
-MIXER_TYPES = ("moe", "mlp")
+# Fields a `per_layer_config` entry may override: the mixer of the layer and its shape; everything else (width,
+# attention, `mlp_gated`, `mlp_bias`, routing function) is one value for the whole model. The accounting checks
+# config dicts against this same list (`accounting.check_layer_overrides`).
+PER_LAYER_FIELDS = (
+    "mixer_type",
+    "intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "moe_latent_size",
+    "moe_shared_expert_intermediate_size",
+    "routed_scaling_factor",
+)
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
 POSITION_EMBEDDING_TYPES = ("rope", "none")
 
@@ -45,13 +58,15 @@ POSITION_EMBEDDING_TYPES = ("rope", "none")
     `hidden_size`, `fc1_latent_proj` maps each token to `moe_latent_size` once, the routed experts run and are combined
     at that latent width, and `fc2_latent_proj` maps back; a shared expert works at full width (as Nemotron 3 /
     transformers' `NemotronHMoE`). `moe_latent_size=None` is the standard fine-grained MoE baseline.
-    Any layer may override the fields in `PER_LAYER_FIELDS` (latent_moe_accounting.py, one list for the config and
-    the accounting) through transformers' native `per_layer_config`
+    Any layer may override the fields in `PER_LAYER_FIELDS` (this module; one list for the config and the
+    accounting) through transformers' native `per_layer_config`
     (a sparse map {layer index: {field: value}}), e.g. `per_layer_config={0: {"mixer_type": "mlp"}}`.
+    `num_parameters()`, `num_active_parameters()`, `flops_per_token(context_length)` and `accounting(context_length)`
+    count the model without building it (accounting.py, docs/design.md section 4).
     """,
 )
 @strict
-class LatentMoEConfig(PreTrainedConfig):
+class LatentMoEConfig(AccountingMixin, PreTrainedConfig):
     r"""
     mlp_gated (`bool`, *optional*, defaults to `True`):
         MLP form of routed experts, shared expert and dense layers: `act(gate) * up` (3 matrices, SwiGLU with silu)
@@ -209,40 +224,15 @@ class LatentMoEConfig(PreTrainedConfig):
         for layer_idx, layer_config in enumerate(self.per_layer_config):
             _validate_layer_fields(layer_config, where=f"layer {layer_idx}: ")
 
-    # Parameter accounting (docs/design.md section 4, "Accounting per layer"): the formulas of arXiv 2610.14644 B.2 live in
-    # `latent_moe_accounting.py` (weights only); the biases `mlp_bias` adds to the built modules are counted here.
-
-    def _layer_bias_parameters(self, layer_idx: int) -> int:
-        """Biases of layer `layer_idx` when `mlp_bias` (dense MLP, shared expert, latent projections; experts have none)."""
-        layer = self.per_layer_config[layer_idx]
-        if not self.mlp_bias:
-            return 0
-        up_biases = 2 if self.mlp_gated else 1
-        if layer.mixer_type == "mlp":
-            return up_biases * layer.intermediate_size + self.hidden_size
-        shared = layer.moe_shared_expert_intermediate_size
-        latent = layer.moe_latent_size
-        return (up_biases * shared + self.hidden_size if shared else 0) + (
-            latent + self.hidden_size if latent is not None else 0
-        )
+    # Per-layer accounting (docs/design.md section 4, "Accounting per layer"): accounting.py, biases included.
 
     def layer_num_parameters(self, layer_idx: int) -> int:
         """Parameters of decoder layer `layer_idx` (attention, mixer, both norms), as the model builds them."""
-        return layer_accounting(self, layer_idx).total_params + self._layer_bias_parameters(layer_idx)
+        return layer_accounting(self, layer_idx).total_params
 
     def layer_num_active_parameters(self, layer_idx: int) -> int:
         """Parameters of decoder layer `layer_idx` that one token reads (K of its N routed experts)."""
-        return layer_accounting(self, layer_idx).activated_params + self._layer_bias_parameters(layer_idx)
-
-    def num_parameters(self) -> int:
-        """All parameters of `LatentMoEForCausalLM` (a tied LM head counted once; buffers excluded)."""
-        biases = sum(self._layer_bias_parameters(i) for i in range(self.num_hidden_layers))
-        return model_accounting(self).total_params + biases
-
-    def num_active_parameters(self) -> int:
-        """Parameters one token reads in `LatentMoEForCausalLM`: decoder (K experts per layer) plus the LM head."""
-        biases = sum(self._layer_bias_parameters(i) for i in range(self.num_hidden_layers))
-        return model_accounting(self).activated_params + biases
+        return layer_accounting(self, layer_idx).activated_params
 
 
 def _validate_layer_fields(config, where: str, every_field: bool = False) -> None:

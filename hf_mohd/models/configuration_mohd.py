@@ -21,6 +21,7 @@ from transformers.utils.type_validators import interval
 
 from .configuration_common import (
     LLAMA_TP_PLAN,
+    AccountingMixin,
     check_llama_fields,
     check_positive_ints,
     check_real,
@@ -50,11 +51,13 @@ MOHD_PRESETS = {
     Configuration of a MoHD decoder: a LLaMA model whose residual width `hidden_size` is split into `num_sub_dims`
     equal sub-dimensions (blocks). Blocks `0 .. num_shared_sub_dims - 1` are shared (always active); a router per
     sparsified sublayer activates `num_routed_sub_dims_per_tok` of the others per token (docs/design.md section 3,
-    "Layer definition (v1, pinned)"). With every block shared the model is LLaMA.
+    "Layer definition (v1, pinned)"). With every block shared the model is LLaMA. `num_parameters()`,
+    `num_active_parameters()`, `flops_per_token(context_length)` and `accounting(context_length)` count the model
+    without building it (accounting.py, docs/design.md section 3).
     """,
 )
 @strict
-class MoHDConfig(PreTrainedConfig):
+class MoHDConfig(AccountingMixin, PreTrainedConfig):
     r"""
     num_sub_dims (`int`, *optional*, defaults to 16):
         N, number of sub-dimensions; must divide `hidden_size` (the rebuttal's best: 16 blocks).

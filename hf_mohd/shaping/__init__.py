@@ -1,6 +1,6 @@
 """Shaping and allocation tools of arXiv 2610.14644 for LatentMoE (docs/design.md section 4).
 
-- accounting: per-layer and total parameters, activated MACs and all-to-all payload of a config;
+- config_io: configs from objects, dicts or paths, and the accounting (`hf_mohd.models.accounting`) as a table;
 - shapes: the alpha-transform of a standard MoE and the near-square (l, m) proposer;
 - intrinsic_dimension: TwoNN and hidden-state collection at every block boundary of any causal LM;
 - allocation: ID-guided two-regime per-layer allocation, written as a per-layer config plus a PNG plot.
@@ -8,8 +8,8 @@
 Only `intrinsic_dimension` needs torch at import; the plot needs matplotlib (`pip install hf-mohd[shaping]`).
 """
 
-from .accounting import config_to_dict, format_accounting, latent_moe_accounting, load_config
 from .allocation import Allocation, RegimeShape, allocate_two_regime, find_split, plot_allocation, write_allocation
+from .config_io import alpha_transform_summary, config_to_dict, format_accounting, load_config
 from .intrinsic_dimension import (
     collect_hidden_states,
     intrinsic_dimension_profile,
@@ -26,13 +26,13 @@ __all__ = [
     "RegimeShape",
     "allocate_two_regime",
     "alpha_transform",
+    "alpha_transform_summary",
     "alpha_transform_fields",
     "collect_hidden_states",
     "config_to_dict",
     "find_split",
     "format_accounting",
     "intrinsic_dimension_profile",
-    "latent_moe_accounting",
     "load_config",
     "nearest_neighbour_distances",
     "plot_allocation",

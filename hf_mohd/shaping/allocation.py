@@ -5,7 +5,7 @@ Given a uniform LatentMoE config and the intrinsic-dimension (ID) profile of a b
 the remaining blocks a wide one. Each regime keeps, per layer and within `tolerance` (5%) of the uniform layer:
 
 - mixer parameters     c N l m + 2 D l + D N + c D m_s
-- activated MACs/token c K l m + 2 D l + D N + c D m_s
+- FLOPs/token          2 (c K l m + 2 D l + D N + c D m_s)   (2 x the activated MACs of appendix B.2)
 - all-to-all scalars   2 K l
 
 following section 4.2: raising l_t is paid by lowering K_t and N_t at about fixed m_t and N_t / K_t
@@ -21,8 +21,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from ..models.latent_moe_accounting import layer_fields, mixer_accounting
-from .accounting import config_to_dict, load_config
+from ..models.accounting import layer_fields, mixer_accounting
+from .config_io import config_to_dict, load_config
 from .shapes import MOE_FIELDS
 
 
@@ -56,7 +56,7 @@ class Allocation:
     `split` is the first wide layer index of the target config: MoE layers `< split` use `narrow`, the others
     `wide`; dense layers are unchanged. `proxy_split` is the same boundary in the profile's own depth.
     `deviations[regime]` holds the relative differences (value / uniform - 1) of mixer parameters ("params"),
-    activated MACs per token ("macs"), all-to-all scalars per token ("all_to_all") and N/K ("experts_ratio").
+    forward FLOPs per token ("flops"), all-to-all scalars per token ("all_to_all") and N/K ("experts_ratio").
     """
 
     profile: tuple
@@ -158,7 +158,7 @@ def _cost(shape: RegimeShape, base_fields: dict) -> dict:
     costs = mixer_accounting(fields)
     return {
         "params": costs["params"],
-        "macs": costs["macs"],
+        "flops": costs["flops"],
         "all_to_all": costs["all_to_all_scalars"],
         "experts_ratio": shape.num_experts / shape.num_experts_per_tok,
     }
@@ -183,7 +183,7 @@ def regime_candidates(
     l and m are multiples of `multiple`, l <= D, |l/m - 1| <= `max_aspect_deviation`; K is near 2 K0 l0 / (2 l)
     (communication), m near K0 l0 m0 / (K l) (routed compute), N near K N0 / K0 (ratio), and m_s, a multiple of
     `shared_multiple` (default `multiple`; 0 allowed), absorbs the latent-projection and router change.
-    All four deviations (params, MACs, all-to-all, N/K) must be within `tolerance`.
+    All four deviations (params, FLOPs, all-to-all, N/K) must be within `tolerance`.
 
     Returns:
         (shape, deviations) pairs; the uniform shape itself is among them when it is aligned.
@@ -212,7 +212,8 @@ def regime_candidates(
                 for n in {math.floor(k * n0 / k0), math.ceil(k * n0 / k0)}:
                     if n < k:
                         continue
-                    rest = reference["macs"] - c * k * latent * m - 2 * d * latent - d * n
+                    # multiply-adds (FLOPs / 2) left for the shared expert's c D m_s
+                    rest = reference["flops"] // 2 - c * k * latent * m - 2 * d * latent - d * n
                     shared_center = rest / (c * d) / shared_multiple
                     for shared_steps in {math.floor(shared_center), math.ceil(shared_center)}:
                         shape = RegimeShape(latent, m, n, k, max(0, shared_steps) * shared_multiple)
@@ -274,7 +275,7 @@ def allocate_two_regime(
             depth L by relative depth, round(t L / L_p), kept within [1, L - 1].
         split: first wide layer of the target config, overriding the profile's split (arXiv 2610.14644 reports the
             exact boundary matters little, section 5.3).
-        tolerance: relative budget per layer for params, activated MACs, all-to-all volume and N/K (0.05).
+        tolerance: relative budget per layer for params, FLOPs per token, all-to-all volume and N/K (0.05).
         max_aspect_deviation: near-square bound |l/m - 1| of both regimes (0.3, section 4.2).
         multiple: alignment of l and m; `shared_multiple` that of m_s (defaults to `multiple`).
         narrow_latent_size, wide_latent_size: force the regimes' l (else: the most contrasting rank ceilings,
@@ -321,7 +322,7 @@ def allocate_two_regime(
         if pick is None:
             raise ValueError(
                 f"No {regime} shape (l {'above' if wide else 'below'} the uniform l = {uniform.moe_latent_size}"
-                f"{'' if target is None else f', l = {target}'}) keeps params, MACs, "
+                f"{'' if target is None else f', l = {target}'}) keeps params, FLOPs, "
                 f"all-to-all and N/K within {tolerance:.0%} of uniform with |l/m - 1| <= {max_aspect_deviation} "
                 f"and l, m multiples of {multiple}; try a smaller `multiple`, a larger `tolerance`, or a base with "
                 "more activated experts (K)."
@@ -350,7 +351,7 @@ def allocate_two_regime(
         costs = mixer_accounting(layer_fields(new, idx), f"layer {idx}: ")
         for key, value in (
             ("params", costs["params"]),
-            ("macs", costs["macs"]),
+            ("flops", costs["flops"]),
             ("all_to_all", costs["all_to_all_scalars"]),
         ):
             if abs(value / reference[key] - 1) > tolerance + 1e-12:

@@ -10,8 +10,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from ..models.latent_moe_accounting import LAYER_FIELD_DEFAULTS, layer_fields
-from .accounting import config_to_dict
+from ..models.accounting import LAYER_FIELD_DEFAULTS, layer_fields
+from .config_io import config_to_dict
 
 
 MOE_FIELDS = (
@@ -80,7 +80,7 @@ def alpha_transform(config_or_fields, alpha):
     """Alpha-transform a standard MoE config (every MoE layer) into a LatentMoE one (arXiv 2610.14644 section 2).
 
     l = D / alpha, N' = alpha N, K' = alpha K, m (and the shared expert m_s) unchanged: the routed path keeps
-    c N l m parameters, c K l m MACs per token and 2 K l all-to-all scalars per token, with alpha times as many
+    c N l m parameters, 2 c K l m FLOPs per token and 2 K l all-to-all scalars per token, with alpha times as many
     candidate and activated experts. Added cost outside the routed path: latent projections 2 D l and a router
     of D N' instead of D N.
 

@@ -117,7 +117,7 @@ FAMILIES = {
         # hidden 144 in 4 sub-dimensions: s = 36 (SmolLM2-135M's 576 at 16 sub-dimensions)
         unaligned_fields=dict(hidden_size=144, num_sub_dims=4, num_shared_sub_dims=1, num_routed_sub_dims_per_tok=2),
         fast_and_reference=({"sparse_implementation": "gather"}, {"sparse_implementation": "masked"}),
-        code_files=("modeling_mohd.py", "configuration_mohd.py"),
+        code_files=("modeling_mohd.py", "configuration_mohd.py", "accounting.py"),
         saved_fields={"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
     ),
     "latent_moe": ModelFamily(
@@ -138,7 +138,7 @@ FAMILIES = {
         fast_and_reference=({"experts_implementation": "grouped_mm"}, {"experts_implementation": "eager"}),
         prepare=_prepare_latent_moe,
         assistant_fields={"num_hidden_layers": 1, "per_layer_config": None},
-        code_files=("modeling_latent_moe.py", "configuration_latent_moe.py", "latent_moe_accounting.py"),
+        code_files=("modeling_latent_moe.py", "configuration_latent_moe.py", "accounting.py"),
         saved_fields={
             "tie_word_embeddings": True,
             "router_score_func": "sigmoid",
@@ -339,6 +339,26 @@ def test_gradient_checkpointing_same_gradients(family):
 # --- save / load ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_demo_parameter_counts_of_both_families_and_llama(family, tied):
+    """`hf_mohd.demo.parameter_counts` (one accounting for every model): the decoder is what the model holds besides
+    the embedding and an untied LM head, and the activated decoder is `num_active_parameters()` less the LM head;
+    for Llama (dense) the two are equal."""
+    from hf_mohd.demo import parameter_counts
+
+    for model in (family.model(tie_word_embeddings=tied), llama(tie_word_embeddings=tied)):
+        counts = parameter_counts(model)
+        embedding = model.get_input_embeddings().weight.numel()
+        built = sum(p.numel() for p in model.parameters())
+        assert counts["total"] == built and counts["embedding"] == embedding
+        assert counts["decoder"] == built - embedding * (1 if tied else 2)
+    dense = counts  # the Llama model's
+    assert dense["activated_decoder"] == dense["decoder"]
+    sparse = parameter_counts(model := family.model(tie_word_embeddings=tied))
+    embedding = model.get_input_embeddings().weight.numel()
+    assert sparse["activated_decoder"] == model.config.num_active_parameters() - embedding < sparse["decoder"]
+
+
 def test_save_and_reload_exact(family, tmp_path):
     """`save_pretrained` writes `auto_map` and the remote-code files; `AutoModelForCausalLM` reloads the same class,
     config, weights and logits (fp32, bit for bit)."""
@@ -366,7 +386,8 @@ def test_save_and_reload_exact(family, tmp_path):
 @pytest.mark.slow
 def test_trust_remote_code_reload_in_fresh_process(family, tmp_path):
     """A process without hf_mohd installed loads the saved folder with `trust_remote_code=True`: the classes come
-    from the copied files, generate records every router, and the logits equal the saving process's."""
+    from the copied files, generate records every router, the logits equal the saving process's, and the config's
+    accounting (the copied accounting.py) counts the parameters the model holds."""
     from tests.utils import run_python_without_hf_mohd
 
     model = family.model(dtype=torch.float32, **family.saved_fields)
@@ -384,13 +405,17 @@ def test_trust_remote_code_reload_in_fresh_process(family, tmp_path):
         out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
         torch.save(model(ids).logits, {str(tmp_path / "logits.pt")!r})
         print(json.dumps({{"module": type(model).__module__, "record": sorted(map(list, out.cache.routing_record)),
-                          "experts": getattr(model.config, "_experts_implementation", None)}}))
+                          "experts": getattr(model.config, "_experts_implementation", None),
+                          "params": [model.config.num_parameters(), model.num_parameters()],
+                          "accounting": type(model.config.accounting()).__module__}}))
         """,
         cwd=str(tmp_path),
     )
     assert not result["module"].startswith("hf_mohd")
     assert result["record"] == sorted(map(list, routers_by_key(model)))
     assert result["experts"] == getattr(model.config, "_experts_implementation", None)
+    # the copied accounting.py answers for the config, as the model counts its parameters
+    assert result["params"] == [model.num_parameters()] * 2 and not result["accounting"].startswith("hf_mohd")
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-6, rtol=0)
 
 

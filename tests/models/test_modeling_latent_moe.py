@@ -238,13 +238,41 @@ def test_num_parameters_equal_built_model(overrides):
     for i, layer in enumerate(model.model.layers):
         assert config.layer_num_parameters(i) == sum(p.numel() for p in layer.parameters()), i
     # Active: everything but the (E - K) experts a token skips in each MoE layer, and the embedding lookup.
-    skipped = 0
+    skipped_per_layer = []
     for layer in model.model.layers:
+        layer_skipped = 0
         if isinstance(layer.mlp, LatentMoEBlock):
             per_expert = sum(p[0].numel() for p in layer.mlp.experts.parameters())
-            skipped += (layer.mlp.gate.num_experts - layer.mlp.gate.top_k) * per_expert
+            layer_skipped = (layer.mlp.gate.num_experts - layer.mlp.gate.top_k) * per_expert
+        skipped_per_layer.append(layer_skipped)
+    skipped = sum(skipped_per_layer)
     embedding = 0 if config.tie_word_embeddings else model.model.embed_tokens.weight.numel()
     assert config.num_active_parameters() == sum(p.numel() for p in model.parameters()) - skipped - embedding
+    for i in range(config.num_hidden_layers):
+        layer_skipped = skipped_per_layer[i]
+        built = sum(p.numel() for p in model.model.layers[i].parameters())
+        assert config.layer_num_active_parameters(i) == built - layer_skipped, i
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"mlp_gated": False, "hidden_act": "relu2", "mlp_bias": True, "attention_bias": True}],
+)
+def test_flops_per_token_equal_counted_matmuls_of_a_forward(overrides):
+    """FLOPs of one forward of T tokens (torch's FlopCounterMode: every matmul, eager attention scoring all T keys),
+    divided by T, are the accounting's FLOPs per token at a context of T keys (2 per multiply-add, biases left out)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = make_model(**overrides)
+    model.set_attn_implementation("eager")
+    length = 7
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(input_ids=input_ids(batch=1, length=length), use_cache=False)
+    assert counter.get_total_flops() == length * model.config.flops_per_token(context_length=length)
+    # the dense layer 0 alone: q 32x32, k/v 32x16, o 32x32 and a c x 32x48 MLP, scores 4 x 4 heads x 8 x T
+    c = 3 if model.config.mlp_gated else 2
+    layer = model.config.accounting(length).layers[0]
+    assert layer.activated_flops == 2 * (32 * 64 + 32 * 32 + c * 32 * 48) + 4 * 4 * 8 * length
 
 
 # --- losses and the aux-loss-free update ---------------------------------------------------------------------

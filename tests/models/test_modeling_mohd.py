@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_mohd  # noqa: F401  (registers the Auto classes)
 from hf_mohd import MoHDConfig, MoHDForCausalLM, RoutingCache
-from hf_mohd.accounting import mohd_accounting
+from hf_mohd.models.accounting import model_accounting
 from hf_mohd.models.configuration_mohd import MOHD_PRESETS
 from hf_mohd.models.modeling_common import load_balancing_loss
 
@@ -221,7 +221,7 @@ def test_presets_match_design_table():
         "expansion_x4": (2048, 32, 6, 2),
     }
     assert set(MOHD_PRESETS) == set(expected)
-    dense = mohd_accounting(base)
+    dense = model_accounting(base)
     for preset, (width, n, n_shared, k) in expected.items():
         config = MoHDConfig.from_llama_config(base, preset)
         assert (
@@ -235,7 +235,7 @@ def test_presets_match_design_table():
         assert active_width == (512 if preset.startswith("expansion") else 512 * (n_shared + k) // n)
         if preset.startswith("expansion"):
             # constant activated attention + FFN parameters; only routers, fusion and the wider norms add
-            cost = mohd_accounting(config)
+            cost = model_accounting(config)
             routers, fusion, norms = 2 * (n - n_shared) * width, 2 * n * n, 2 * (width - 512)
             extra = 2 * (routers + fusion + norms) + (width - 512)
             assert cost.activated_decoder_params - dense.activated_decoder_params == extra
@@ -244,19 +244,53 @@ def test_presets_match_design_table():
         MoHDConfig.from_llama_config(base, "compression_10")
 
 
+def _activated_from_modules(model) -> int:
+    """Parameters one token reads, counted on the built modules: in a sparsified sublayer n_a / N of the columns of
+    q/k/v and gate/up (their biases whole) and of the rows of o_proj and down_proj (and of their biases), all of the
+    router and fusion; everything else whole; the LM head (tied or not), not the embedding lookup."""
+    config = model.config
+    n, n_active = config.num_sub_dims, config.num_active_sub_dims
+    sparse = set(config.sparse_modules) if config.num_routed_sub_dims else set()
+    total = sum(p.numel() for p in model.model.norm.parameters()) + model.lm_head.weight.numel()
+    for layer in model.model.layers:
+        total += sum(
+            p.numel() for p in (*layer.input_layernorm.parameters(), *layer.post_attention_layernorm.parameters())
+        )
+        for name, sublayer, inputs, outputs in (
+            ("attention", layer.self_attn, ("q_proj", "k_proj", "v_proj"), ("o_proj",)),
+            ("ffn", layer.mlp, ("gate_proj", "up_proj"), ("down_proj",)),
+        ):
+            frac = (n_active, n) if name in sparse else (1, 1)
+            for proj in inputs:
+                linear = getattr(sublayer, proj)
+                total += linear.weight.numel() * frac[0] // frac[1] + (
+                    0 if linear.bias is None else linear.bias.numel()
+                )
+            for proj in outputs:
+                linear = getattr(sublayer, proj)
+                total += sum(p.numel() * frac[0] // frac[1] for p in linear.parameters())
+            if hasattr(sublayer, "sub_dims"):
+                total += sum(p.numel() for p in sublayer.sub_dims.parameters())
+    return total
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
         {},
         {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
         {"sparse_modules": ["ffn"], "group_fusion": "none"},
+        {"num_shared_sub_dims": 8, "num_routed_sub_dims_per_tok": 0, "mlp_bias": True},
     ],
 )
 def test_accounting_matches_built_model(overrides):
     config = mohd_config(**overrides)
     model = MoHDForCausalLM(config)
-    cost = mohd_accounting(config, context_length=16)
-    assert cost.total_params == sum(p.numel() for p in model.parameters())
+    cost = config.accounting(context_length=16)
+    assert cost == model_accounting(config, 16) and cost.total_params == config.num_parameters()
+    assert config.num_parameters() == model.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert config.num_active_parameters() == _activated_from_modules(model) == cost.activated_params
+    assert config.decode_weight_bytes_per_token(2) == 2 * cost.activated_params
     d, n_active, n = 64, 5, 8
     # hand count, no biases case: q 64x64, k/v 64x32 each, o 64x64; mlp 3 x 64x96
     if not overrides:
@@ -266,6 +300,44 @@ def test_accounting_matches_built_model(overrides):
         assert cost.activated_decoder_params == 2 * per_layer + d
         flops = 2 * ((attn_in + attn_out + mlp) * n_active // n + routers + 2 * n * d) + 4 * 64 * 16
         assert cost.decoder_flops_per_token == 2 * flops
+        assert cost.flops_per_token == 2 * flops + 2 * VOCAB * d == config.flops_per_token(16)
+        assert (cost.router_params, cost.fusion_params) == (2 * routers, 2 * fusion)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"sparse_modules": ["attention"], "attention_bias": True}])
+def test_flops_per_token_equal_counted_matmuls_of_each_decoding_step(overrides):
+    """FLOPs of each cached decoding step of the gather path (one token, which reads only its active blocks), as
+    torch's FlopCounterMode counts its matmuls, are the accounting's FLOPs per token at a context of the t keys
+    cached so far plus its own (eager attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = make_model(sparse_implementation="gather", **overrides)
+    model.set_attn_implementation("eager")
+    ids = input_ids(batch=1, length=4)
+    cache = RoutingCache(config=model.config)
+    with torch.no_grad():
+        for step in range(ids.shape[1]):
+            with FlopCounterMode(display=False) as counter:
+                model(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True)
+            assert counter.get_total_flops() == model.config.flops_per_token(context_length=step + 1), step
+
+
+def test_llama_config_accounting_equals_llama_model():
+    """A `LlamaConfig` goes through the same accounting (every block shared): LlamaForCausalLM's parameters, and
+    the FLOPs FlopCounterMode counts in a forward of T tokens with eager attention, per token."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    for overrides in ({}, {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}):
+        config = LlamaConfig(**LLAMA_SHAPE, **overrides)
+        config._attn_implementation = "eager"
+        model = LlamaForCausalLM(config).eval()
+        cost = model_accounting(config, context_length=5)
+        assert cost.total_params == model.num_parameters() == sum(p.numel() for p in model.parameters())
+        assert cost.activated_decoder_params == cost.decoder_params  # dense: a token reads the whole decoder
+        assert (cost.router_params, cost.fusion_params, cost.all_to_all_scalars) == (0, 0, 0)
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(input_ids=input_ids(batch=1, length=5), use_cache=False)
+        assert counter.get_total_flops() == 5 * cost.flops_per_token
 
 
 @pytest.mark.parametrize("length", [1, 3, 9], ids=["host-ids", "host-ids-batch", "grouped"])

@@ -1,14 +1,15 @@
-"""Model-level LatentMoE accounting from a config object, a `config.json` dict or a path.
+"""Loading configs (objects, `config.json` dicts or paths) and presenting their accounting.
 
-The formulas live in `hf_mohd.models.latent_moe_accounting` (pure Python, shipped as remote code with the model);
-this module adds loading and a readable table. Source: arXiv 2610.14644 appendix B.2, docs/design.md section 4.
+The formulas live in `hf_mohd.models.accounting` (pure Python, shipped as remote code with the models of both
+families); this module only loads configs, prints the accounting as a table and summarises the alpha-transform.
+Source: arXiv 2610.14644 appendix B.2, docs/design.md sections 3 and 4.
 """
 
 import json
 import os
 from collections.abc import Mapping
 
-from ..models.latent_moe_accounting import LatentMoEAccounting, model_accounting
+from ..models.accounting import ModelAccounting, model_accounting
 
 
 def load_config(config_or_path):
@@ -53,22 +54,15 @@ def config_to_dict(config) -> dict:
     return data
 
 
-def latent_moe_accounting(config_or_path, context_length: int = 0) -> LatentMoEAccounting:
-    """Per-layer and total accounting of a LatentMoE config (object, dict, or path to a config.json / folder).
-
-    See `hf_mohd.models.latent_moe_accounting.model_accounting` for the terms and units.
-    """
-    return model_accounting(load_config(config_or_path), context_length)
-
-
-def format_accounting(accounting: LatentMoEAccounting) -> str:
-    """A fixed-width text table: one row per layer, then the totals (parameters, MACs/token, scalars/token)."""
-    header = f"{'layer':>5} {'mixer':>5} {'total params':>14} {'activated':>12} {'mixer MACs':>12} {'all-to-all':>10}"
+def format_accounting(accounting: ModelAccounting) -> str:
+    """A fixed-width text table of a `ModelAccounting` of either family: one row per layer (its mixer type where the
+    family has one), then the totals (parameters, FLOPs per token, all-to-all scalars per token)."""
+    header = f"{'layer':>5} {'mixer':>5} {'total params':>14} {'activated':>12} {'FLOPs/token':>14} {'all-to-all':>10}"
     lines = [header, "-" * len(header)]
     for layer in accounting.layers:
         lines.append(
-            f"{layer.layer_idx:>5} {layer.mixer_type:>5} {layer.total_params:>14,} {layer.activated_params:>12,} "
-            f"{layer.mixer_macs:>12,} {layer.all_to_all_scalars:>10,}"
+            f"{layer.layer_idx:>5} {getattr(layer, 'mixer_type', '-'):>5} {layer.total_params:>14,} "
+            f"{layer.activated_params:>12,} {layer.activated_flops:>14,} {layer.all_to_all_scalars:>10,}"
         )
     lines += [
         "-" * len(header),
@@ -76,7 +70,9 @@ def format_accounting(accounting: LatentMoEAccounting) -> str:
         f"activated parameters       {accounting.activated_params:,} (decoder {accounting.activated_decoder_params:,}"
         " + LM head)",
         f"embedding / LM head        {accounting.embedding_params:,} / {accounting.lm_head_params:,}",
-        f"activated MACs per token   {accounting.activated_macs:,} (FLOPs = 2 x MACs)",
+        f"router / group fusion      {accounting.router_params:,} / {accounting.fusion_params:,}",
+        f"FLOPs per token            {accounting.flops_per_token:,} (decoder {accounting.decoder_flops_per_token:,}"
+        f" + LM head, {accounting.context_length} keys per query)",
         f"all-to-all per token       {accounting.all_to_all_scalars:,} scalars (dispatch + return, all layers)",
     ]
     return "\n".join(lines)
@@ -85,12 +81,12 @@ def format_accounting(accounting: LatentMoEAccounting) -> str:
 def alpha_transform_summary(before, after) -> dict[str, tuple[int, int]]:
     """What the alpha-transform kept and changed: {quantity: (before, after)} for the routed-expert parameters and the
     all-to-all scalars per token (summed over layers; kept by the transform, arXiv 2610.14644 section 2), the total
-    parameters and the activated MACs per token. `before`, `after`: LatentMoE configs (objects, dicts or paths)."""
+    parameters and the forward FLOPs per token. `before`, `after`: LatentMoE configs (objects, dicts or paths)."""
     old, new = model_accounting(load_config(before)), model_accounting(load_config(after))
     summary = {
         name: (sum(getattr(layer, name) for layer in old.layers), sum(getattr(layer, name) for layer in new.layers))
         for name in ("routed_expert_params", "all_to_all_scalars")
     }
     summary["total_params"] = (old.total_params, new.total_params)
-    summary["activated_macs_per_token"] = (old.activated_macs, new.activated_macs)
+    summary["flops_per_token"] = (old.flops_per_token, new.flops_per_token)
     return summary
