@@ -373,17 +373,17 @@ def worker(scale: int) -> None:
 def accounting_of(arm: str) -> dict:
     from transformers import LlamaConfig
 
-    from hf_mohd.accounting import mohd_accounting
+    from hf_mohd.models.accounting import model_accounting
     from hf_mohd.models.configuration_mohd import MoHDConfig
 
     fields = {k: v for k, v in ARMS[arm].architecture.items() if k != "model_type"}
     fields["vocab_size"] = runner.BUDGET["vocab_size"]
     config = MoHDConfig(**fields) if ARMS[arm].architecture["model_type"] == "mohd" else LlamaConfig(**fields)
-    acc = mohd_accounting(config, context_length=(BUDGET["seq_len"] + 1) // 2)
+    acc = model_accounting(config, context_length=(BUDGET["seq_len"] + 1) // 2)
     return {
         "total_params": acc.total_params,
         "activated_decoder_params": acc.activated_decoder_params,
-        "flops_per_token": acc.decoder_flops_per_token + acc.lm_head_flops_per_token,
+        "flops_per_token": acc.flops_per_token,
     }
 
 
