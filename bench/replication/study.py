@@ -33,6 +33,11 @@ Arms (parameters and FLOPs from the package's accounting, printed into the resul
 - `dense_at_x2_params`: dense at the expansion model's total parameters (width 256, 8 heads of 16, FFN 384: the
   expansion model with every sub-dimension active, less its routers).
 
+Second budget, ablations of the compression model at its learning rate (`ABLATIONS`): attention-only vs FFN-only
+sparsity at nearly equal removed activated parameters (32,768 vs 36,864 per layer), the shared fraction (25, 50, 75%
+of the active blocks) with both gate forms, and the model without activation scaling (whose constant factor on the
+output projections changes Adam's effective step, a confound of every MoHD-vs-dense comparison).
+
 Every run is resumable (trainer checkpoints every 250 steps; a finished run keeps its `summary.json`), and several
 workers may share the queue (`--workers 2` starts two processes of one torch thread each; a lock file per run keeps
 them apart). `--scale K` multiplies the training tokens by K (results and runs get a `_xK` suffix): the same suite at
@@ -89,11 +94,16 @@ def _dense(**overrides) -> dict:
     return {"model_type": "llama", **BASE, **overrides}
 
 
-def _mohd(preset: str) -> dict:
+def _mohd(preset: str, **overrides) -> dict:
     from hf_mohd.models.configuration_mohd import MoHDConfig
 
     fields = MoHDConfig.preset_fields(preset, BASE["hidden_size"], BASE["num_attention_heads"], BASE["head_dim"])
-    return {"model_type": "mohd", **BASE, **fields, "sparse_implementation": "masked"}
+    return {"model_type": "mohd", **BASE, **fields, "sparse_implementation": "masked", **overrides}
+
+
+def _ablation(description: str, **overrides) -> Arm:
+    """An ablation of the compression model: its learning rate, one or two fields changed."""
+    return Arm("mohd_compression_50", _mohd("compression_50", **overrides), description)
 
 
 ARMS = {
@@ -114,6 +124,39 @@ ARMS = {
         "Llama at expansion_x2's total parameters (width 256, 8 heads of 16, FFN 384)",
     ),
 }
+# Ablations of the compression model (the second budget). Attention-only vs FFN-only at (nearly) equal removed
+# activated parameters per layer: attention holds 4 D^2 = 65,536 weights and the FFN 3 D I = 147,456, so attention
+# at 8 of 16 blocks removes 32,768 and the FFN at 12 of 16 blocks 36,864.
+ABLATIONS = {
+    "c50_attention_only": _ablation("attention sparse at 8 of 16 blocks, FFN dense", sparse_modules=["attention"]),
+    "c50_ffn_only_12of16": _ablation(
+        "FFN sparse at 12 of 16 blocks (9 shared + 3 routed), attention dense",
+        sparse_modules=["ffn"],
+        num_shared_sub_dims=9,
+        num_routed_sub_dims_per_tok=3,
+    ),
+    "c50_shared25": _ablation(
+        "2 shared + 6 routed, softmax gate", num_shared_sub_dims=2, num_routed_sub_dims_per_tok=6
+    ),
+    "c50_shared50": _ablation(
+        "4 shared + 4 routed, softmax gate", num_shared_sub_dims=4, num_routed_sub_dims_per_tok=4
+    ),
+    "c50_normalized_shared25": _ablation(
+        "2 shared + 6 routed, normalized gate",
+        num_shared_sub_dims=2,
+        num_routed_sub_dims_per_tok=6,
+        routed_gate="normalized",
+    ),
+    "c50_normalized_shared50": _ablation(
+        "4 shared + 4 routed, normalized gate",
+        num_shared_sub_dims=4,
+        num_routed_sub_dims_per_tok=4,
+        routed_gate="normalized",
+    ),
+    "c50_normalized": _ablation("6 shared + 2 routed, normalized gate", routed_gate="normalized"),
+    "c50_no_scaling": _ablation("compression_50 without activation scaling", activation_scaling="none"),
+}
+ARMS.update(ABLATIONS)
 SWEPT = ("dense", "mohd_compression_50", "mohd_expansion_x2")
 # Comparisons: (name, arm a, arm b, claim, equivalence margin or None). diff = loss(a) - loss(b).
 COMPARISONS = (
@@ -144,6 +187,55 @@ COMPARISONS = (
         "mohd_expansion_x2",
         "dense_at_x2_params",
         "expansion x2 keeps the quality of dense at equal total parameters",
+        MARGIN,
+    ),
+    (
+        "attention_only_vs_ffn_only",
+        "c50_attention_only",
+        "c50_ffn_only_12of16",
+        "attention is more sensitive to sparsity than the FFN (MoHD rebuttal): attention-only sparsity is worse",
+        None,
+    ),
+    (
+        "shared75_vs_25_softmax",
+        "mohd_compression_50",
+        "c50_shared25",
+        "75% shared is best (rebuttal), softmax gate",
+        None,
+    ),
+    (
+        "shared75_vs_50_softmax",
+        "mohd_compression_50",
+        "c50_shared50",
+        "75% shared is best (rebuttal), softmax gate",
+        None,
+    ),
+    (
+        "shared75_vs_25_normalized",
+        "c50_normalized",
+        "c50_normalized_shared25",
+        "75% shared is best (rebuttal), normalized gate",
+        None,
+    ),
+    (
+        "shared75_vs_50_normalized",
+        "c50_normalized",
+        "c50_normalized_shared50",
+        "75% shared is best (rebuttal), normalized gate",
+        None,
+    ),
+    (
+        "scaling_vs_none",
+        "mohd_compression_50",
+        "c50_no_scaling",
+        "activation scaling alpha = N / (N_s + k) helps (rebuttal Lemma 1)",
+        None,
+    ),
+    (
+        "no_scaling_vs_dense",
+        "c50_no_scaling",
+        "dense",
+        "compression without activation scaling keeps dense quality (the step-size confound removed)",
         MARGIN,
     ),
 )
@@ -313,6 +405,8 @@ def jobs(scale: int) -> list[tuple[str, float | None, int]]:
     order += [("mohd_expansion_x2", lr, 0) for lr in LR_GRID]
     for arm in ("mohd_expansion_x2", "dense_at_x2_flops", "dense_at_x2_params"):
         order += [(arm, None, seed) for seed in SEEDS]
+    for seed in SEEDS:  # the second budget, seed-major so that every ablation has a first seed early
+        order += [(arm, None, seed) for arm in ABLATIONS]
     return order
 
 
