@@ -63,6 +63,8 @@ class ModelFamily:
         code_files: the remote-code files `save_pretrained` copies next to the weights.
         saved_fields: overrides of the model of the save / reload checks (every optional module present).
         perturb: applied to that model before saving (e.g. a non-zero router bias buffer).
+        bad_configs: (overrides of `config()`, regex of the `ValueError` message) of the family's own fields; the
+            LLaMA fields both families share are in `LLAMA_BAD_CONFIGS`.
     """
 
     name: str
@@ -77,6 +79,7 @@ class ModelFamily:
     code_files: tuple = ()
     saved_fields: dict = field(default_factory=dict)
     perturb: Callable = field(default=lambda model: None)
+    bad_configs: tuple = ()
 
     def config(self, **overrides):
         return self.config_class(**{**LLAMA_FIELDS, **self.fields, **overrides})
@@ -119,6 +122,20 @@ FAMILIES = {
         fast_and_reference=({"sparse_implementation": "gather"}, {"sparse_implementation": "masked"}),
         code_files=("modeling_mohd.py", "configuration_mohd.py", "accounting.py"),
         saved_fields={"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
+        bad_configs=(
+            ({"num_sub_dims": 7}, "`hidden_size`"),
+            ({"num_shared_sub_dims": 9}, "`num_shared_sub_dims`"),
+            ({"num_shared_sub_dims": -1}, "`num_shared_sub_dims`"),
+            ({"num_routed_sub_dims_per_tok": 6}, "`num_routed_sub_dims_per_tok`"),
+            ({"num_routed_sub_dims_per_tok": 0}, "`num_routed_sub_dims_per_tok`"),
+            ({"sparse_modules": ["attention", "moe"]}, "`sparse_modules`"),
+            ({"sparse_modules": ["ffn", "ffn"]}, "`sparse_modules`"),
+            ({"activation_scaling": "sqrt"}, "`activation_scaling`"),
+            ({"routed_gate": "sigmoid"}, "`routed_gate`"),
+            ({"group_fusion": "dense"}, "`group_fusion`"),
+            ({"sparse_implementation": "triton"}, "`sparse_implementation`"),
+            ({"router_aux_loss_coef": -0.1}, "`router_aux_loss_coef`"),
+        ),
     ),
     "latent_moe": ModelFamily(
         name="latent_moe",
@@ -145,8 +162,40 @@ FAMILIES = {
             "experts_implementation": "grouped_mm",
         },
         perturb=_perturb_correction_bias,
+        # layer 0 takes the global fields; `fields` overrides layer 1 (replaced where a case sets per_layer_config)
+        bad_configs=(
+            ({"num_experts_per_tok": 9}, r"layer 0: `num_experts_per_tok`"),
+            ({"per_layer_config": {1: {"num_experts_per_tok": 9}}}, r"layer 1: `num_experts_per_tok`"),
+            ({"per_layer_config": {1: {"mixer_type": "mamba"}}}, r"layer 1: `mixer_type`"),
+            ({"per_layer_config": {1: {"moe_latent_size": 0}}}, r"layer 1: `moe_latent_size`"),
+            ({"per_layer_config": {0: {"moe_shared_expert_intermediate_size": -1}}}, r"layer 0: `moe_shared_expert"),
+            ({"per_layer_config": {1: {"hidden_size": 96}}}, r"per_layer_config\[1\]`.*hidden_size"),
+            ({"per_layer_config": {1: {"mlp_gated": False}}}, r"per_layer_config\[1\]`.*mlp_gated"),
+            ({"per_layer_config": {1: {"skip": ["mlp"]}}}, r"per_layer_config\[1\]`.*skip"),
+            ({"per_layer_config": {0: {"num_experts": 0}}}, r"layer 0: `num_experts`"),
+            ({"router_score_func": "relu"}, r"`router_score_func`"),
+            ({"position_embedding_type": "alibi"}, r"`position_embedding_type`"),
+            ({"router_bias_update_rate": -1.0}, r"`router_bias_update_rate`"),
+            ({"routed_scaling_factor": 0.0}, r"`routed_scaling_factor`"),
+        ),
     ),
 }
+# Bad values of the LLaMA fields both configs validate with the same rules (configuration_common.check_llama_fields).
+LLAMA_BAD_CONFIGS = (
+    ({"num_key_value_heads": 3}, "`num_attention_heads`"),
+    ({"hidden_act": "swish_cubed"}, "`hidden_act`"),
+    ({"rms_norm_eps": 0.0}, "`rms_norm_eps`"),
+    ({"attention_dropout": 1.5}, "`attention_dropout`"),
+    ({"pad_token_id": VOCAB}, "`pad_token_id`"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, "rope_theta"),
+    ({"rope_parameters": {"rope_type": "spiral", "rope_theta": 10000.0}}, "rope_type"),
+    ({"num_hidden_layers": 0}, "`num_hidden_layers`"),
+)
+BAD_CONFIG_CASES = [
+    pytest.param(name, overrides, message, id=f"{name}-{'-'.join(map(str, overrides))}-{index}")
+    for name, family in FAMILIES.items()
+    for index, (overrides, message) in enumerate(LLAMA_BAD_CONFIGS + family.bad_configs)
+]
 
 
 @pytest.fixture(params=list(FAMILIES))
@@ -177,6 +226,19 @@ def as_llama_would(llama_warnings, model) -> list:
     return [
         (category, message.replace("LlamaForCausalLM", type(model).__name__)) for category, message in llama_warnings
     ]
+
+
+# --- configuration -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family_name, overrides, message", BAD_CONFIG_CASES)
+def test_bad_config_raises_value_error_naming_field(family_name, overrides, message):
+    """Every bad value is a `ValueError` naming the field (and, for a LatentMoE layer, the layer); the base config of
+    each family is valid, so the error comes from the one field changed."""
+    family = FAMILIES[family_name]
+    family.config()
+    with pytest.raises(ValueError, match=message):
+        family.config(**overrides)
 
 
 # --- cache passed as `past_key_values` ------------------------------------------------------------------------
