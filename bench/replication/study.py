@@ -482,7 +482,7 @@ def accounting_of(arm: str) -> dict:
 
 
 def report(scale: int) -> dict:
-    """Results JSON (`study_v2<suffix>.json`), plot, and the markdown table, from every finished run."""
+    """Results JSON (`study_v2<suffix>.json`), plot (`.png`) and markdown tables (`.md`), from every finished run."""
     refs = references(scale)
     bigram = refs["verdict"]["bigram_kneser_ney"]
     sweeps = {
@@ -555,6 +555,7 @@ def report(scale: int) -> dict:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
     plot(out, path.with_suffix(".png"))
+    path.with_suffix(".md").write_text(table(out) + "\n", encoding="utf-8")
     print(table(out))
     print(f"wrote {path}")
     return out
