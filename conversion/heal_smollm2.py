@@ -213,6 +213,8 @@ def train_arm(work: Path, arm: str) -> None:
         latest = latest_checkpoint(str(out)) if out.exists() else None
         done = int(latest.rsplit("_", 1)[1]) if latest else 0
         last_log = None
+        # the CPU time of this process covers the segment only when it trained the whole segment
+        whole_segment = done <= previous_step
         if done < step:
             result = train(train_config_from_dict({**values, "stop_after_steps": step - done}))
             assert result.steps == step, (result.steps, step)
@@ -226,8 +228,12 @@ def train_arm(work: Path, arm: str) -> None:
             "perplexity": ppl,
             # CPU seconds of this process (1 torch thread) since the previous point; from the logged throughput
             # when the segment was trained by an earlier, interrupted process
-            "train_cpu_seconds": round(train_cpu, 1) if last_log else logged_seconds(out, step - previous_step, step),
-            "train_cpu_seconds_source": "process_time" if last_log else "log.jsonl tokens_per_s (resumed)",
+            "train_cpu_seconds": (
+                round(train_cpu, 1) if last_log and whole_segment else logged_seconds(out, step - previous_step, step)
+            ),
+            "train_cpu_seconds_source": (
+                "process_time" if last_log and whole_segment else "log.jsonl tokens_per_s (resumed)"
+            ),
             "train_wall_seconds": round(time.time() - wall, 1),
             "last_train_log": last_log,
             "machine": ep.machine(),
