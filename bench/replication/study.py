@@ -580,13 +580,22 @@ def table(results: dict) -> str:
         f"Chosen learning rates: {results['chosen_lr']}; pooled sd "
         f"{results.get('pooled_sd', float('nan')):.4f} ({results.get('pooled_df', 0)} df).",
         "",
+        "| sweep (seed 0, validation loss) | " + " | ".join(f"lr {lr:g}" for lr in LR_GRID) + " | chosen |",
+        "|---|" + "---|" * (len(LR_GRID) + 1),
+    ]
+    for family, sweep in results["lr_sweep_validation_loss"].items():
+        cells = ["running" if sweep[f"{lr:g}"] is None else f"{sweep[f'{lr:g}']:.4f}" for lr in LR_GRID]
+        chosen = results["chosen_lr"][family]
+        lines.append(f"| {family} | " + " | ".join(cells) + f" | {'pending' if chosen is None else f'{chosen:g}'} |")
+    lines += [
+        "",
         "| arm | lr | seeds | verdict loss (mean, 95% CI) | below bigram | activated decoder params | FLOPs/token |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, arm in results["arms"].items():
         if arm["verdict_loss_mean"] is None:
             lines.append(
-                f"| {name} | {arm['lr']} | 0 | not run | | {arm['accounting']['activated_decoder_params']:,} | "
+                f"| {name} | pending | 0 | not run | | {arm['accounting']['activated_decoder_params']:,} | "
                 f"{arm['accounting']['flops_per_token']:,} |"
             )
             continue
