@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from ..models.configuration_latent_moe import LatentMoEConfig
+from ..models.configuration_latent_moe import MOE_SHAPE_FIELDS, LatentMoEConfig
 from ..models.modeling_latent_moe import LatentMoEForCausalLM
 
 
@@ -77,15 +77,6 @@ _SAME_FIELDS = (
     "bos_token_id",
     "eos_token_id",
 )
-# Per-layer fields that must be uniform across MoE (or dense) layers to fit Nemotron-H's single global shape.
-_MOE_SHAPE_FIELDS = (
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "moe_latent_size",
-    "moe_shared_expert_intermediate_size",
-    "routed_scaling_factor",
-)
 
 
 class NemotronHInteropError(ValueError):
@@ -116,7 +107,8 @@ def nemotron_h_config_from_latent_moe(config: LatentMoEConfig) -> NemotronHConfi
     layers = list(config.per_layer_config)  # layer views answer per-layer fields without ambiguity errors
     moe_layers = [i for i, layer in enumerate(layers) if layer.mixer_type == "moe"]
     mlp_layers = [i for i, layer in enumerate(layers) if layer.mixer_type == "mlp"]
-    for field, indices in [(f, moe_layers) for f in _MOE_SHAPE_FIELDS] + [("intermediate_size", mlp_layers)]:
+    # Nemotron-H has one global MoE shape and one dense width: they must be uniform across our MoE (dense) layers.
+    for field, indices in [(f, moe_layers) for f in MOE_SHAPE_FIELDS] + [("intermediate_size", mlp_layers)]:
         values = {i: getattr(layers[i], field) for i in indices}
         if len(set(values.values())) > 1:
             kind = "mlp" if field == "intermediate_size" else "moe"
@@ -132,7 +124,7 @@ def nemotron_h_config_from_latent_moe(config: LatentMoEConfig) -> NemotronHConfi
         )
     fields = {}
     for name in _SAME_FIELDS:
-        source = moe_reference if name in _MOE_SHAPE_FIELDS else mlp_reference
+        source = moe_reference if name in MOE_SHAPE_FIELDS else mlp_reference
         fields[name] = getattr(source, name)
     block_types = []
     for layer in layers:
