@@ -1,4 +1,5 @@
-"""Subcommands of `hf-mohd`; each module exposes `register(subparsers)` (see `hf_mohd/cli.py`).
+"""Subcommands of `hf-mohd`; each module exposes `register(subparsers)` (see `hf_mohd/cli.py`), which adds its
+commands with `add_command` (a command's help is its run function's docstring).
 
 Keep imports of heavy optional packages inside the command function so that `hf-mohd --help` stays fast.
 """
