@@ -21,6 +21,8 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .lora import lora_targets
+from .models.configuration_common import LLAMA_ARCHITECTURE_FIELDS
+from .models.configuration_mohd import SPARSITY_FIELDS as MOHD_SPARSITY_FIELDS
 
 
 TEMPLATE_NAME = "model_card_template.md"
@@ -31,31 +33,8 @@ PIPELINE_TAG = "text-generation"
 
 
 # Config fields shown per family; fields a config does not have are skipped, so the card follows the config class.
-ARCHITECTURE_FIELDS = [
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-]
-SPARSITY_FIELDS = {
-    "mohd": [
-        "num_sub_dims",
-        "num_shared_sub_dims",
-        "num_routed_sub_dims_per_tok",
-        "sparse_modules",
-        "activation_scaling",
-        "routed_gate",
-        "group_fusion",
-        "router_aux_loss_coef",
-        "sparse_implementation",
-    ],
-}
+ARCHITECTURE_FIELDS = [*LLAMA_ARCHITECTURE_FIELDS, "max_position_embeddings", "tie_word_embeddings"]
+SPARSITY_FIELDS = {"mohd": list(MOHD_SPARSITY_FIELDS)}
 # For a family without an explicit list (LatentMoE), every config field whose name contains one of these.
 SPARSITY_KEYWORDS = (
     "expert",

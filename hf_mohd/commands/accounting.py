@@ -3,19 +3,18 @@ LLaMA), or of a MoHD preset of a LLaMA config (`hf_mohd.models.accounting.model_
 
 import json
 
+from . import add_command
+
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "accounting",
-        help="Parameter and FLOP accounting of a config.json (MoHD, LatentMoE, LLaMA) or a MoHD preset of a LLaMA one.",
-    )
+    parser = add_command(subparsers, "accounting", run)
     parser.add_argument("config", help="Path to a config.json (or a model folder) of MoHD, LatentMoE or LLaMA.")
     parser.add_argument("--preset", help="Apply a MoHD preset (e.g. compression_50) to a LLaMA config first.")
     parser.add_argument("--context-length", type=int, default=2048, help="Context length for attention FLOPs.")
-    parser.set_defaults(func=run)
 
 
 def run(args) -> int:
+    """Parameter and FLOP accounting of a config.json (MoHD, LatentMoE, LLaMA) or a MoHD preset of a LLaMA one."""
     from transformers import AutoConfig
 
     import hf_mohd  # noqa: F401  (registers model types)

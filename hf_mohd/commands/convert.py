@@ -8,6 +8,7 @@ The work is done by `hf_mohd.conversion` (docs/design.md section 6).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 
 
@@ -170,13 +171,42 @@ def _verify(model, source, atol: float, seed: int) -> None:
         raise ConversionError(f"--verify failed: logits differ from the source by {diff:.3g} > atol={atol}.")
 
 
-def _fail(err) -> int:
-    logging.getLogger("hf_mohd.conversion").error("%s", err)
-    return 1
+def _save(args, model, source, changes: str, card: dict) -> None:
+    """`save_converted` to OUTPUT with the common options (--base-model, --overwrite, --max-shard-size)."""
+    from hf_mohd.conversion import save_converted
+
+    save_converted(
+        model,
+        args.output,
+        source,
+        changes,
+        base_model=args.base_model,
+        **card,
+        overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size,
+    )
 
 
+def _conversion_command(run):
+    """Wraps a `run_*(args)`: progress logging set up first (`configure_logging`); a `ConversionError` (bad input, a
+    failed --verify) is logged and exits with 1."""
+
+    @functools.wraps(run)
+    def wrapped(args) -> int:
+        configure_logging(args.quiet)
+        from hf_mohd.conversion import ConversionError
+
+        try:
+            return run(args)
+        except ConversionError as err:
+            logging.getLogger("hf_mohd.conversion").error("%s", err)
+            return 1
+
+    return wrapped
+
+
+@_conversion_command
 def run_mohd(args) -> int:
-    configure_logging(args.quiet)
     import hf_mohd  # noqa: F401  (registers the model types, so save_pretrained writes auto_map and code)
     from hf_mohd.conversion import (
         ConversionError,
@@ -186,7 +216,6 @@ def run_mohd(args) -> int:
         llama_to_mohd,
         load_dense_llama,
         rotate_llama,
-        save_converted,
     )
 
     sparsity = {
@@ -201,109 +230,78 @@ def run_mohd(args) -> int:
     }
     preset = None if args.preset == "none" else args.preset
     rotation = None if args.rotate == "none" else args.rotate
-    try:
-        card = card_perplexities(args.perplexity_json)
-        if (rotation or args.routers == "fitted") and not args.calibration_text:
-            raise ConversionError(f"--rotate {args.rotate} / --routers {args.routers} need --calibration-text FILE.")
-        if rotation and args.channel_order != "original":
-            raise ConversionError(
-                "--channel-order must be 'original' with --rotate (the PCA basis orders the blocks)."
-            )
-        source = _load(args)
-        calibration_ids, calibration = None, None
-        if args.calibration_text:
-            calibration_ids = calibration_token_ids(
-                source, args.calibration_text, args.calibration_window, args.calibration_tokens
-            )
-            calibration = f"`{args.calibration_text}`, {calibration_ids.numel()} tokens"
-        converted, untied = source, 0
-        if rotation:
-            converted, info = rotate_llama(source, calibration_ids)
-            untied = info["untied_parameters"]
-        if args.verify and rotation:
-            # In float64 with the same Q: fp32 rounding of the rotated weights alone moves SmolLM2's logits by 1e-4 to
-            # 3e-4. In float64 the rotated model is the source to ~1e-12; the oracle LlamaForCausalLM still computes
-            # its RMSNorm in fp32, so SmolLM2 measures 2e-5 here.
-            import dataclasses
-
-            import torch
-
-            source64 = load_dense_llama(dataclasses.replace(source), dtype=torch.float64)
-            exact = llama_to_mohd(rotate_llama(source64, rotation=info["basis"])[0], "full")
-            _verify(exact, source64, args.atol, args.seed)
-            del exact, source64
-        elif args.verify:
-            exact = llama_to_mohd(converted, "full", num_sub_dims=args.num_sub_dims, channel_order=args.channel_order)
-            _verify(exact, source, args.atol, args.seed)
-        model = llama_to_mohd(
-            converted,
-            preset,
-            seed=args.seed,
-            channel_order=args.channel_order,
-            routers=args.routers,
-            calibration_ids=calibration_ids,
-            **sparsity,
+    card = card_perplexities(args.perplexity_json)
+    if (rotation or args.routers == "fitted") and not args.calibration_text:
+        raise ConversionError(f"--rotate {args.rotate} / --routers {args.routers} need --calibration-text FILE.")
+    if rotation and args.channel_order != "original":
+        raise ConversionError("--channel-order must be 'original' with --rotate (the PCA basis orders the blocks).")
+    source = _load(args)
+    calibration_ids, calibration = None, None
+    if args.calibration_text:
+        calibration_ids = calibration_token_ids(
+            source, args.calibration_text, args.calibration_window, args.calibration_tokens
         )
-        save_converted(
-            model,
-            args.output,
-            converted,
-            describe_mohd_conversion(
-                model.config,
-                args.seed,
-                args.channel_order,
-                rotation=rotation,
-                routers=args.routers,
-                calibration=calibration,
-                untied_parameters=untied,
-            ),
-            base_model=args.base_model,
-            **card,
-            overwrite=args.overwrite,
-            max_shard_size=args.max_shard_size,
-        )
-    except ConversionError as err:
-        return _fail(err)
+        calibration = f"`{args.calibration_text}`, {calibration_ids.numel()} tokens"
+    converted, untied = source, 0
+    if rotation:
+        converted, info = rotate_llama(source, calibration_ids)
+        untied = info["untied_parameters"]
+    if args.verify and rotation:
+        # In float64 with the same Q: fp32 rounding of the rotated weights alone moves SmolLM2's logits by 1e-4 to
+        # 3e-4. In float64 the rotated model is the source to ~1e-12; the oracle LlamaForCausalLM still computes
+        # its RMSNorm in fp32, so SmolLM2 measures 2e-5 here.
+        import dataclasses
+
+        import torch
+
+        source64 = load_dense_llama(dataclasses.replace(source), dtype=torch.float64)
+        exact = llama_to_mohd(rotate_llama(source64, rotation=info["basis"])[0], "full")
+        _verify(exact, source64, args.atol, args.seed)
+        del exact, source64
+    elif args.verify:
+        exact = llama_to_mohd(converted, "full", num_sub_dims=args.num_sub_dims, channel_order=args.channel_order)
+        _verify(exact, source, args.atol, args.seed)
+    model = llama_to_mohd(
+        converted,
+        preset,
+        seed=args.seed,
+        channel_order=args.channel_order,
+        routers=args.routers,
+        calibration_ids=calibration_ids,
+        **sparsity,
+    )
+    changes = describe_mohd_conversion(
+        model.config,
+        args.seed,
+        args.channel_order,
+        rotation=rotation,
+        routers=args.routers,
+        calibration=calibration,
+        untied_parameters=untied,
+    )
+    _save(args, model, converted, changes, card)
     return 0
 
 
+@_conversion_command
 def run_latent_moe(args) -> int:
-    configure_logging(args.quiet)
     import hf_mohd  # noqa: F401
-    from hf_mohd.conversion import (
-        ConversionError,
-        card_perplexities,
-        describe_latent_moe_conversion,
-        llama_to_latent_moe,
-        save_converted,
-    )
+    from hf_mohd.conversion import card_perplexities, describe_latent_moe_conversion, llama_to_latent_moe
 
-    try:
-        card = card_perplexities(args.perplexity_json)
-        source = _load(args)
-        model = llama_to_latent_moe(
-            source,
-            num_experts=args.num_experts,
-            num_experts_per_tok=args.num_experts_per_tok,
-            moe_intermediate_size=args.moe_intermediate_size,
-            moe_latent_size=args.moe_latent_size,
-            expert_init=args.expert_init,
-            router_score_func=args.router_score_func,
-            dense_layers=args.dense_layers,
-            seed=args.seed,
-        )
-        if args.verify:
-            _verify(model, source, args.atol, args.seed)
-        save_converted(
-            model,
-            args.output,
-            source,
-            describe_latent_moe_conversion(model.config, args.expert_init, args.seed),
-            base_model=args.base_model,
-            **card,
-            overwrite=args.overwrite,
-            max_shard_size=args.max_shard_size,
-        )
-    except ConversionError as err:
-        return _fail(err)
+    card = card_perplexities(args.perplexity_json)
+    source = _load(args)
+    model = llama_to_latent_moe(
+        source,
+        num_experts=args.num_experts,
+        num_experts_per_tok=args.num_experts_per_tok,
+        moe_intermediate_size=args.moe_intermediate_size,
+        moe_latent_size=args.moe_latent_size,
+        expert_init=args.expert_init,
+        router_score_func=args.router_score_func,
+        dense_layers=args.dense_layers,
+        seed=args.seed,
+    )
+    if args.verify:
+        _verify(model, source, args.atol, args.seed)
+    _save(args, model, source, describe_latent_moe_conversion(model.config, args.expert_init, args.seed), card)
     return 0

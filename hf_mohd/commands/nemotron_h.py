@@ -9,6 +9,8 @@ llama.cpp through llama.cpp's own converter (`hf_mohd.interop.gguf_export`).
 
 from __future__ import annotations
 
+from . import add_command
+
 
 DTYPES = ("float32", "bfloat16", "float16")
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # hf_mohd.interop.gguf_export.OUTTYPES (kept import-free for --help)
@@ -19,28 +21,16 @@ def register(subparsers) -> None:
         "nemotron-h", help="Export LatentMoE to Nemotron-H (NemotronHForCausalLM) or import Nemotron-H as LatentMoE."
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    export = actions.add_parser(
-        "export",
-        help="LatentMoE folder -> Nemotron-H folder (needs position_embedding_type='none', mlp_gated=False, "
-        "sigmoid routing, a shared expert and one expert shape for all MoE layers).",
-    )
+    export = add_command(actions, "export", run_export)
     export.add_argument("source", help="Folder saved from a LatentMoEForCausalLM.")
     export.add_argument("output", help="Folder to write.")
     export.add_argument("--overwrite", action="store_true", help="Replace OUTPUT if it exists.")
-    export.set_defaults(func=run_export)
-    imp = actions.add_parser(
-        "import", help="Nemotron-H folder whose blocks alternate full_attention and moe | mlp -> LatentMoE folder."
-    )
+    imp = add_command(actions, "import", run_import)
     imp.add_argument("source", help="Folder that NemotronHForCausalLM.from_pretrained reads.")
     imp.add_argument("output", help="Folder to write.")
     imp.add_argument("--dtype", choices=DTYPES, help="dtype to load the weights in (default: the checkpoint's).")
     imp.add_argument("--overwrite", action="store_true", help="Replace OUTPUT if it exists.")
-    imp.set_defaults(func=run_import)
-    gguf = actions.add_parser(
-        "gguf",
-        help="LatentMoE folder (with its tokenizer) -> GGUF file for llama.cpp / llama-cpp-python, through "
-        "llama.cpp's convert_hf_to_gguf.py (every layer MoE, relu2, and the Nemotron-H requirements of `export`).",
-    )
+    gguf = add_command(actions, "gguf", run_gguf)
     gguf.add_argument("source", help="Folder saved from a LatentMoEForCausalLM, with its tokenizer files.")
     gguf.add_argument("output", help="GGUF file to write.")
     gguf.add_argument("--outtype", choices=OUTTYPES, default="f32", help="Weight type of the GGUF (default: f32).")
@@ -51,50 +41,59 @@ def register(subparsers) -> None:
         "$HF_MOHD_LLAMA_CPP_CONVERTER or <env>/share/hf-mohd/llama.cpp-convert, installed by scripts/setup.sh).",
     )
     gguf.add_argument("--overwrite", action="store_true", help="Replace OUTPUT if it exists.")
-    gguf.set_defaults(func=run_gguf)
 
 
-def run_export(args) -> int:
-    from hf_mohd.interop.nemotron_h import NemotronHInteropError, export_to_nemotron_h
-
+def _write(what: str, errors: tuple[type[Exception], ...], write, *args, **kwargs) -> int:
+    """Calls `write(*args, **kwargs)` and prints `<what> written to <its result>` (exit status 0); one of `errors`
+    (the writer's errors of the input) prints `error: <message>` instead (exit status 1)."""
     try:
-        out = export_to_nemotron_h(args.source, args.output, overwrite=args.overwrite)
-    except (NemotronHInteropError, FileExistsError) as error:
+        out = write(*args, **kwargs)
+    except errors as error:
         print(f"error: {error}")
         return 1
-    print(f"Nemotron-H checkpoint written to {out}")
+    print(f"{what} written to {out}")
     return 0
 
 
+def run_export(args) -> int:
+    """LatentMoE folder -> Nemotron-H folder (needs position_embedding_type='none', mlp_gated=False,
+    sigmoid routing, a shared expert and one expert shape for all MoE layers)."""
+    from hf_mohd.interop.nemotron_h import NemotronHInteropError, export_to_nemotron_h
+
+    errors = (NemotronHInteropError, FileExistsError)
+    return _write(
+        "Nemotron-H checkpoint", errors, export_to_nemotron_h, args.source, args.output, overwrite=args.overwrite
+    )
+
+
 def run_import(args) -> int:
+    """Nemotron-H folder whose blocks alternate full_attention and moe | mlp -> LatentMoE folder."""
     import torch
 
     from hf_mohd.interop.nemotron_h import NemotronHInteropError, import_from_nemotron_h
 
     kwargs = {"dtype": getattr(torch, args.dtype)} if args.dtype else {}
-    try:
+
+    def write() -> str:
         import_from_nemotron_h(args.source, args.output, overwrite=args.overwrite, **kwargs)
-    except (NemotronHInteropError, FileExistsError) as error:
-        print(f"error: {error}")
-        return 1
-    print(f"LatentMoE checkpoint written to {args.output}")
-    return 0
+        return args.output
+
+    return _write("LatentMoE checkpoint", (NemotronHInteropError, FileExistsError), write)
 
 
 def run_gguf(args) -> int:
+    """LatentMoE folder (with its tokenizer) -> GGUF file for llama.cpp / llama-cpp-python, through
+    llama.cpp's convert_hf_to_gguf.py (every layer MoE, relu2, and the Nemotron-H requirements of `export`)."""
     from hf_mohd.interop.gguf_export import export_to_gguf
 
-    try:
-        out = export_to_gguf(
-            args.source,
-            args.output,
-            outtype=args.outtype,
-            tokenizer=args.tokenizer,
-            converter_dir=args.converter,
-            overwrite=args.overwrite,
-        )
-    except (ValueError, FileExistsError, FileNotFoundError) as error:
-        print(f"error: {error}")
-        return 1
-    print(f"GGUF ({args.outtype}) written to {out}")
-    return 0
+    return _write(
+        f"GGUF ({args.outtype})",
+        (ValueError, FileExistsError, FileNotFoundError),
+        export_to_gguf,
+        args.source,
+        args.output,
+        outtype=args.outtype,
+        tokenizer=args.tokenizer,
+        converter_dir=args.converter,
+        overwrite=args.overwrite,
+    )

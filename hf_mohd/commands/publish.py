@@ -2,12 +2,11 @@
 
 import json
 
+from . import add_command
+
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "publish",
-        help="Upload a saved model folder to the Hub (safetensors, config with auto_map, code, tokenizer, model card).",
-    )
+    parser = add_command(subparsers, "publish", run)
     parser.add_argument("folder", help="A save_pretrained folder of a MoHD or LatentMoE model (with its tokenizer).")
     parser.add_argument("repo_id", help="Target repository, namespace/name (created if missing).")
     parser.add_argument("--base-model", action="append", help="Hub id of the base model (repeatable).")
@@ -21,10 +20,10 @@ def register(subparsers) -> None:
     parser.add_argument("--create-pr", action="store_true", help="Open a pull request instead of committing.")
     parser.add_argument("--commit-message", default="Upload model with hf-mohd")
     parser.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co).")
-    parser.set_defaults(func=run)
 
 
 def run(args) -> int:
+    """Upload a saved model folder to the Hub (safetensors, config with auto_map, code, tokenizer, model card)."""
     from hf_mohd.hub import publish
 
     card_kwargs = None

@@ -5,46 +5,26 @@ Every command reads local files only; a bad input prints `hf-mohd <command>: err
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
 
+from . import add_command
+
 
 def register(subparsers) -> None:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
-
-    p = subparsers.add_parser(
-        "latent-accounting",
-        formatter_class=fmt,
-        help="Per-layer and total params, FLOPs per token and all-to-all payload of a config (a table).",
-        description="Accounting of a LatentMoE (or MoHD, LLaMA) config.json (arXiv 2610.14644 appendix B.2): per layer "
-        "c N l m routed + 2 D l latent + D N router + c D m_s shared parameters (c = 3 gated, 2 not), mixer FLOPs "
-        "2 (c K l m + 2 D l + D N + c D m_s) per token, all-to-all 2 K l scalars per token (2 K D without a latent).",
-    )
+    p = _command(subparsers, "latent-accounting", run_accounting)
     p.add_argument("config", help="config.json of a LatentMoE (or MoHD, LLaMA) model, or the folder holding it.")
     p.add_argument("--context-length", type=int, default=0, help="Keys per query for attention-score FLOPs.")
     p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
-    p.set_defaults(func=_guard(run_accounting, "latent-accounting"))
 
-    p = subparsers.add_parser(
-        "alpha-transform",
-        formatter_class=fmt,
-        help="Turn a standard MoE config into a LatentMoE one: l = D/alpha, N' = alpha N, K' = alpha K.",
-        description="The alpha-transform of arXiv 2610.14644 section 2: at fixed expert width m, l = D / alpha, "
-        "N' = alpha N, K' = alpha K keep the routed path's parameters, compute and all-to-all payload.",
-    )
+    p = _command(subparsers, "alpha-transform", run_alpha_transform)
     p.add_argument("config", help="config.json (or folder) of a standard MoE (moe_latent_size unset).")
     p.add_argument("--alpha", type=float, required=True, help="Compression factor (4 in Nemotron 3).")
     p.add_argument("--output", help="Where to write the new config (a .json file, else a folder); default: print it.")
-    p.set_defaults(func=_guard(run_alpha_transform, "alpha-transform"))
 
-    p = subparsers.add_parser(
-        "propose-shape",
-        formatter_class=fmt,
-        help="Near-square expert shapes (l, m) at a fixed per-expert budget l*m.",
-        description="Ranks aligned (l, m) with l*m near the target and |l/m - 1| within the bound (arXiv "
-        "2610.14644 sections 3.1-3.2; the local-rank ceiling is q = min(l, m)).",
-    )
+    p = _command(subparsers, "propose-shape", run_propose_shape)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--product", type=int, help="Target l*m.")
     source.add_argument("--config", help="LatentMoE config.json (or folder): target = l*m of --layer.")
@@ -54,16 +34,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-latent-size", type=int, help="Upper bound on l (default with --config: hidden_size).")
     p.add_argument("--product-tolerance", type=float, default=0.05, help="Accepted relative error of l*m.")
     p.add_argument("--top", type=int, default=5, help="How many ranked shapes to print.")
-    p.set_defaults(func=_guard(run_propose_shape, "propose-shape"))
 
-    p = subparsers.add_parser(
-        "intrinsic-dim",
-        formatter_class=fmt,
-        help="TwoNN intrinsic dimension at every block boundary of a local causal LM.",
-        description="Collects hidden states at each block boundary (entering each block; the last before the final "
-        "norm) for a random sample of non-padding tokens and estimates their TwoNN intrinsic dimension "
-        "(Facco et al. 2017; arXiv 2610.14644 section 4.1). Works for any transformers causal LM.",
-    )
+    p = _command(subparsers, "intrinsic-dim", run_intrinsic_dim)
     p.add_argument("model", help="Local model folder (AutoModelForCausalLM).")
     inputs = p.add_mutually_exclusive_group(required=True)
     inputs.add_argument("--text-file", help="UTF-8 text; non-empty paragraphs (blank-line separated) are sequences.")
@@ -78,17 +50,8 @@ def register(subparsers) -> None:
     p.add_argument("--discard-fraction", type=float, default=0.1, help="Largest r2/r1 ratios left out of the fit.")
     p.add_argument("--trust-remote-code", action="store_true", help="Allow model code from the folder.")
     p.add_argument("--output", help="Write the profile as JSON (a .json file, else a folder) for `hf-mohd allocate`.")
-    p.set_defaults(func=_guard(run_intrinsic_dim, "intrinsic-dim"))
 
-    p = subparsers.add_parser(
-        "allocate",
-        formatter_class=fmt,
-        help="ID-guided two-regime per-layer LatentMoE config (narrow shallow prefix, wide rest) with a plot.",
-        description="Splits at the steepest rise of the ID profile in the first two thirds of depth and gives the "
-        "prefix a narrow and the rest a wide near-square expert shape, each keeping per-layer parameters, activated "
-        "FLOPs and all-to-all volume within the tolerance of the uniform config (arXiv 2610.14644 section 4.2). "
-        "Writes config.json (per_layer_config), allocation.json and id_profile.png.",
-    )
+    p = _command(subparsers, "allocate", run_allocate)
     p.add_argument("config", help="Uniform LatentMoE config.json (or folder).")
     p.add_argument("--profile", required=True, help="JSON from `hf-mohd intrinsic-dim`, or a JSON list of IDs.")
     p.add_argument("--output-dir", required=True, help="Folder for config.json, allocation.json, id_profile.png.")
@@ -99,10 +62,15 @@ def register(subparsers) -> None:
     p.add_argument("--shared-multiple", type=int, help="Alignment of m_s (default: --multiple).")
     p.add_argument("--narrow-latent-size", type=int, help="Force l of the shallow regime.")
     p.add_argument("--wide-latent-size", type=int, help="Force l of the deep regime.")
-    p.set_defaults(func=_guard(run_allocate, "allocate"))
+
+
+def _command(subparsers, name: str, run) -> argparse.ArgumentParser:
+    """`add_command` with option defaults shown in `--help` and `run`'s `ValueError`s turned into exit status 2."""
+    return add_command(subparsers, name, _guard(run, name), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
 def _guard(func, name):
+    @functools.wraps(func)
     def wrapped(args) -> int:
         try:
             return func(args)
@@ -122,6 +90,13 @@ def _write_json(data, output: str, default_name: str) -> str:
 
 
 def run_accounting(args) -> int:
+    """Per-layer and total params, FLOPs per token and all-to-all payload of a config (a table).
+
+    Accounting of a LatentMoE (or MoHD, LLaMA) config.json (arXiv 2610.14644 appendix B.2): per layer
+    c N l m routed + 2 D l latent + D N router + c D m_s shared parameters (c = 3 gated, 2 not),
+    mixer FLOPs 2 (c K l m + 2 D l + D N + c D m_s) per token,
+    all-to-all 2 K l scalars per token (2 K D without a latent).
+    """
     from hf_mohd.models.accounting import model_accounting
     from hf_mohd.shaping.config_io import format_accounting, load_config
 
@@ -131,6 +106,11 @@ def run_accounting(args) -> int:
 
 
 def run_alpha_transform(args) -> int:
+    """Turn a standard MoE config into a LatentMoE one: l = D/alpha, N' = alpha N, K' = alpha K.
+
+    The alpha-transform of arXiv 2610.14644 section 2: at fixed expert width m, l = D / alpha, N' = alpha N,
+    K' = alpha K keep the routed path's parameters, compute and all-to-all payload.
+    """
     from hf_mohd.shaping.config_io import alpha_transform_summary, load_config
     from hf_mohd.shaping.shapes import alpha_transform
 
@@ -148,6 +128,11 @@ def run_alpha_transform(args) -> int:
 
 
 def run_propose_shape(args) -> int:
+    """Near-square expert shapes (l, m) at a fixed per-expert budget l*m.
+
+    Ranks aligned (l, m) with l*m near the target and |l/m - 1| within the bound (arXiv 2610.14644 sections 3.1-3.2; the
+    local-rank ceiling is q = min(l, m)).
+    """
     from hf_mohd.models.accounting import layer_fields
     from hf_mohd.shaping.config_io import load_config
     from hf_mohd.shaping.shapes import propose_shapes
@@ -186,6 +171,12 @@ def run_propose_shape(args) -> int:
 
 
 def run_intrinsic_dim(args) -> int:
+    """TwoNN intrinsic dimension at every block boundary of a local causal LM.
+
+    Collects hidden states at each block boundary (entering each block; the last before the final norm) for a random
+    sample of non-padding tokens and estimates their TwoNN intrinsic dimension (Facco et al. 2017; arXiv 2610.14644
+    section 4.1). Works for any transformers causal LM.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -246,6 +237,13 @@ def run_intrinsic_dim(args) -> int:
 
 
 def run_allocate(args) -> int:
+    """ID-guided two-regime per-layer LatentMoE config (narrow shallow prefix, wide rest) with a plot.
+
+    Splits at the steepest rise of the ID profile in the first two thirds of depth and gives the prefix a narrow and the
+    rest a wide near-square expert shape, each keeping per-layer parameters, activated FLOPs and all-to-all volume
+    within the tolerance of the uniform config (arXiv 2610.14644 section 4.2). Writes config.json (per_layer_config),
+    allocation.json and id_profile.png.
+    """
     from hf_mohd.shaping.allocation import allocate_two_regime, write_allocation
 
     with open(args.profile, encoding="utf-8") as handle:

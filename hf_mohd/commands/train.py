@@ -1,13 +1,10 @@
 """`hf-mohd train CONFIG`: train (or resume) a causal LM from a YAML/JSON config; works under `accelerate launch`."""
 
+from . import add_command
+
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "train",
-        help="Train or resume a MoHD / LatentMoE / Llama model from a YAML or JSON config (see configs/).",
-        description="Every field of the config has a default; see hf_mohd.training.config for their meaning. "
-        "Run under `accelerate launch` for several processes.",
-    )
+    parser = add_command(subparsers, "train", run)
     parser.add_argument("config", help="Path to a .yaml/.yml/.json training config.")
     parser.add_argument(
         "--set",
@@ -16,7 +13,6 @@ def register(subparsers) -> None:
         metavar="FIELD=VALUE",
         help="Override a field, e.g. --set max_steps=50 --set optim.lr=3e-4 (VALUE is parsed as YAML).",
     )
-    parser.set_defaults(func=run)
 
 
 def apply_overrides(values: dict, overrides: list[str]) -> dict:
@@ -36,6 +32,11 @@ def apply_overrides(values: dict, overrides: list[str]) -> dict:
 
 
 def run(args) -> int:
+    """Train or resume a MoHD / LatentMoE / Llama model from a YAML or JSON config (see configs/).
+
+    Every field of the config has a default; see hf_mohd.training.config for their meaning.
+    Run under `accelerate launch` for several processes.
+    """
     import json
     import os
 

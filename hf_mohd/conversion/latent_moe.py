@@ -39,6 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..models.configuration_common import LLAMA_ARCHITECTURE_FIELDS
 from ..models.configuration_latent_moe import LatentMoEConfig
 from ..models.modeling_latent_moe import LatentMoEForCausalLM
 from .source import ConversionError, DenseLlamaSource, load_dense_llama
@@ -49,14 +50,7 @@ logger = logging.getLogger(__name__)
 EXPERT_INITS = ("slices", "random")
 # LLaMA fields that LatentMoEConfig takes as they are.
 COPIED_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
+    *LLAMA_ARCHITECTURE_FIELDS,
     "mlp_bias",
     "max_position_embeddings",
     "rope_parameters",

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.configuration_mohd import MOHD_PRESETS, MoHDConfig
+from ..models.configuration_mohd import MOHD_PRESETS, SPARSITY_FIELDS, MoHDConfig
 from ..models.modeling_mohd import MoHDForCausalLM, MoHDGroupFusion, MoHDRouter
 from .rotation import ROTATIONS, rotate_llama
 from .routers import ROUTER_INITS, fit_routers
@@ -53,17 +53,6 @@ logger = logging.getLogger(__name__)
 
 # "full": every sub-dimension shared, alpha = 1, no fusion: the exact LLaMA-equivalent model (section 3 invariant).
 CONVERSION_PRESETS = ("full", "compression_50", "compression_75")
-SPARSITY_FIELDS = (
-    "num_sub_dims",
-    "num_shared_sub_dims",
-    "num_routed_sub_dims_per_tok",
-    "sparse_modules",
-    "activation_scaling",
-    "routed_gate",
-    "group_fusion",
-    "sparse_implementation",
-    "router_aux_loss_coef",
-)
 FRESH_PARAMETER_SUFFIXES = ("sub_dims.router.weight", "sub_dims.group_fusion.weight")
 CHANNEL_ORDERS = ("original", "importance")
 # Per sublayer: (its norm, the projections that read the normed width-D input, the projections that write width D).

@@ -25,11 +25,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..atomic_folder import staged_folder
 from .source import ConversionError, DenseLlamaSource
 
 
@@ -121,7 +120,7 @@ def save_converted(
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
 ) -> Path:
-    """Write a complete model folder for `model` (converted from `source`), atomically.
+    """Write a complete model folder for `model` (converted from `source`), atomically (`staged_folder`).
 
     Args:
         model: a MoHD or LatentMoE model (`import hf_mohd` has registered it, so `auto_map` and code are written).
@@ -139,8 +138,7 @@ def save_converted(
     """
     output = check_destination(output_dir, overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
-    try:
+    with staged_folder(output) as staging:
         logger.info("Writing weights, config and code to %s", staging)
         model.generation_config = source.generation_config
         model.save_pretrained(staging, max_shard_size=max_shard_size)
@@ -157,16 +155,6 @@ def save_converted(
         )
         card.save(staging / "README.md")
         _apply_umask(staging)
-        if output.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
-            os.replace(output, retired / output.name)
-            os.replace(staging, output)
-            shutil.rmtree(retired)
-        else:
-            os.replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     logger.info("Saved %s", output)
     return output
 

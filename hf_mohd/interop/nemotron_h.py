@@ -33,18 +33,16 @@ original checkpoint layout and `from_pretrained` reads it back):
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from ..models.configuration_latent_moe import LatentMoEConfig
+from ..atomic_folder import staged_folder
+from ..models.configuration_latent_moe import MOE_SHAPE_FIELDS, LatentMoEConfig
 from ..models.modeling_latent_moe import LatentMoEForCausalLM
 
 
@@ -77,15 +75,6 @@ _SAME_FIELDS = (
     "bos_token_id",
     "eos_token_id",
 )
-# Per-layer fields that must be uniform across MoE (or dense) layers to fit Nemotron-H's single global shape.
-_MOE_SHAPE_FIELDS = (
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "moe_latent_size",
-    "moe_shared_expert_intermediate_size",
-    "routed_scaling_factor",
-)
 
 
 class NemotronHInteropError(ValueError):
@@ -116,7 +105,8 @@ def nemotron_h_config_from_latent_moe(config: LatentMoEConfig) -> NemotronHConfi
     layers = list(config.per_layer_config)  # layer views answer per-layer fields without ambiguity errors
     moe_layers = [i for i, layer in enumerate(layers) if layer.mixer_type == "moe"]
     mlp_layers = [i for i, layer in enumerate(layers) if layer.mixer_type == "mlp"]
-    for field, indices in [(f, moe_layers) for f in _MOE_SHAPE_FIELDS] + [("intermediate_size", mlp_layers)]:
+    # Nemotron-H has one global MoE shape and one dense width: they must be uniform across our MoE (dense) layers.
+    for field, indices in [(f, moe_layers) for f in MOE_SHAPE_FIELDS] + [("intermediate_size", mlp_layers)]:
         values = {i: getattr(layers[i], field) for i in indices}
         if len(set(values.values())) > 1:
             kind = "mlp" if field == "intermediate_size" else "moe"
@@ -132,7 +122,7 @@ def nemotron_h_config_from_latent_moe(config: LatentMoEConfig) -> NemotronHConfi
         )
     fields = {}
     for name in _SAME_FIELDS:
-        source = moe_reference if name in _MOE_SHAPE_FIELDS else mlp_reference
+        source = moe_reference if name in MOE_SHAPE_FIELDS else mlp_reference
         fields[name] = getattr(source, name)
     block_types = []
     for layer in layers:
@@ -212,7 +202,7 @@ def export_to_nemotron_h(model_or_folder, out_dir: str | Path, overwrite: bool =
     if not isinstance(model_or_folder, LatentMoEForCausalLM):
         source = Path(model_or_folder)
         model = LatentMoEForCausalLM.from_pretrained(source)
-    with _staged(out) as staging:
+    with staged_folder(out) as staging:
         to_nemotron_h(model).save_pretrained(staging)
         if source is not None:
             _copy_side_files(source, staging)
@@ -342,7 +332,7 @@ def import_from_nemotron_h(folder: str | Path, out_dir: str | Path | None = None
     out = _prepare_destination(out_dir, overwrite) if out_dir is not None else None
     model = from_nemotron_h(NemotronHForCausalLM.from_pretrained(folder, **kwargs))
     if out is not None:
-        with _staged(out) as staging:
+        with staged_folder(out) as staging:
             model.save_pretrained(staging)
             _copy_side_files(folder, staging)
     return model
@@ -353,35 +343,12 @@ def import_from_nemotron_h(folder: str | Path, out_dir: str | Path | None = None
 
 def _prepare_destination(out_dir: str | Path, overwrite: bool) -> Path:
     """`out_dir`, checked before any work: an existing non-empty folder needs `overwrite` (it is replaced only once
-    the new folder is complete, see `_staged`)."""
+    the new folder is complete, see `staged_folder`)."""
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True (--overwrite) to replace it.")
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
-
-
-@contextlib.contextmanager
-def _staged(out: Path):
-    """Yields a temporary sibling of `out` to write into; renamed to `out` when the block completes (an existing `out`
-    is swapped out first and removed after), removed when it raises. An interrupted write thus never leaves a partial
-    folder under `out` for a later `from_pretrained` to load, and never destroys the previous one."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it owner-only; the files inside follow the umask already
-    try:
-        yield staging
-        if out.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.replace(out, retired / out.name)
-            os.replace(staging, out)
-            shutil.rmtree(retired)
-        else:
-            os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def _copy_side_files(source: Path, out: Path) -> None:

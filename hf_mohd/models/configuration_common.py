@@ -130,6 +130,19 @@ def check_llama_fields(config) -> None:
         raise ValueError(f"`rope_parameters` has rope_theta {theta!r}; expected a finite number > 0.")
 
 
+# The LLaMA fields (`LlamaConfig`'s names) that fix the decoder stack's tensor shapes and activation, declared with
+# LLaMA's meaning by both families: the first fields a conversion copies from its source and a model card lists.
+LLAMA_ARCHITECTURE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+)
+
 # Llama's tensor-parallel plan of its decoder layers (`LlamaConfig.base_model_tp_plan`): q/k/v and gate/up shard their
 # output features, o_proj and down_proj their input features, so the hidden axis stays whole on every rank.
 LLAMA_TP_PLAN = {
@@ -140,4 +153,10 @@ LLAMA_TP_PLAN = {
     "layers.*.mlp.gate_proj": "colwise",
     "layers.*.mlp.up_proj": "colwise",
     "layers.*.mlp.down_proj": "rowwise",
+}
+# Llama's pipeline-parallel plan (`LlamaConfig.base_model_pp_plan`): the stages' inputs and outputs by module.
+LLAMA_PP_PLAN = {
+    "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+    "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+    "norm": (["hidden_states"], ["hidden_states"]),
 }

@@ -24,6 +24,7 @@ from transformers.utils.type_validators import interval
 
 from .accounting import MIXER_TYPES, check_layer_overrides, layer_accounting
 from .configuration_common import (
+    LLAMA_PP_PLAN,
     LLAMA_TP_PLAN,
     AccountingMixin,
     check_llama_fields,
@@ -33,12 +34,8 @@ from .configuration_common import (
 )
 
 
-# Fields a `per_layer_config` entry may override: the mixer of the layer and its shape; everything else (width,
-# attention, `mlp_gated`, `mlp_bias`, routing function) is one value for the whole model. The accounting checks
-# config dicts against this same list (`accounting.check_layer_overrides`).
-PER_LAYER_FIELDS = (
-    "mixer_type",
-    "intermediate_size",
+# The fields that shape a LatentMoE block (experts, widths, routed scale): what may differ between two MoE layers.
+MOE_SHAPE_FIELDS = (
     "num_experts",
     "num_experts_per_tok",
     "moe_intermediate_size",
@@ -46,6 +43,10 @@ PER_LAYER_FIELDS = (
     "moe_shared_expert_intermediate_size",
     "routed_scaling_factor",
 )
+# Fields a `per_layer_config` entry may override: the mixer of the layer, the dense width and the MoE shape;
+# everything else (width, attention, `mlp_gated`, `mlp_bias`, routing function) is one value for the whole model. The
+# accounting checks config dicts against this same list (`accounting.check_layer_overrides`).
+PER_LAYER_FIELDS = ("mixer_type", "intermediate_size", *MOE_SHAPE_FIELDS)
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
 POSITION_EMBEDDING_TYPES = ("rope", "none")
 
@@ -139,11 +140,7 @@ class LatentMoEConfig(AccountingMixin, PreTrainedConfig):
         "layers.*.mlp.experts.down_proj": "grouped_gemm",
         "layers.*.mlp.experts": "ep_dispatch_experts",
     }
-    base_model_pp_plan = {
-        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
-        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
-        "norm": (["hidden_states"], ["hidden_states"]),
-    }
+    base_model_pp_plan = dict(LLAMA_PP_PLAN)
 
     vocab_size: int = 32000
     hidden_size: int = 2048

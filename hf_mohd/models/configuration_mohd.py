@@ -20,6 +20,7 @@ from transformers.utils import auto_docstring
 from transformers.utils.type_validators import interval
 
 from .configuration_common import (
+    LLAMA_PP_PLAN,
     LLAMA_TP_PLAN,
     AccountingMixin,
     check_llama_fields,
@@ -34,6 +35,19 @@ ACTIVATION_SCALINGS = ("inverse_active", "none")
 ROUTED_GATES = ("softmax", "normalized")
 GROUP_FUSIONS = ("mix", "none")
 SPARSE_IMPLEMENTATIONS = ("masked", "gather")
+# The fields MoHD adds to LLaMA's that set its sparsity (in declaration order; `output_router_logits` is a forward
+# option, not a setting): what a conversion from LLaMA may set and what a model card lists.
+SPARSITY_FIELDS = (
+    "num_sub_dims",
+    "num_shared_sub_dims",
+    "num_routed_sub_dims_per_tok",
+    "sparse_modules",
+    "activation_scaling",
+    "routed_gate",
+    "group_fusion",
+    "router_aux_loss_coef",
+    "sparse_implementation",
+)
 
 # docs/design.md section 3, "Presets from a base LLaMA shape": (width multiplier, N, N_s, k).
 MOHD_PRESETS = {
@@ -96,11 +110,7 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
     # modules (the gather path reads their weights); `TensorParallelProjections` in modeling_mohd.py runs them on the
     # local shards with the two styles' collectives. Routers and group fusion are replicated.
     base_model_tp_plan = dict(LLAMA_TP_PLAN)
-    base_model_pp_plan = {
-        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
-        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
-        "norm": (["hidden_states"], ["hidden_states"]),
-    }
+    base_model_pp_plan = dict(LLAMA_PP_PLAN)
 
     vocab_size: int = 32000
     hidden_size: int = 4096
