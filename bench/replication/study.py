@@ -13,7 +13,8 @@ only (`eval_fraction` 0), so every seed trains on the same packed blocks in a se
 initialisation and the block order.
 
 Protocol (fixed before the runs):
-1. Learning-rate sweep, seed 0, over `LR_GRID` for each family that has its own sweep (dense, MoHD compression 50%,
+1. Learning-rate sweep, seed 0, over `LR_GRID` (extended by factors of 2 while the best rate is at an edge, at
+   most twice: `sweep_grid`) for each family that has its own sweep (dense, MoHD compression 50%,
    MoHD expansion x2); the rate with the lowest validation loss is the family's rate. The sweep run at the chosen
    rate is that arm's seed 0 (it was selected on the validation set, which the verdicts never read).
 2. Every arm at its family's rate with `SEEDS`; dense baselines use the dense rate.
@@ -76,6 +77,7 @@ BASE = {
 }
 BUDGET = {"seq_len": 128, "micro_batch_size": 16, "max_steps": 1000, "warmup_steps": 50, "save_every": 250}
 LR_GRID = (1.5e-3, 3e-3, 6e-3)
+MAX_EXTENSIONS = 2  # extra rates beyond an edge of LR_GRID (see `sweep_grid`)
 SEEDS = (0, 1, 2)
 MARGIN = 0.05  # nats/token: "keeps quality" means the verdict losses differ by less than this (perplexity within 5%)
 REGIME_GAP = 0.1  # nats/token below the bigram reference for a comparison to count as a verdict
@@ -387,22 +389,41 @@ def summary_of(scale: int, arm: str, lr: float, seed: int) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
+def sweep_grid(scale: int, family: str) -> list[float]:
+    """The family's learning-rate grid: `LR_GRID`, extended by a factor of 2 beyond an edge while the lowest
+    validation loss sits at that edge (at most `MAX_EXTENSIONS` extra rates), so the chosen rate is an interior
+    minimum of the sweep or the grid says it is not."""
+    grid = list(LR_GRID)
+    while True:
+        done = {lr: summary_of(scale, family, lr, 0) for lr in grid}
+        if any(summary is None for summary in done.values()) or len(grid) >= len(LR_GRID) + MAX_EXTENSIONS:
+            return grid
+        best = min(grid, key=lambda lr: done[lr]["validation_loss"])
+        if best == grid[0]:
+            grid.insert(0, grid[0] / 2)
+        elif best == grid[-1]:
+            grid.append(grid[-1] * 2)
+        else:
+            return grid
+
+
 def chosen_lr(scale: int, family: str) -> float | None:
     """The family's learning rate: lowest validation loss of its seed-0 sweep (None until the sweep is complete)."""
-    sweep = {lr: summary_of(scale, family, lr, 0) for lr in LR_GRID}
+    grid = sweep_grid(scale, family)
+    sweep = {lr: summary_of(scale, family, lr, 0) for lr in grid}
     if any(s is None for s in sweep.values()):
         return None
-    return min(LR_GRID, key=lambda lr: sweep[lr]["validation_loss"])
+    return min(grid, key=lambda lr: sweep[lr]["validation_loss"])
 
 
 def jobs(scale: int) -> list[tuple[str, float | None, int]]:
     """Every run in priority order; `lr` None means "the family's rate, once its sweep is done"."""
     order = []
     for family in ("dense", "mohd_compression_50"):
-        order += [(family, lr, 0) for lr in LR_GRID]
+        order += [(family, lr, 0) for lr in sweep_grid(scale, family)]
     for arm in ("dense", "mohd_compression_50", "dense_at_c50_active"):
         order += [(arm, None, seed) for seed in SEEDS]
-    order += [("mohd_expansion_x2", lr, 0) for lr in LR_GRID]
+    order += [("mohd_expansion_x2", lr, 0) for lr in sweep_grid(scale, "mohd_expansion_x2")]
     for arm in ("mohd_expansion_x2", "dense_at_x2_flops", "dense_at_x2_params"):
         order += [(arm, None, seed) for seed in SEEDS]
     for seed in SEEDS:  # the second budget, seed-major so that every ablation has a first seed early
@@ -486,7 +507,10 @@ def report(scale: int) -> dict:
     refs = references(scale)
     bigram = refs["verdict"]["bigram_kneser_ney"]
     sweeps = {
-        family: {f"{lr:g}": (summary_of(scale, family, lr, 0) or {}).get("validation_loss") for lr in LR_GRID}
+        family: {
+            f"{lr:g}": (summary_of(scale, family, lr, 0) or {}).get("validation_loss")
+            for lr in sweep_grid(scale, family)
+        }
         for family in SWEPT
     }
     rates = {family: chosen_lr(scale, family) for family in SWEPT}
@@ -580,13 +604,13 @@ def table(results: dict) -> str:
         f"Chosen learning rates: {results['chosen_lr']}; pooled sd "
         f"{results.get('pooled_sd', float('nan')):.4f} ({results.get('pooled_df', 0)} df).",
         "",
-        "| sweep (seed 0, validation loss) | " + " | ".join(f"lr {lr:g}" for lr in LR_GRID) + " | chosen |",
-        "|---|" + "---|" * (len(LR_GRID) + 1),
+        "| sweep (seed 0) | validation loss by learning rate | chosen |",
+        "|---|---|---|",
     ]
     for family, sweep in results["lr_sweep_validation_loss"].items():
-        cells = ["running" if sweep[f"{lr:g}"] is None else f"{sweep[f'{lr:g}']:.4f}" for lr in LR_GRID]
+        cells = ", ".join(f"{lr}: {'running' if loss is None else f'{loss:.4f}'}" for lr, loss in sweep.items())
         chosen = results["chosen_lr"][family]
-        lines.append(f"| {family} | " + " | ".join(cells) + f" | {'pending' if chosen is None else f'{chosen:g}'} |")
+        lines.append(f"| {family} | {cells} | {'pending' if chosen is None else f'{chosen:g}'} |")
     lines += [
         "",
         "| arm | lr | seeds | verdict loss (mean, 95% CI) | below bigram | activated decoder params | FLOPs/token |",
