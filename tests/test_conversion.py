@@ -27,6 +27,8 @@ from hf_mohd.conversion import (
     calibrated_channel_importance,
     calibration_token_ids,
     channel_importance,
+    convert_latent_moe,
+    convert_mohd,
     describe_mohd_conversion,
     fit_routers,
     hidden_state_second_moment,
@@ -604,6 +606,109 @@ def test_cli_converts_both_ways_and_reports_errors(tmp_path, input_ids, caplog):
     torch.save({}, tmp_path / "weights.bin")
     assert cli_main(["convert", "mohd", str(tmp_path / "weights.bin"), str(tmp_path / "x")]) == 1
     assert "never loads pickled" in caplog.text
+
+
+def _folder_files(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def _assert_same_folder(cli: Path, python: Path) -> None:
+    """The same config.json, the same tensors, and every other file byte for byte (model card included)."""
+    assert json.loads((cli / "config.json").read_text()) == json.loads((python / "config.json").read_text())
+    cli_tensors, python_tensors = load_file(cli / "model.safetensors"), load_file(python / "model.safetensors")
+    assert cli_tensors.keys() == python_tensors.keys()
+    assert all(torch.equal(cli_tensors[name], python_tensors[name]) for name in cli_tensors)
+    assert _folder_files(cli) == _folder_files(python)
+
+
+def test_convert_mohd_from_python_writes_the_cli_folder(tmp_path):
+    """`convert_mohd` is what `hf-mohd convert mohd` runs: the same folder, and --verify's number comes back.
+
+    Oracle of the number: the float64 check rebuilt here from its parts (the float64 source rotated by the PCA basis
+    of the same calibration tokens, every block shared, against the float64 LLaMA) on 2 x 32 tokens drawn uniformly
+    with the seed."""
+    save_tiny_llama(tmp_path / "llama", tied=True, sharded=False)
+    text = tmp_path / "calibration.txt"
+    words = torch.randint(3, VOCAB, (400,), generator=torch.Generator().manual_seed(3)).tolist()
+    text.write_text(" ".join(f"w{i}" for i in words))
+    src, cli_out, python_out = str(tmp_path / "llama"), tmp_path / "cli" / "mohd", tmp_path / "python" / "mohd"
+    args = ["--preset", "compression_75", "--rotate", "pca", "--routers", "fitted", "--calibration-text", str(text)]
+    assert cli_main(["convert", "mohd", src, str(cli_out), *args, "--calibration-window", "50", "--verify", "-q"]) == 0
+    result = convert_mohd(
+        src,
+        python_out,
+        "compression_75",
+        rotation="pca",
+        routers="fitted",
+        calibration_text=text,
+        calibration_window=50,
+        verify=True,
+    )
+    assert result.path == python_out.resolve() and result.calibration_tokens == 400
+    assert result.model.config.num_active_sub_dims == 12
+    _assert_same_folder(cli_out, python_out)
+
+    source = load_dense_llama(src)
+    basis = rotate_llama(source, calibration_token_ids(source, text, window=50))[1]["basis"]  # Q of the fp32 source
+    source64 = load_dense_llama(src, dtype=torch.float64)
+    exact = llama_to_mohd(rotate_llama(source64, rotation=basis)[0], "full")
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = exact(input_ids=ids).logits.float() - source64.build_llama()(input_ids=ids).logits.float()
+    assert result.max_logit_difference == expected.abs().max().item()
+    fp32 = llama_to_mohd(
+        source, "full", rotation="pca", calibration_ids=calibration_token_ids(source, text, window=50)
+    )
+    with torch.no_grad():  # the same check in fp32 shows the rotated weights' rounding: float64 is what was run
+        fp32_difference = (fp32(input_ids=ids).logits - source.build_llama()(input_ids=ids).logits).abs().max()
+    assert result.max_logit_difference < fp32_difference.item()
+
+    # Without a rotation the check is the exact model (same channel order) against transformers' own LLaMA.
+    oracle = LlamaForCausalLM.from_pretrained(src).eval()
+    result = convert_mohd(
+        src, tmp_path / "importance", "compression_50", channel_order="importance", seed=0, verify=True
+    )
+    exact = llama_to_mohd(src, "full", channel_order="importance")
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = (exact(input_ids=ids).logits - oracle(input_ids=ids).logits).abs().max().item()
+    assert result.max_logit_difference == expected and 0 < expected <= 1e-4
+
+
+def test_convert_latent_moe_from_python_writes_the_cli_folder(tmp_path):
+    save_tiny_llama(tmp_path / "llama", tied=True, sharded=False)
+    oracle = LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval()  # transformers' own reader
+    src, cli_out, python_out = str(tmp_path / "llama"), tmp_path / "cli" / "moe", tmp_path / "python" / "moe"
+    args = ["--num-experts", "4", "--expert-init", "random", "--dense-layers", "1", "--seed", "5", "--verify", "-q"]
+    assert cli_main(["convert", "latent-moe", src, str(cli_out), *args]) == 0
+    result = convert_latent_moe(
+        src, python_out, num_experts=4, expert_init="random", dense_layers=[1], seed=5, verify=True
+    )
+    assert result.calibration_tokens is None and type(result.model.model.layers[1].mlp).__name__ == "MLP"
+    _assert_same_folder(cli_out, python_out)
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = (result.model(input_ids=ids).logits - oracle(input_ids=ids).logits).abs().max().item()
+    assert result.max_logit_difference == expected == 0.0  # fc2_latent_proj is zero: the routed path adds exactly 0
+
+
+def test_convert_checks_options_first_and_fails_verify_without_writing(tmp_path, caplog):
+    """Option rules are checked before the source is read (the source here does not exist), with one message for
+    Python and the CLI; a failed verify writes nothing."""
+    missing, out = tmp_path / "no-such-llama", tmp_path / "out"
+    with pytest.raises(ConversionError, match=r"rotation='pca' / routers='random' need calibration text: give "):
+        convert_mohd(missing, out, rotation="pca")
+    with pytest.raises(ConversionError, match=r"`channel_order` must be 'original' with rotation='pca'.*'importance'"):
+        convert_mohd(missing, out, rotation="pca", channel_order="importance", calibration_text="c.txt")
+    assert cli_main(["convert", "mohd", str(missing), str(out), "--routers", "fitted"]) == 1
+    assert "need calibration text: give `calibration_text` (a UTF-8 file, --calibration-text)" in caplog.text
+    assert "does not exist" not in caplog.text
+    save_tiny_llama(tmp_path / "llama", tied=False, sharded=False)
+    with pytest.raises(ConversionError, match=r"verify=True \(--verify\) failed: logits differ .* > atol=-1\.0\."):
+        convert_mohd(tmp_path / "llama", out, "compression_50", verify=True, atol=-1.0)
+    with pytest.raises(ConversionError, match=r"verify=True \(--verify\) failed"):
+        convert_latent_moe(tmp_path / "llama", out, num_experts=4, verify=True, atol=-1.0)
+    assert list(tmp_path.iterdir()) == [tmp_path / "llama"]  # no output folder, no staging folder
 
 
 @pytest.mark.parametrize("script", ["llama_to_mohd.py", "llama_to_latent_moe.py"])

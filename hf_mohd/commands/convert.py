@@ -2,7 +2,8 @@
 
 `hf-mohd convert mohd SOURCE OUTPUT --preset compression_50` and `hf-mohd convert latent-moe SOURCE OUTPUT ...`;
 `conversion/llama_to_mohd.py` and `conversion/llama_to_latent_moe.py` in the repository call the same functions.
-The work is done by `hf_mohd.conversion` (docs/design.md section 6).
+The commands only parse arguments: the work, every check included, is `hf_mohd.conversion.convert_mohd` /
+`convert_latent_moe` (docs/design.md section 6); a `ConversionError` is logged and exits with 1.
 """
 
 from __future__ import annotations
@@ -152,39 +153,50 @@ def configure_logging(quiet: bool = False) -> None:
     logging.getLogger("hf_mohd").setLevel(logging.WARNING if quiet else logging.INFO)
 
 
-def _load(args):
+# Arguments whose dest is the keyword of `convert_mohd` / `convert_latent_moe` they are passed as.
+COMMON_OPTIONS = (
+    "seed",
+    "verify",
+    "atol",
+    "gguf_file",
+    "base_model",
+    "perplexity_json",
+    "overwrite",
+    "max_shard_size",
+)
+MOHD_OPTIONS = (
+    "channel_order",
+    "routers",
+    "calibration_text",
+    "calibration_tokens",
+    "calibration_window",
+    "num_sub_dims",  # the sparsity fields (`SPARSITY_FIELDS` that are arguments); None: the preset's
+    "num_shared_sub_dims",
+    "num_routed_sub_dims_per_tok",
+    "activation_scaling",
+    "routed_gate",
+    "group_fusion",
+    "sparse_modules",
+    "sparse_implementation",
+)
+LATENT_MOE_OPTIONS = (
+    "expert_init",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "moe_latent_size",
+    "router_score_func",
+    "dense_layers",
+)
+
+
+def _options(args, names) -> dict:
+    """{name: args.name} for `names` plus `COMMON_OPTIONS`, and the --dtype name as a torch dtype."""
     import torch
 
-    from hf_mohd.conversion import check_destination, load_dense_llama
-
-    check_destination(args.output, args.overwrite)  # fail before the (possibly long) conversion
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    return load_dense_llama(args.source, gguf_file=args.gguf_file, dtype=dtype)
-
-
-def _verify(model, source, atol: float, seed: int) -> None:
-    from hf_mohd.conversion import ConversionError, max_logit_difference
-
-    diff = max_logit_difference(model, source, seed=seed)
-    logging.getLogger("hf_mohd.conversion").info("--verify: max |logit difference| vs the source = %.3g", diff)
-    if not diff <= atol:
-        raise ConversionError(f"--verify failed: logits differ from the source by {diff:.3g} > atol={atol}.")
-
-
-def _save(args, model, source, changes: str, card: dict) -> None:
-    """`save_converted` to OUTPUT with the common options (--base-model, --overwrite, --max-shard-size)."""
-    from hf_mohd.conversion import save_converted
-
-    save_converted(
-        model,
-        args.output,
-        source,
-        changes,
-        base_model=args.base_model,
-        **card,
-        overwrite=args.overwrite,
-        max_shard_size=args.max_shard_size,
-    )
+    options = {name: getattr(args, name) for name in (*COMMON_OPTIONS, *names)}
+    options["dtype"] = getattr(torch, args.dtype) if args.dtype else None
+    return options
 
 
 def _conversion_command(run):
@@ -207,101 +219,17 @@ def _conversion_command(run):
 
 @_conversion_command
 def run_mohd(args) -> int:
-    import hf_mohd  # noqa: F401  (registers the model types, so save_pretrained writes auto_map and code)
-    from hf_mohd.conversion import (
-        ConversionError,
-        calibration_token_ids,
-        card_perplexities,
-        describe_mohd_conversion,
-        llama_to_mohd,
-        load_dense_llama,
-        rotate_llama,
-    )
+    from hf_mohd.conversion import convert_mohd
 
-    sparsity = {
-        "num_sub_dims": args.num_sub_dims,
-        "num_shared_sub_dims": args.num_shared_sub_dims,
-        "num_routed_sub_dims_per_tok": args.num_routed_sub_dims_per_tok,
-        "activation_scaling": args.activation_scaling,
-        "routed_gate": args.routed_gate,
-        "group_fusion": args.group_fusion,
-        "sparse_modules": args.sparse_modules,
-        "sparse_implementation": args.sparse_implementation,
-    }
     preset = None if args.preset == "none" else args.preset
     rotation = None if args.rotate == "none" else args.rotate
-    card = card_perplexities(args.perplexity_json)
-    if (rotation or args.routers == "fitted") and not args.calibration_text:
-        raise ConversionError(f"--rotate {args.rotate} / --routers {args.routers} need --calibration-text FILE.")
-    if rotation and args.channel_order != "original":
-        raise ConversionError("--channel-order must be 'original' with --rotate (the PCA basis orders the blocks).")
-    source = _load(args)
-    calibration_ids, calibration = None, None
-    if args.calibration_text:
-        calibration_ids = calibration_token_ids(
-            source, args.calibration_text, args.calibration_window, args.calibration_tokens
-        )
-        calibration = f"`{args.calibration_text}`, {calibration_ids.numel()} tokens"
-    converted, untied = source, 0
-    if rotation:
-        converted, info = rotate_llama(source, calibration_ids)
-        untied = info["untied_parameters"]
-    if args.verify and rotation:
-        # In float64 with the same Q: fp32 rounding of the rotated weights alone moves SmolLM2's logits by 1e-4 to
-        # 3e-4. In float64 the rotated model is the source to ~1e-12; the oracle LlamaForCausalLM still computes
-        # its RMSNorm in fp32, so SmolLM2 measures 2e-5 here.
-        import dataclasses
-
-        import torch
-
-        source64 = load_dense_llama(dataclasses.replace(source), dtype=torch.float64)
-        exact = llama_to_mohd(rotate_llama(source64, rotation=info["basis"])[0], "full")
-        _verify(exact, source64, args.atol, args.seed)
-        del exact, source64
-    elif args.verify:
-        exact = llama_to_mohd(converted, "full", num_sub_dims=args.num_sub_dims, channel_order=args.channel_order)
-        _verify(exact, source, args.atol, args.seed)
-    model = llama_to_mohd(
-        converted,
-        preset,
-        seed=args.seed,
-        channel_order=args.channel_order,
-        routers=args.routers,
-        calibration_ids=calibration_ids,
-        **sparsity,
-    )
-    changes = describe_mohd_conversion(
-        model.config,
-        args.seed,
-        args.channel_order,
-        rotation=rotation,
-        routers=args.routers,
-        calibration=calibration,
-        untied_parameters=untied,
-    )
-    _save(args, model, converted, changes, card)
+    convert_mohd(args.source, args.output, preset, rotation=rotation, **_options(args, MOHD_OPTIONS))
     return 0
 
 
 @_conversion_command
 def run_latent_moe(args) -> int:
-    import hf_mohd  # noqa: F401
-    from hf_mohd.conversion import card_perplexities, describe_latent_moe_conversion, llama_to_latent_moe
+    from hf_mohd.conversion import convert_latent_moe
 
-    card = card_perplexities(args.perplexity_json)
-    source = _load(args)
-    model = llama_to_latent_moe(
-        source,
-        num_experts=args.num_experts,
-        num_experts_per_tok=args.num_experts_per_tok,
-        moe_intermediate_size=args.moe_intermediate_size,
-        moe_latent_size=args.moe_latent_size,
-        expert_init=args.expert_init,
-        router_score_func=args.router_score_func,
-        dense_layers=args.dense_layers,
-        seed=args.seed,
-    )
-    if args.verify:
-        _verify(model, source, args.atol, args.seed)
-    _save(args, model, source, describe_latent_moe_conversion(model.config, args.expert_init, args.seed), card)
+    convert_latent_moe(args.source, args.output, **_options(args, LATENT_MOE_OPTIONS))
     return 0

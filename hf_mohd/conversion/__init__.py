@@ -1,9 +1,10 @@
 """Conversion of dense LLaMA checkpoints into MoHD and LatentMoE models (docs/design.md section 6).
 
 The functions live in the package, so an installed `hf-mohd` converts without the repository; `conversion/*.py`
-and `hf-mohd convert` are thin command-line wrappers around them.
+and `hf-mohd convert` are thin command-line wrappers around `convert_mohd` and `convert_latent_moe`.
 """
 
+from .convert import ConversionResult, convert_latent_moe, convert_mohd
 from .latent_moe import (
     EXPERT_INITS,
     describe_latent_moe_conversion,
@@ -15,6 +16,7 @@ from .mohd import (
     CONVERSION_PRESETS,
     calibrated_channel_importance,
     channel_importance,
+    check_mohd_options,
     describe_mohd_conversion,
     llama_to_mohd,
     mohd_config_from_llama,
@@ -32,7 +34,7 @@ from .rotation import (
 )
 from .routers import ROUTER_INITS, fit_routers, oracle_routing_record, routing_recall, zero_routers
 from .source import ConversionError, DenseLlamaSource, load_dense_llama
-from .verify import max_logit_difference
+from .verify import max_logit_difference, verify_logits
 
 
 __all__ = [
@@ -51,6 +53,10 @@ __all__ = [
     "CHANNEL_ORDERS",
     "CONVERSION_PRESETS",
     "ConversionError",
+    "ConversionResult",
+    "convert_latent_moe",
+    "convert_mohd",
+    "check_mohd_options",
     "EXPERT_INITS",
     "describe_latent_moe_conversion",
     "latent_moe_config_from_llama",
@@ -68,4 +74,5 @@ __all__ = [
     "mohd_config_from_llama",
     "permute_hidden_channels",
     "save_converted",
+    "verify_logits",
 ]

@@ -236,6 +236,38 @@ def _init_fresh_parameters(model: MoHDForCausalLM, seed: int) -> None:
                 module.weight.copy_(torch.eye(module.weight.shape[0], dtype=module.weight.dtype))
 
 
+def check_mohd_options(rotation, routers, channel_order, calibration, calibration_field: str) -> None:
+    """Refuse conversion options that do not go together, before any weight is read (one check per rule, shared by
+    `llama_to_mohd` and `convert_mohd`; docs/design.md sections 6 and 9).
+
+    Args:
+        rotation: None or one of `ROTATIONS`.
+        routers: one of `ROUTER_INITS`.
+        channel_order: "original" (the only order a rotation allows: the PCA basis orders the blocks), another of
+            `CHANNEL_ORDERS`, or a permutation.
+        calibration: the calibration input (token ids or a text file), or None.
+        calibration_field: how the message names that input, e.g. "`calibration_ids` ((B, T) token ids)".
+
+    Raises:
+        ConversionError: an unknown `rotation` or `routers`; a rotation with a `channel_order` other than
+            "original"; a rotation or fitted routers without calibration.
+    """
+    if rotation is not None and rotation not in ROTATIONS:
+        raise ConversionError(f"`rotation` must be one of {list(ROTATIONS)} or None, got {rotation!r}.")
+    if routers not in ROUTER_INITS:
+        raise ConversionError(f"`routers` must be one of {list(ROUTER_INITS)}, got {routers!r}.")
+    if rotation is not None and not (isinstance(channel_order, str) and channel_order == "original"):
+        shown = channel_order if isinstance(channel_order, str) else "a permutation"
+        raise ConversionError(
+            f"`channel_order` must be 'original' with rotation={rotation!r} (the PCA basis orders the blocks), "
+            f"got {shown!r}."
+        )
+    if (rotation is not None or routers == "fitted") and calibration is None:
+        raise ConversionError(
+            f"rotation={rotation!r} / routers={routers!r} need calibration text: give {calibration_field}."
+        )
+
+
 def llama_to_mohd(
     source: str | DenseLlamaSource,
     preset: str | None = "full",
@@ -285,15 +317,8 @@ def llama_to_mohd(
             unknown `rotation` / `routers`, a rotation with a `channel_order` other than "original", or missing or
             too short calibration text.
     """
+    check_mohd_options(rotation, routers, channel_order, calibration_ids, "`calibration_ids` ((B, T) token ids)")
     source = load_dense_llama(source, gguf_file=gguf_file, dtype=dtype)
-    if rotation is not None and rotation not in ROTATIONS:
-        raise ConversionError(f"`rotation` must be one of {list(ROTATIONS)} or None, got {rotation!r}.")
-    if routers not in ROUTER_INITS:
-        raise ConversionError(f"`routers` must be one of {list(ROUTER_INITS)}, got {routers!r}.")
-    if rotation is not None and not (isinstance(channel_order, str) and channel_order == "original"):
-        raise ConversionError("`channel_order` must be 'original' with a rotation (the PCA basis orders the blocks).")
-    if (rotation is not None or routers == "fitted") and calibration_ids is None:
-        raise ConversionError(f"rotation={rotation!r} / routers={routers!r} need calibration text: `calibration_ids`.")
     if rotation == "pca":
         source, _ = rotate_llama(source, calibration_ids)
     config = mohd_config_from_llama(source.config, preset, **sparsity)
@@ -398,6 +423,7 @@ __all__ = [
     "CONVERSION_PRESETS",
     "calibrated_channel_importance",
     "channel_importance",
+    "check_mohd_options",
     "describe_mohd_conversion",
     "llama_to_mohd",
     "mohd_config_from_llama",

@@ -15,9 +15,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from .source import DenseLlamaSource
+from .source import ConversionError, DenseLlamaSource
+
+
+logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -46,4 +51,23 @@ def max_logit_difference(
     return (actual - expected).abs().max().item()
 
 
-__all__ = ["max_logit_difference"]
+def verify_logits(model, source: DenseLlamaSource, atol: float = 1e-4, *, seed: int = 0) -> float:
+    """`max_logit_difference` of `model` against `source` on random tokens drawn with `seed`, which must be <= `atol`
+    (the check behind `verify=True` / `--verify`; docs/design.md section 6: a conversion is exact before sparsity).
+
+    Returns:
+        The max |logit difference| (fp32 logits; a float, logged at INFO).
+
+    Raises:
+        ConversionError: the difference exceeds `atol` (or is NaN); the message gives both numbers.
+    """
+    diff = max_logit_difference(model, source, seed=seed)
+    logger.info("verify: max |logit difference| vs the source = %.3g", diff)
+    if not diff <= atol:
+        raise ConversionError(
+            f"verify=True (--verify) failed: logits differ from the source by {diff:.3g} > atol={atol}."
+        )
+    return diff
+
+
+__all__ = ["max_logit_difference", "verify_logits"]

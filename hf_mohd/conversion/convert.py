@@ -1,0 +1,229 @@
+# Copyright 2026 The hf-mohd Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Source checkpoint -> converted model folder in one call (docs/design.md section 6): `convert_mohd` and
+`convert_latent_moe` are what `hf-mohd convert mohd` / `hf-mohd convert latent-moe` (and `conversion/*.py`) run.
+
+Each checks its options and the destination before reading any weight, loads the source (`load_dense_llama`),
+converts it, optionally checks the exact model against the source's logits (`verify_logits`), and writes the folder
+atomically (`save_converted`): weights, config and code, tokenizer, generation config, model card.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .latent_moe import describe_latent_moe_conversion, llama_to_latent_moe
+from .mohd import check_mohd_options, describe_mohd_conversion, llama_to_mohd
+from .output import card_perplexities, check_destination, save_converted
+from .rotation import calibration_token_ids, rotate_llama
+from .source import DenseLlamaSource, load_dense_llama
+from .verify import verify_logits
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ConversionResult:
+    """What `convert_mohd` / `convert_latent_moe` wrote.
+
+    Attributes:
+        path: the written model folder (resolved).
+        model: the converted model (eval mode), as saved.
+        max_logit_difference: with `verify=True`, max |logits(exact model) - logits(source)| on 2 x 32 random
+            tokens (fp32 logits; see `verify_logits`); None without.
+        calibration_tokens: calibration tokens used (rows x window), None without calibration text.
+    """
+
+    path: Path
+    model: object
+    max_logit_difference: float | None = None
+    calibration_tokens: int | None = None
+
+
+# Options of `convert_*` that concern the written folder (`save_converted`, the model card), not the conversion.
+SAVE_OPTIONS = ("base_model", "perplexity_json", "overwrite", "max_shard_size")
+
+
+def _load_checked(
+    source, output_dir, gguf_file, dtype, perplexity_json=None, base_model=None, overwrite=False, max_shard_size="5GB"
+):
+    """(source, `save_converted` keyword arguments): the perplexity JSON files read and the destination checked
+    before the (possibly long) load and conversion."""
+    save_options = {"base_model": base_model, "overwrite": overwrite, "max_shard_size": max_shard_size}
+    save_options.update(card_perplexities([str(path) for path in perplexity_json] if perplexity_json else None))
+    check_destination(output_dir, overwrite)
+    return load_dense_llama(source, gguf_file=gguf_file, dtype=dtype), save_options
+
+
+def convert_mohd(
+    source: str | Path | DenseLlamaSource,
+    output_dir: str | Path,
+    preset: str | None = "full",
+    *,
+    seed: int = 0,
+    channel_order: str = "original",
+    rotation: str | None = None,
+    routers: str = "random",
+    calibration_text: str | Path | None = None,
+    calibration_tokens: int = 16384,
+    calibration_window: int = 256,
+    verify: bool = False,
+    atol: float = 1e-4,
+    dtype: torch.dtype | None = None,
+    gguf_file: str | None = None,
+    base_model: str | None = None,
+    perplexity_json: Sequence[str | Path] | None = None,
+    overwrite: bool = False,
+    max_shard_size: str | int = "5GB",
+    **sparsity,
+) -> ConversionResult:
+    """Convert a dense LLaMA checkpoint into a MoHD model folder (`hf-mohd convert mohd`).
+
+    Args:
+        source: a model folder, a .gguf file or a `DenseLlamaSource` (`load_dense_llama`).
+        output_dir: the folder to write.
+        preset: "full" (exact), "compression_50", "compression_75" or None (then give the sub-dimension counts in
+            `sparsity`); see `mohd_config_from_llama` (docs/design.md section 3).
+        seed: seed of the fresh router weights (and of `verify`'s random tokens).
+        channel_order: "original" or "importance" (`llama_to_mohd`); must be "original" with a rotation.
+        rotation: None or "pca": fold the RMSNorm weights and rotate the residual stream into the PCA basis of the
+            calibration hidden states (`rotate_llama`; SliceGPT, arXiv 2401.15024, section 3; docs/design.md
+            section 9). The LM head is then untied from the embedding.
+        routers: "random" or "fitted" (ridge regression on the calibration tokens, `fit_routers`).
+        calibration_text: UTF-8 text file, tokenized with the source tokenizer (`calibration_token_ids`); needed by
+            `rotation` and `routers="fitted"`; keep it disjoint from evaluation text.
+        calibration_tokens, calibration_window: at most this many calibration tokens, in rows of this many.
+        verify: before writing, check the exact model (every sub-dimension shared, same channel order and basis)
+            against the source's logits; with a rotation the check runs in float64 (the same Q applied to a float64
+            copy of the source), since fp32 rounding of the rotated weights alone moves real logits by ~1e-4.
+        atol: tolerance of `verify` on the max |logit difference|.
+        dtype: dtype of the converted weights; None keeps the source's (float32 for GGUF).
+        gguf_file: name of a GGUF file inside the folder `source`.
+        base_model: Hub id of the source, the model card's `base_model`.
+        perplexity_json: JSON files of `conversion/evaluate_perplexity.py` quoted in the model card.
+        overwrite: replace an existing `output_dir`.
+        max_shard_size: largest safetensors shard.
+        sparsity: explicit MoHD fields (`SPARSITY_FIELDS`: num_sub_dims, num_shared_sub_dims, ...), None ignored.
+
+    Returns:
+        `ConversionResult`: the folder (safetensors weights, config.json with auto_map and the code files, the
+        source tokenizer, generation_config.json, README.md model card), the model, `verify`'s number.
+
+    Raises:
+        ConversionError: options that do not go together (`check_mohd_options`: unknown rotation or routers, a
+            rotation with channel_order other than "original", no calibration text where needed), a perplexity JSON
+            that cannot be read, an existing destination without `overwrite`, a source that cannot be loaded, a
+            calibration file that is unreadable or too short, settings that do not fit the source, or a failed
+            `verify`. Each message names the file or field and what was expected.
+    """
+    check_mohd_options(
+        rotation, routers, channel_order, calibration_text, "`calibration_text` (a UTF-8 file, --calibration-text)"
+    )
+    source, save_options = _load_checked(
+        source, output_dir, gguf_file, dtype, perplexity_json, base_model, overwrite, max_shard_size
+    )
+    calibration_ids, calibration = None, None
+    if calibration_text is not None:
+        calibration_ids = calibration_token_ids(source, calibration_text, calibration_window, calibration_tokens)
+        calibration = f"`{calibration_text}`, {calibration_ids.numel()} tokens"
+    converted, info = source, {"untied_parameters": 0}
+    if rotation:
+        converted, info = rotate_llama(source, calibration_ids)
+    difference = None
+    if verify and rotation:
+        # In float64 with the same Q: fp32 rounding of the rotated weights alone moves SmolLM2's logits by 1e-4 to
+        # 3e-4. In float64 the rotated model is the source to ~1e-12; the oracle LlamaForCausalLM still computes
+        # its RMSNorm in fp32, so SmolLM2 measures 2e-5 here. (`replace`: the cast must not touch `source`.)
+        source64 = load_dense_llama(dataclasses.replace(source), dtype=torch.float64)
+        exact = llama_to_mohd(rotate_llama(source64, rotation=info["basis"])[0], "full")
+        difference = verify_logits(exact, source64, atol, seed=seed)
+        del exact, source64
+    elif verify:
+        exact = llama_to_mohd(
+            converted, "full", num_sub_dims=sparsity.get("num_sub_dims"), channel_order=channel_order
+        )
+        difference = verify_logits(exact, source, atol, seed=seed)
+        del exact
+    model = llama_to_mohd(
+        converted,
+        preset,
+        seed=seed,
+        channel_order=channel_order,
+        routers=routers,
+        calibration_ids=calibration_ids,
+        **sparsity,
+    )
+    changes = describe_mohd_conversion(
+        model.config,
+        seed,
+        channel_order,
+        rotation=rotation,
+        routers=routers,
+        calibration=calibration,
+        untied_parameters=info["untied_parameters"],
+    )
+    path = save_converted(model, output_dir, converted, changes, **save_options)
+    tokens = None if calibration_ids is None else calibration_ids.numel()
+    return ConversionResult(path, model, difference, tokens)
+
+
+def convert_latent_moe(
+    source: str | Path | DenseLlamaSource,
+    output_dir: str | Path,
+    *,
+    expert_init: str = "slices",
+    seed: int = 0,
+    verify: bool = False,
+    atol: float = 1e-4,
+    dtype: torch.dtype | None = None,
+    gguf_file: str | None = None,
+    **options,
+) -> ConversionResult:
+    """Upcycle a dense LLaMA checkpoint into a LatentMoE model folder (`hf-mohd convert latent-moe`).
+
+    Args:
+        source, output_dir: as in `convert_mohd`.
+        expert_init: "slices" (slices of the dense FFN read through its top input directions) or "random"
+            (`llama_to_latent_moe`).
+        seed: seed of the routers, of the "random" experts and of `verify`'s tokens.
+        verify: before writing, check the converted model itself against the source's logits (it is exact before
+            training: `fc2_latent_proj` is zero; docs/design.md section 6).
+        atol, dtype, gguf_file: as in `convert_mohd`.
+        options: `base_model`, `perplexity_json`, `overwrite`, `max_shard_size` as in `convert_mohd`; every other
+            keyword is a `llama_to_latent_moe` setting (num_experts, num_experts_per_tok, moe_intermediate_size,
+            moe_latent_size, router_score_func, dense_layers, config overrides).
+
+    Returns:
+        `ConversionResult` (the folder's contents as in `convert_mohd`).
+
+    Raises:
+        ConversionError: a perplexity JSON that cannot be read, an existing destination without `overwrite`, a
+            source that cannot be loaded, settings that do not fit it (`llama_to_latent_moe`), or a failed `verify`.
+    """
+    saving = {name: options.pop(name) for name in SAVE_OPTIONS if name in options}
+    source, save_options = _load_checked(source, output_dir, gguf_file, dtype, **saving)
+    model = llama_to_latent_moe(source, expert_init=expert_init, seed=seed, **options)
+    difference = verify_logits(model, source, atol, seed=seed) if verify else None
+    changes = describe_latent_moe_conversion(model.config, expert_init, seed)
+    path = save_converted(model, output_dir, source, changes, **save_options)
+    return ConversionResult(path, model, difference)
+
+
+__all__ = ["ConversionResult", "convert_latent_moe", "convert_mohd"]
