@@ -18,6 +18,7 @@ from hf_mohd.models.modeling_mohd import (
     GatherHostPlan,
     GatherPlan,
     MoHDGatherDispatch,
+    SparseBlockMix,
     set_linear_layout_,
 )
 
@@ -337,3 +338,25 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
         if side == "in":  # the gates reach the router through the input side only
             expected_gates = gates_ref.grad.gather(1, indices)
             torch.testing.assert_close(weights_run.grad.double(), expected_gates, **tolerance, msg="gates")
+
+
+def test_sparse_block_mix_equals_matmul():
+    """Group fusion on the grouped path's blocks (zero outside the shared and the routed (token, block) pairs) keeps
+    only the nonzero blocks for backward; output and gradients equal autograd's `fusion @ blocks` in float64."""
+    dispatch = MoHDGatherDispatch(config())
+    tokens, generator = 3 * dispatch.host_tokens, torch.Generator().manual_seed(2)
+    indices = torch.rand(tokens, dispatch.num_routed, generator=generator).topk(2, dim=1).indices + dispatch.num_shared
+    plan = dispatch.plan(indices, torch.rand(tokens, 2, dtype=torch.float64, generator=generator))
+    _, mask = block_gates(dispatch, indices, torch.ones(tokens, 2, dtype=torch.float64))
+    blocks = torch.randn(tokens, dispatch.num_sub_dims, dispatch.block, dtype=torch.float64, generator=generator)
+    blocks = (blocks * mask[..., None]).requires_grad_()
+    fusion = torch.randn(dispatch.num_sub_dims, dispatch.num_sub_dims, dtype=torch.float64).requires_grad_()
+    positions = plan.token_index * dispatch.num_sub_dims + dispatch.num_shared + plan.block_index
+    upstream = torch.randn_like(blocks)
+    out = SparseBlockMix.apply(fusion, blocks, positions, dispatch.num_shared)
+    grad_fusion, grad_blocks = torch.autograd.grad((out * upstream).sum(), (fusion, blocks))
+    expected = torch.matmul(fusion, blocks)
+    expected_fusion, expected_blocks = torch.autograd.grad((expected * upstream).sum(), (fusion, blocks))
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_fusion, expected_fusion, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_blocks, expected_blocks, rtol=1e-12, atol=1e-12)

@@ -92,9 +92,48 @@ class MoHDGroupFusion(nn.Module):
     def __init__(self, config: MoHDConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.num_sub_dims, config.num_sub_dims))
+        self.num_routed = config.num_routed_sub_dims
 
-    def forward(self, blocks: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(self.weight.to(blocks.dtype), blocks)
+    def forward(self, blocks: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """(M, N, s) -> (M, N, s). `positions` (k, M), given where `blocks` is zero outside the first N_s blocks and
+        the routed blocks at rows `positions` of `blocks.view(-1, s)` (the grouped gather path's output), lets the
+        product keep only those blocks for backward (`SparseBlockMix`)."""
+        weight = self.weight.to(blocks.dtype)
+        if positions is None:
+            return torch.matmul(weight, blocks)
+        return SparseBlockMix.apply(weight, blocks, positions, blocks.shape[1] - self.num_routed)
+
+
+class SparseBlockMix(torch.autograd.Function):
+    """`fusion @ blocks` (group fusion, (N, N) x (M, N, s)) for blocks that are zero outside the shared blocks
+    and the routed ones at `positions`: it keeps those (N_s + k) of the N blocks per token for the gradient of
+    `fusion` (autograd's matmul keeps all N), and rebuilds the zero-padded blocks in backward.
+    Shapes: fusion (N, N), blocks (M, N, s), positions (k, M) rows of `blocks.view(-1, s)`, num_shared N_s.
+    """
+
+    @staticmethod
+    def forward(ctx, fusion, blocks, positions, num_shared: int):
+        block = blocks.shape[-1]
+        shared = blocks[:, :num_shared].contiguous()
+        routed = blocks.reshape(-1, block).index_select(0, positions.reshape(-1))
+        ctx.save_for_backward(fusion, shared, routed, positions)
+        ctx.shape = blocks.shape
+        return torch.matmul(fusion, blocks)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        fusion, shared, routed, positions = ctx.saved_tensors
+        grad_fusion = grad_blocks = None
+        if ctx.needs_input_grad[0]:
+            blocks = shared.new_zeros(ctx.shape)
+            blocks[:, : shared.shape[1]] = shared
+            blocks.view(-1, ctx.shape[-1]).index_copy_(0, positions.reshape(-1), routed)
+            grad_fusion = torch.einsum("mis,mjs->ij", grad, blocks)
+            del blocks
+        if ctx.needs_input_grad[1]:
+            grad_blocks = torch.matmul(fusion.t(), grad)
+        return grad_fusion, grad_blocks, None, None
 
 
 class MaskedPlan(NamedTuple):
@@ -547,7 +586,8 @@ class MoHDGatherDispatch:
         dtype = linear.weight.dtype
         if torch.compiler.is_compiling() or torch.is_autocast_enabled(linear.weight.device.type):
             return False
-        return all(t.dtype == dtype for t in tensors) and (linear.bias is None or linear.bias.dtype == dtype)
+        bias = getattr(linear, "bias", None)
+        return all(t.dtype == dtype for t in tensors) and (bias is None or bias.dtype == dtype)
 
     def _project_in_few(self, hidden_states: torch.Tensor, plan: GatherFewTokensPlan, linears) -> list[torch.Tensor]:
         """Few-tokens input side: (M, D) -> one (M, out) per linear from the shared and the k * s active columns."""
@@ -873,6 +913,16 @@ class MoHDSubDimensions(nn.Module):
         else:
             blocks = tensor_parallel.project_out(self._dispatch(plan), flat, plan, linear)
         blocks = blocks * self.activation_scale
+        if (
+            isinstance(plan, GatherPlan)
+            and isinstance(self.group_fusion, MoHDGroupFusion)
+            and tensor_parallel is None
+            and torch.is_grad_enabled()
+            and MoHDGatherDispatch._fused(blocks, self.group_fusion)
+        ):
+            # the grouped path's blocks are zero outside the shared and the routed (token, block) pairs
+            positions = plan.token_index * self.dispatch.num_sub_dims + self.dispatch.num_shared + plan.block_index
+            return self.group_fusion(blocks, positions).view(*hidden_states.shape[:-1], -1)
         return self.group_fusion(blocks).view(*hidden_states.shape[:-1], -1)
 
 
