@@ -13,7 +13,14 @@ import torch
 from torch import nn
 
 from hf_mohd import MoHDConfig, MoHDForCausalLM
-from hf_mohd.models.modeling_mohd import GatherFewTokensPlan, GatherHostPlan, GatherPlan, MoHDGatherDispatch
+from hf_mohd.models.modeling_mohd import (
+    GatherFewTokensPlan,
+    GatherHostPlan,
+    GatherPlan,
+    MoHDGatherDispatch,
+    SparseBlockMix,
+    set_linear_layout_,
+)
 
 
 VOCAB = 97
@@ -243,3 +250,113 @@ def test_non_plain_linear_fallback_equals_masked():
             setattr(parent, name, new)
     for length in (1, 7):  # few-tokens and grouped plans
         assert_same_training_step(gather, masked, ids(1, length))
+
+
+def linear_pair(out_features: int, in_features: int, bias: bool, layout: str, dtype) -> tuple[nn.Linear, nn.Linear]:
+    """(linear in `dtype` and `layout`, its float64 row-major copy): random weights and bias."""
+    reference = nn.Linear(in_features, out_features, bias=bias, dtype=torch.float64)
+    with torch.no_grad():
+        reference.weight.normal_()
+        if bias:
+            reference.bias.normal_()
+    linear = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    linear.load_state_dict(reference.state_dict())
+    set_linear_layout_(linear, layout)
+    return linear, reference
+
+
+def block_gates(dispatch, indices, weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, N) input gates (1 shared, the gate on chosen blocks, 0 elsewhere) and 0/1 output mask, by hand."""
+    gates = torch.zeros(indices.shape[0], dispatch.num_sub_dims, dtype=weights.dtype)
+    gates[:, : dispatch.num_shared] = 1
+    mask = gates.clone()
+    for token in range(indices.shape[0]):
+        for slot in range(indices.shape[1]):
+            gates[token, indices[token, slot]] = weights[token, slot]
+            mask[token, indices[token, slot]] = 1
+    return gates, mask
+
+
+# (hidden, N, N_s, k, intermediate, dtype): float64 (group loop in the weight gradient), float32 with aligned blocks
+# (grouped_mm kernel) and float32 with s = 6 and 30 features (padded operands)
+GROUPED_CASES = [(64, 8, 3, 2, 96, torch.float64), (64, 8, 3, 2, 96, torch.float32), (48, 8, 2, 3, 30, torch.float32)]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "autograd-views"])
+@pytest.mark.parametrize("layout", ["block_major", "row_major"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=["f64", "f32", "f32-unaligned"])
+def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layout, fused):
+    """The grouped path's projections (`GatherLinearIn`, `GatherLinearOut`, or autograd on the weight views when
+    they do not apply) against the dense float64 formula on the gated input / masked output: outputs and the
+    gradients of input, gates, weight (shared and routed blocks) and bias, and `.grad` kept in the weight's layout."""
+    hidden, num_sub_dims, num_shared, top_k, features, dtype = case
+    dispatch = MoHDGatherDispatch(
+        config(
+            hidden_size=hidden,
+            num_sub_dims=num_sub_dims,
+            num_shared_sub_dims=num_shared,
+            num_routed_sub_dims_per_tok=top_k,
+            intermediate_size=features,
+        )
+    )
+    if not fused:
+        monkeypatch.setattr(MoHDGatherDispatch, "_fused", staticmethod(lambda *args: False))
+    tokens = 3 * dispatch.host_tokens  # grouped plan
+    generator = torch.Generator().manual_seed(1)
+    scores = torch.rand(tokens, dispatch.num_routed, generator=generator)
+    indices = scores.topk(top_k, dim=1).indices + num_shared
+    weights = torch.rand(tokens, top_k, generator=generator, dtype=torch.float64)
+    gates, mask = block_gates(dispatch, indices, weights)
+    tolerance = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    for side, (out_features, in_features) in (("in", (features, hidden)), ("out", (hidden, features))):
+        linear, reference = linear_pair(out_features, in_features, bias, layout, dtype)
+        x = torch.randn(tokens, in_features, dtype=torch.float64, generator=generator)
+        upstream = torch.randn(tokens, out_features, dtype=torch.float64, generator=generator)
+        x_ref, gates_ref, x_run = x.clone().requires_grad_(), gates.clone().requires_grad_(), x.to(dtype)
+        weights_run = weights.to(dtype).requires_grad_()
+        x_run.requires_grad_()
+        plan = dispatch.plan(indices, weights_run)
+        assert isinstance(plan, GatherPlan)
+        if side == "in":
+            out = dispatch.project_in(x_run, plan, [linear])[0]
+            blocks = x_ref.view(tokens, num_sub_dims, -1) * gates_ref[..., None]
+            expected = reference(blocks.view(tokens, -1))
+        else:
+            out = dispatch.project_out(x_run, plan, linear)
+            expected = (reference(x_ref).view(tokens, num_sub_dims, -1) * mask[..., None]).view(tokens, -1)
+        assert (type(out.grad_fn).__name__ == f"GatherLinear{side.capitalize()}Backward") == fused
+        out = out.reshape(tokens, -1)
+        torch.testing.assert_close(out.double(), expected, **tolerance)
+        (out.double() * upstream).sum().backward()
+        (expected * upstream).sum().backward()
+        torch.testing.assert_close(x_run.grad.double(), x_ref.grad, **tolerance, msg=f"{side} input")
+        torch.testing.assert_close(linear.weight.grad.double(), reference.weight.grad, **tolerance, msg=f"{side} W")
+        assert linear.weight.grad.stride() == linear.weight.stride()
+        if bias:
+            torch.testing.assert_close(linear.bias.grad.double(), reference.bias.grad, **tolerance, msg=f"{side} b")
+        if side == "in":  # the gates reach the router through the input side only
+            expected_gates = gates_ref.grad.gather(1, indices)
+            torch.testing.assert_close(weights_run.grad.double(), expected_gates, **tolerance, msg="gates")
+
+
+def test_sparse_block_mix_equals_matmul():
+    """Group fusion on the grouped path's blocks (zero outside the shared and the routed (token, block) pairs) keeps
+    only the nonzero blocks for backward; output and gradients equal autograd's `fusion @ blocks` in float64."""
+    dispatch = MoHDGatherDispatch(config())
+    tokens, generator = 3 * dispatch.host_tokens, torch.Generator().manual_seed(2)
+    indices = torch.rand(tokens, dispatch.num_routed, generator=generator).topk(2, dim=1).indices + dispatch.num_shared
+    plan = dispatch.plan(indices, torch.rand(tokens, 2, dtype=torch.float64, generator=generator))
+    _, mask = block_gates(dispatch, indices, torch.ones(tokens, 2, dtype=torch.float64))
+    blocks = torch.randn(tokens, dispatch.num_sub_dims, dispatch.block, dtype=torch.float64, generator=generator)
+    blocks = (blocks * mask[..., None]).requires_grad_()
+    fusion = torch.randn(dispatch.num_sub_dims, dispatch.num_sub_dims, dtype=torch.float64).requires_grad_()
+    positions = plan.token_index * dispatch.num_sub_dims + dispatch.num_shared + plan.block_index
+    upstream = torch.randn_like(blocks)
+    out = SparseBlockMix.apply(fusion, blocks, positions, dispatch.num_shared)
+    grad_fusion, grad_blocks = torch.autograd.grad((out * upstream).sum(), (fusion, blocks))
+    expected = torch.matmul(fusion, blocks)
+    expected_fusion, expected_blocks = torch.autograd.grad((expected * upstream).sum(), (fusion, blocks))
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_fusion, expected_fusion, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_blocks, expected_blocks, rtol=1e-12, atol=1e-12)

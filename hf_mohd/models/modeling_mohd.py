@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
 from transformers.modeling_utils import PreTrainedModel
@@ -40,6 +41,7 @@ from .modeling_common import (
     RoutedCausalLMMixin,
     RoutedDecoderMixin,
     TopKRouter,
+    _grouped_mm_aligned,
     grouped_matmul,
     load_balancing_loss,
 )
@@ -90,9 +92,48 @@ class MoHDGroupFusion(nn.Module):
     def __init__(self, config: MoHDConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.num_sub_dims, config.num_sub_dims))
+        self.num_routed = config.num_routed_sub_dims
 
-    def forward(self, blocks: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(self.weight.to(blocks.dtype), blocks)
+    def forward(self, blocks: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """(M, N, s) -> (M, N, s). `positions` (k, M), given where `blocks` is zero outside the first N_s blocks and
+        the routed blocks at rows `positions` of `blocks.view(-1, s)` (the grouped gather path's output), lets the
+        product keep only those blocks for backward (`SparseBlockMix`)."""
+        weight = self.weight.to(blocks.dtype)
+        if positions is None:
+            return torch.matmul(weight, blocks)
+        return SparseBlockMix.apply(weight, blocks, positions, blocks.shape[1] - self.num_routed)
+
+
+class SparseBlockMix(torch.autograd.Function):
+    """`fusion @ blocks` (group fusion, (N, N) x (M, N, s)) for blocks that are zero outside the shared blocks
+    and the routed ones at `positions`: it keeps those (N_s + k) of the N blocks per token for the gradient of
+    `fusion` (autograd's matmul keeps all N), and rebuilds the zero-padded blocks in backward.
+    Shapes: fusion (N, N), blocks (M, N, s), positions (k, M) rows of `blocks.view(-1, s)`, num_shared N_s.
+    """
+
+    @staticmethod
+    def forward(ctx, fusion, blocks, positions, num_shared: int):
+        block = blocks.shape[-1]
+        shared = blocks[:, :num_shared].contiguous()
+        routed = blocks.reshape(-1, block).index_select(0, positions.reshape(-1))
+        ctx.save_for_backward(fusion, shared, routed, positions)
+        ctx.shape = blocks.shape
+        return torch.matmul(fusion, blocks)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        fusion, shared, routed, positions = ctx.saved_tensors
+        grad_fusion = grad_blocks = None
+        if ctx.needs_input_grad[0]:
+            blocks = shared.new_zeros(ctx.shape)
+            blocks[:, : shared.shape[1]] = shared
+            blocks.view(-1, ctx.shape[-1]).index_copy_(0, positions.reshape(-1), routed)
+            grad_fusion = torch.einsum("mis,mjs->ij", grad, blocks)
+            del blocks
+        if ctx.needs_input_grad[1]:
+            grad_blocks = torch.matmul(fusion.t(), grad)
+        return grad_fusion, grad_blocks, None, None
 
 
 class MaskedPlan(NamedTuple):
@@ -176,6 +217,7 @@ class GatheredGroupedMatmul(torch.autograd.Function):
     The backward gathers again and recomputes the grouped product with autograd (one extra output-side routed GEMM
     per slot, a few percent of a training step) to get both gradients.
     Shapes: inputs (M, in), index (R,), weight (G, in, s), offsets (G,) int32 group ends -> (R, s).
+    Used where `GatherLinearOut` does not apply (autocast, `torch.compile`), with `RowIndexAdd` on the input side.
     """
 
     @staticmethod
@@ -196,6 +238,166 @@ class GatheredGroupedMatmul(torch.autograd.Function):
         grad_weight = next(grads) if leaf_weight.requires_grad else None
         grad_inputs = None if grad_rows is None else torch.zeros_like(inputs).index_add_(0, index, grad_rows)
         return grad_inputs, None, grad_weight, None
+
+
+def grouped_weight_gradient(inputs: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Weight gradient of `grouped_matmul`: (G, K, O) with group g = inputs[rows g].T @ grad[rows g], rows
+    `offsets[g-1]:offsets[g]` of inputs (R, K) and grad (R, O); empty groups give zeros.
+
+    `torch.nn.functional.grouped_mm` on a 2-D (K, R) and a 2-D (R, O) operand with offsets along R (the form of
+    ATen's own `_grouped_mm` backward); float64 (equivalence tests, no kernel) loops over the groups. Operands whose
+    leading strides are not 16-byte multiples (`_grouped_mm_aligned`) are padded with zero columns and cut back.
+    """
+    if inputs.dtype == torch.float64:
+        out = inputs.new_zeros(offsets.shape[0], inputs.shape[1], grad.shape[1])
+        start = 0
+        for group, end in enumerate(offsets.tolist()):
+            if end > start:
+                torch.mm(inputs[start:end].t(), grad[start:end], out=out[group])
+            start = end
+        return out
+    alignment = 16 // inputs.element_size()
+    contraction, out_features = inputs.shape[1], grad.shape[1]
+    if contraction % alignment or out_features % alignment or not _grouped_mm_aligned(inputs.t()):
+        inputs = F.pad(inputs, (0, -contraction % alignment))
+        grad = F.pad(grad, (0, -out_features % alignment))
+        return F.grouped_mm(inputs.t(), grad, offs=offsets)[:, :contraction, :out_features]
+    return F.grouped_mm(inputs.t(), grad.contiguous(), offs=offsets)
+
+
+class GatherLinearIn(torch.autograd.Function):
+    """Input side of the grouped gather path for one linear: `x_shared @ W[:, :D_s].T + b` plus, per routing slot
+    j, `grouped_matmul(routed[j], W_routed)` added to the rows `token_index[j]` (docs/design.md section 3,
+    "Execution paths").
+
+    The backward writes both pieces of the weight gradient into one (out, in) tensor of the weight's own layout
+    (so that `AccumulateGrad` takes it as `.grad` without a copy): the shared columns by one GEMM into their slice,
+    the routed column blocks by one grouped weight-gradient GEMM per slot into theirs. Autograd on the views
+    (a column slice and a grouped routed view of `weight`) would materialise a zero-filled full-size gradient for
+    each view, then sum them, and copy the sum into the block-major layout. It keeps only its inputs and the index
+    (as `RowIndexAdd` does, not each slot's (M, out) output).
+    Shapes: shared (M, D_s) (a view of the input), routed (k, M, s) gated routed inputs in the plan's order,
+    token_index (k, M), offsets (k, N_r) int32 group ends, weight (out, D), bias (out,) or None -> (M, out).
+    Same dtype for inputs, weight and bias, no autocast (`MoHDGatherDispatch` sends other cases to autograd).
+    """
+
+    @staticmethod
+    def forward(ctx, shared, routed, token_index, offsets, weight, bias, num_routed: int, block: int):
+        shared_width = shared.shape[1]
+        ctx.save_for_backward(shared, routed, token_index, offsets, weight)
+        ctx.has_bias, ctx.num_routed, ctx.block = bias is not None, num_routed, block
+        out = F.linear(shared, weight[:, :shared_width], bias)
+        routed_weight = weight[:, shared_width:].view(weight.shape[0], num_routed, block).permute(1, 2, 0)
+        for slot in range(routed.shape[0]):
+            out.index_add_(0, token_index[slot], grouped_matmul(routed[slot], routed_weight, offsets[slot]))
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        shared, routed, token_index, offsets, weight = ctx.saved_tensors
+        shared_width, out_features = shared.shape[1], weight.shape[0]
+        grad_shared = grad_routed = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_shared = grad.mm(weight[:, :shared_width])
+        if ctx.needs_input_grad[4]:
+            grad_weight = torch.empty_like(weight)  # the weight's strides: block-major stays column-major
+            torch.mm(grad.t(), shared, out=grad_weight[:, :shared_width])
+            routed_grad_weight = grad_weight[:, shared_width:].view(out_features, ctx.num_routed, ctx.block)
+            routed_grad_weight = routed_grad_weight.permute(1, 2, 0)  # (N_r, s, out), as the forward's view
+        if ctx.needs_input_grad[1]:
+            grad_routed = torch.empty_like(routed)
+            # (N_r, out, s): the transpose of each routed block, for the input gradient
+            routed_weight_t = weight[:, shared_width:].view(out_features, ctx.num_routed, ctx.block).transpose(0, 1)
+        for slot in range(routed.shape[0]):
+            grad_rows = grad.index_select(0, token_index[slot])  # (M, out) in the slot's block order
+            if grad_weight is not None:
+                piece = grouped_weight_gradient(routed[slot], grad_rows, offsets[slot])
+                if slot == 0:
+                    routed_grad_weight.copy_(piece)
+                else:
+                    routed_grad_weight.add_(piece)
+                del piece
+            if grad_routed is not None:
+                grad_routed[slot] = grouped_matmul(grad_rows, routed_weight_t, offsets[slot])
+            del grad_rows
+        if ctx.has_bias and ctx.needs_input_grad[5]:
+            grad_bias = grad.sum(0)
+        return grad_shared, grad_routed, None, None, grad_weight, grad_bias, None, None
+
+
+class GatherLinearOut(torch.autograd.Function):
+    """Output side of the grouped gather path: (M, in) -> (M, N, s) blocks, the shared rows `x @ W[:D_s].T`
+    (+ bias) and, per routing slot j, the routed block each token picked, `grouped_matmul(x[token_index[j]],
+    W_routed)` (+ its bias), written at (token, N_s + block); the other blocks are 0 (docs/design.md section 3).
+
+    It keeps the input and the plan's indices only: the backward gathers each slot's token rows again for the
+    routed weight gradient (no recomputation of the forward product), and writes the shared and routed row blocks of
+    the weight gradient into one (out, in) tensor in the weight's own layout, instead of the two zero-filled full-size
+    gradients of autograd's views and their sum.
+    Shapes: hidden_states (M, in), token_index, block_index (k, M) (routed ids 0..N_r-1), offsets (k, N_r) int32,
+    weight (D, in), bias (D,) or None -> (M, N, s). Same dtype for all, no autocast.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_states, token_index, block_index, offsets, weight, bias, num_shared: int, block: int):
+        m, shared_width = hidden_states.shape[0], num_shared * block
+        num_routed = weight.shape[0] // block - num_shared
+        ctx.save_for_backward(hidden_states, token_index, block_index, offsets, weight)
+        ctx.has_bias, ctx.num_shared, ctx.block = bias is not None, num_shared, block
+        out = hidden_states.new_zeros(m, num_shared + num_routed, block)
+        shared_bias = None if bias is None else bias[:shared_width]
+        out[:, :num_shared] = F.linear(hidden_states, weight[:shared_width], shared_bias).view(m, num_shared, block)
+        routed_weight = weight[shared_width:].view(num_routed, block, weight.shape[1]).transpose(1, 2)
+        routed_bias = None if bias is None else bias[shared_width:].view(num_routed, block)
+        flat = out.view(-1, block)
+        for slot in range(token_index.shape[0]):
+            routed = grouped_matmul(hidden_states.index_select(0, token_index[slot]), routed_weight, offsets[slot])
+            if routed_bias is not None:
+                routed = routed + routed_bias[block_index[slot]]
+            positions = token_index[slot] * (num_shared + num_routed) + num_shared + block_index[slot]
+            flat.index_add_(0, positions, routed)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        hidden_states, token_index, block_index, offsets, weight = ctx.saved_tensors
+        num_shared, block = ctx.num_shared, ctx.block
+        m, width = grad.shape[0], grad.shape[1] * block
+        num_routed, shared_width = grad.shape[1] - num_shared, num_shared * block
+        grad = grad.contiguous()
+        grad_shared = grad.view(m, width)[:, :shared_width]  # (M, D_s), row stride D
+        routed_weight = weight[shared_width:].view(num_routed, block, weight.shape[1])  # (N_r, s, in)
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_shared.mm(weight[:shared_width])
+        if ctx.needs_input_grad[4]:
+            grad_weight = torch.empty_like(weight)
+            torch.mm(grad_shared.t(), hidden_states, out=grad_weight[:shared_width])
+            routed_grad_weight = grad_weight[shared_width:].view(num_routed, block, weight.shape[1]).transpose(1, 2)
+        wants_bias = ctx.has_bias and ctx.needs_input_grad[5]
+        if wants_bias:
+            grad_bias = grad.new_zeros(weight.shape[0])
+            grad_bias[:shared_width] = grad_shared.sum(0)
+        flat = grad.view(-1, block)
+        for slot in range(token_index.shape[0]):
+            positions = token_index[slot] * (num_shared + num_routed) + num_shared + block_index[slot]
+            grad_routed = flat.index_select(0, positions)  # (M, s) in the slot's block order
+            if grad_weight is not None:
+                rows = hidden_states.index_select(0, token_index[slot])
+                piece = grouped_weight_gradient(rows, grad_routed, offsets[slot])  # (N_r, in, s)
+                del rows
+                if slot == 0:
+                    routed_grad_weight.copy_(piece)
+                else:
+                    routed_grad_weight.add_(piece)
+                del piece
+            if grad_input is not None:
+                grad_input.index_add_(0, token_index[slot], grouped_matmul(grad_routed, routed_weight, offsets[slot]))
+            if wants_bias:
+                grad_bias[shared_width:].view(num_routed, block).index_add_(0, block_index[slot], grad_routed)
+        return grad_input, None, None, None, grad_weight, grad_bias, None, None
 
 
 class MoHDMaskedDispatch:
@@ -312,6 +514,20 @@ class MoHDGatherDispatch:
         outputs = []
         for linear in linears:
             weight = linear.weight
+            if self._fused(hidden_states, routed, linear):
+                outputs.append(
+                    GatherLinearIn.apply(
+                        shared,
+                        routed,
+                        plan.token_index,
+                        plan.offsets,
+                        weight,
+                        linear.bias,
+                        self.num_routed,
+                        self.block,
+                    )
+                )
+                continue
             out = F.linear(shared, weight[:, : self.shared_width], linear.bias)
             # (N_r, s, out) view of the routed columns: block g is weight[:, D_s + g s : D_s + (g + 1) s].T
             routed_weight = weight[:, self.shared_width :].view(weight.shape[0], self.num_routed, self.block)
@@ -332,6 +548,17 @@ class MoHDGatherDispatch:
             return self._project_out_few(hidden_states, plan, linear)
         m = hidden_states.shape[0]
         weight, bias = linear.weight, linear.bias
+        if self._fused(hidden_states, linear):
+            return GatherLinearOut.apply(
+                hidden_states,
+                plan.token_index,
+                plan.block_index,
+                plan.offsets,
+                weight,
+                bias,
+                self.num_shared,
+                self.block,
+            )
         shared = F.linear(
             hidden_states, weight[: self.shared_width], None if bias is None else bias[: self.shared_width]
         )
@@ -349,6 +576,18 @@ class MoHDGatherDispatch:
             )
         shared = shared.view(m, self.num_shared, self.block)
         return torch.cat([shared, routed_blocks.view(m, self.num_routed, self.block)], dim=1)
+
+    @staticmethod
+    def _fused(*tensors_and_linear) -> bool:
+        """Whether the grouped path runs as one autograd Function per linear (`GatherLinearIn`, `GatherLinearOut`):
+        activations, weight and bias of one dtype, eager, no autocast. Otherwise (autocast's casts, `torch.compile`'s
+        tracing) autograd composes the same computation from its views of the weight."""
+        *tensors, linear = tensors_and_linear
+        dtype = linear.weight.dtype
+        if torch.compiler.is_compiling() or torch.is_autocast_enabled(linear.weight.device.type):
+            return False
+        bias = getattr(linear, "bias", None)
+        return all(t.dtype == dtype for t in tensors) and (bias is None or bias.dtype == dtype)
 
     def _project_in_few(self, hidden_states: torch.Tensor, plan: GatherFewTokensPlan, linears) -> list[torch.Tensor]:
         """Few-tokens input side: (M, D) -> one (M, out) per linear from the shared and the k * s active columns."""
@@ -674,6 +913,16 @@ class MoHDSubDimensions(nn.Module):
         else:
             blocks = tensor_parallel.project_out(self._dispatch(plan), flat, plan, linear)
         blocks = blocks * self.activation_scale
+        if (
+            isinstance(plan, GatherPlan)
+            and isinstance(self.group_fusion, MoHDGroupFusion)
+            and tensor_parallel is None
+            and torch.is_grad_enabled()
+            and MoHDGatherDispatch._fused(blocks, self.group_fusion)
+        ):
+            # the grouped path's blocks are zero outside the shared and the routed (token, block) pairs
+            positions = plan.token_index * self.dispatch.num_sub_dims + self.dispatch.num_shared + plan.block_index
+            return self.group_fusion(blocks, positions).view(*hidden_states.shape[:-1], -1)
         return self.group_fusion(blocks).view(*hidden_states.shape[:-1], -1)
 
 
