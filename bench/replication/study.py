@@ -43,6 +43,9 @@ workers may share the queue (`--workers 2` starts two processes of one torch thr
 them apart). `--scale K` multiplies the training tokens by K (results and runs get a `_xK` suffix): the same suite at
 10x is `python bench/replication/study.py --scale 10 --threads 8` on a CUDA machine (the trainer picks the device).
 
+Other studies on the same data, budget, queue and statistics define a `Suite` (their arms, jobs, sweeps and
+comparisons) and call `main(suite)`: `study_latentmoe.py` is the LatentMoE part.
+
     nice -n 10 python bench/replication/study.py --workers 2      # train what is missing, then write the results
     python bench/replication/study.py --report                    # results JSON, plots, table from what exists
 """

@@ -72,6 +72,7 @@ ALPHA = 4
 SHAPE_DIVISORS = (8, 4, 2, 1)  # l = D / divisor at l m = D^2 / 4: aspect 1/16, 1/4, 1, 4
 ALLOCATION_MULTIPLE = 4  # l and m multiples of 4 (the library's default 64 leaves no near-square shape at D = 128)
 MATCH_TOLERANCE = 0.05  # relative, per layer: the tolerance of `allocate_two_regime` (arXiv 2610.14644 section 4.2)
+SPLIT_OVERRIDE = None  # first wide layer, only if the proxy's profile has no rise in its first 2/3 (`find_split`)
 ID_POOL, ID_SAMPLES, ID_DISCARD = 20000, 5000, 0.1  # arXiv 2610.14644 appendix E.2
 # Arm names carry the width when it is not the study's 128, so that runs of another width never share a folder.
 PREFIX = "lmoe_" if WIDTH == 128 else f"lmoe{WIDTH}_"
@@ -194,7 +195,15 @@ def allocation_of(scale: int):
     proxy = study.summary_of(scale, PROXY, rate, 0) if rate is not None else None
     if proxy is None:
         return None
-    return allocate_two_regime(proxy_architecture(), proxy["id_profile"], multiple=ALLOCATION_MULTIPLE)
+    try:
+        return allocate_two_regime(
+            proxy_architecture(), proxy["id_profile"], split=SPLIT_OVERRIDE, multiple=ALLOCATION_MULTIPLE
+        )
+    except ValueError as error:
+        raise SystemExit(
+            f"allocate_two_regime on the proxy's profile {proxy['id_profile']} failed: {error} "
+            "Set SPLIT_OVERRIDE in bench/replication/study_latentmoe.py (and say so in the results) to go on."
+        ) from error
 
 
 def static_arms(width: int = WIDTH) -> dict:
@@ -379,7 +388,7 @@ def extend(scale: int, results: dict) -> str:
     allocation = allocation_of(scale)
     narrow, wide = regime_shapes()
     results["allocation"] = (
-        allocation.summary()
+        {**allocation.summary(), "split_override": SPLIT_OVERRIDE}
         if allocation is not None
         else {
             "split": None,
