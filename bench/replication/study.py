@@ -44,6 +44,9 @@ workers may share the queue (`--workers 2` starts two processes of one torch thr
 them apart). `--scale K` multiplies the training tokens by K (results and runs get a `_xK` suffix): the same suite at
 10x is `python bench/replication/study.py --scale 10 --threads 8` on a CUDA machine (the trainer picks the device).
 
+Other studies on the same data, budget, queue and statistics define a `Suite` (their arms, jobs, sweeps and
+comparisons) and call `main(suite)`: `study_latentmoe.py` is the LatentMoE part.
+
     nice -n 10 python bench/replication/study.py --workers 2      # train what is missing, then write the results
     python bench/replication/study.py --report                    # results JSON, plots, table from what exists
 """
@@ -55,7 +58,8 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -85,11 +89,16 @@ REGIME_GAP = 0.1  # nats/token below the bigram reference for a comparison to co
 
 @dataclass(frozen=True)
 class Arm:
-    """One model of the study: `family` names the learning-rate sweep whose rate it uses."""
+    """One model of the study: `family` names the learning-rate sweep whose rate it uses.
+
+    `architecture` is None while it depends on a run that has not finished (the arm is pending); `seeds` None means
+    the study's `SEEDS` (a measurement run such as a proxy model may have fewer).
+    """
 
     family: str
-    architecture: dict
+    architecture: dict | None
     description: str
+    seeds: tuple | None = None
 
 
 def _dense(**overrides) -> dict:
@@ -318,8 +327,11 @@ def references(scale: int) -> dict:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def train_config(scale: int, arm: str, lr: float, seed: int, loaded: dict):
+def train_config(scale: int, arm: str, lr: float, seed: int, loaded: dict, arms: dict | None = None):
+    """The `TrainConfig` of one run of `arms` (default: this study's `ARMS`) on the study's data and budget."""
     from hf_mohd.training import train_config_from_dict
+
+    arms = ARMS if arms is None else arms
 
     steps = BUDGET["max_steps"] * scale
     values = {
@@ -337,35 +349,48 @@ def train_config(scale: int, arm: str, lr: float, seed: int, loaded: dict):
         "mixed_precision": "no",
         "router_aux_loss": True,
         "optim": {"lr": lr, "warmup_steps": BUDGET["warmup_steps"] * scale},
-        "model": {"architecture": ARMS[arm].architecture, "tokenizer": loaded["info"]["tokenizer"]},
+        "model": {"architecture": arms[arm].architecture, "tokenizer": loaded["info"]["tokenizer"]},
         "data": {"path": loaded["train_path"], "seq_len": BUDGET["seq_len"], "eval_fraction": 0.0},
     }
     return train_config_from_dict(values, source=f"study:{arm}")
 
 
-def run_one(scale: int, arm: str, lr: float, seed: int) -> dict:
-    """Train (or resume) one run, score it on the validation and verdict sets, write its `summary.json`."""
+def run_one(
+    scale: int,
+    arm: str,
+    lr: float,
+    seed: int,
+    arms: dict | None = None,
+    post_train: Callable[[object, dict], dict] | None = None,
+) -> dict:
+    """Train (or resume) one run, score it on the validation and verdict sets, write its `summary.json`.
+
+    `arms` defaults to this study's `ARMS`; `post_train(model, loaded)`, when given, measures the trained model
+    (e.g. its intrinsic-dimension profile) and its dict is merged into the summary.
+    """
     import resource
 
     from hf_mohd.demo import parameter_counts
     from hf_mohd.training import train
     from hf_mohd.training.trainer import evaluate_perplexity
 
+    arms = ARMS if arms is None else arms
     loaded = data(scale)
-    config = train_config(scale, arm, lr, seed, loaded)
+    config = train_config(scale, arm, lr, seed, loaded, arms)
     folder = Path(config.output_dir)
     load_before, cpu_before = os.getloadavg()[0], time.process_time()
     result = train(config)
     losses = {
         name: evaluate_perplexity(result.model, loaded["blocks"][name], 32)[0] for name in ("validation", "verdict")
     }
+    extra = post_train(result.model, loaded) if post_train is not None else {}
     with open(folder / "log.jsonl", encoding="utf-8") as handle:
         log = [json.loads(line) for line in handle]
     summary = {
         "arm": arm,
         "lr": lr,
         "seed": seed,
-        "architecture": ARMS[arm].architecture,
+        "architecture": arms[arm].architecture,
         "params": parameter_counts(result.model),
         "steps": result.steps,
         "tokens": result.tokens,
@@ -377,6 +402,7 @@ def run_one(scale: int, arm: str, lr: float, seed: int) -> dict:
         "wall_seconds_this_process": result.seconds,
         "loadavg_1min_start_end": [load_before, os.getloadavg()[0]],
         "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        **extra,
     }
     tmp = folder / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=1), encoding="utf-8")
@@ -389,14 +415,14 @@ def summary_of(scale: int, arm: str, lr: float, seed: int) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
-def sweep_grid(scale: int, family: str) -> list[float]:
-    """The family's learning-rate grid: `LR_GRID`, extended by a factor of 2 beyond an edge while the lowest
-    validation loss sits at that edge (at most `MAX_EXTENSIONS` extra rates), so the chosen rate is an interior
-    minimum of the sweep or the grid says it is not."""
-    grid = list(LR_GRID)
+def sweep_grid(scale: int, family: str, base: tuple = LR_GRID) -> list[float]:
+    """The family's learning-rate grid: `base`, extended by a factor of 2 beyond an edge while the lowest validation
+    loss sits at that edge (at most `MAX_EXTENSIONS` extra rates), so the chosen rate is an interior minimum of the
+    sweep or the grid says it is not."""
+    grid = list(base)
     while True:
         done = {lr: summary_of(scale, family, lr, 0) for lr in grid}
-        if any(summary is None for summary in done.values()) or len(grid) >= len(LR_GRID) + MAX_EXTENSIONS:
+        if any(summary is None for summary in done.values()) or len(grid) >= len(base) + MAX_EXTENSIONS:
             return grid
         best = min(grid, key=lambda lr: done[lr]["validation_loss"])
         if best == grid[0]:
@@ -407,9 +433,10 @@ def sweep_grid(scale: int, family: str) -> list[float]:
             return grid
 
 
-def chosen_lr(scale: int, family: str) -> float | None:
-    """The family's learning rate: lowest validation loss of its seed-0 sweep (None until the sweep is complete)."""
-    grid = sweep_grid(scale, family)
+def chosen_lr(scale: int, family: str, base: tuple = LR_GRID) -> float | None:
+    """The family's learning rate: lowest validation loss of its seed-0 sweep over `sweep_grid(scale, family, base)`
+    (None until that sweep is complete)."""
+    grid = sweep_grid(scale, family, base)
     sweep = {lr: summary_of(scale, family, lr, 0) for lr in grid}
     if any(s is None for s in sweep.values()):
         return None
@@ -451,16 +478,23 @@ def _lock(path: Path) -> bool:
     return True
 
 
-def worker(scale: int) -> None:
-    """Runs jobs until none is left: the first ready, unlocked job in priority order each time."""
+def worker(scale: int, suite: "Suite | None" = None) -> None:
+    """Runs jobs until none is left: the first ready, unlocked job in priority order each time.
+
+    A job is ready when its rate is known (its family's sweep is done) and its arm's architecture is (a pending arm
+    waits for the run it depends on). The suite's arms are rebuilt at every pass, so such an arm becomes ready as soon
+    as that run has finished, in any worker.
+    """
+    suite = MOHD if suite is None else suite
     while True:
         pending, started = 0, False
-        for arm, lr, seed in jobs(scale):
-            rate = lr if lr is not None else chosen_lr(scale, ARMS[arm].family)
+        arms = suite.arms(scale)
+        for arm, lr, seed in suite.jobs(scale):
+            rate = lr if lr is not None else chosen_lr(scale, arms[arm].family, suite.lr_grid)
             if rate is not None and summary_of(scale, arm, rate, seed) is not None:
                 continue
             pending += 1
-            if rate is None:
+            if rate is None or arms[arm].architecture is None:
                 continue
             lock = run_dir(scale, arm, rate, seed) / "worker.lock"
             if not _lock(lock):
@@ -468,7 +502,7 @@ def worker(scale: int) -> None:
             try:
                 if summary_of(scale, arm, rate, seed) is None:
                     print(f"== {arm} lr {rate:g} seed {seed} (pid {os.getpid()})", flush=True)
-                    s = run_one(scale, arm, rate, seed)
+                    s = run_one(scale, arm, rate, seed, arms, suite.post_train.get(arm))
                     print(f"   validation {s['validation_loss']:.4f} verdict {s['verdict_loss']:.4f}", flush=True)
             finally:
                 lock.unlink(missing_ok=True)
@@ -480,44 +514,96 @@ def worker(scale: int) -> None:
             time.sleep(30)
 
 
+@dataclass(frozen=True)
+class Suite:
+    """A set of arms sharing this study's data, budget, queue and statistics (one runner for every study module).
+
+    `arms(scale)` returns the arms (rebuilt at each worker pass, so an arm may depend on a finished run); `jobs(scale)`
+    the runs in priority order as (arm, lr or None for the family's rate, seed); `swept` the families with a sweep
+    over `lr_grid`; `comparisons` as `COMPARISONS`; `post_train[arm](model, loaded)` a measurement merged into that
+    arm's summaries; `extend(scale, results)` adds fields to the results JSON and returns extra markdown. `name` is
+    the results' file stem, `script` the module run by `--workers` processes.
+    """
+
+    name: str
+    title: str
+    script: str
+    arms: Callable[[int], dict]
+    jobs: Callable[[int], list]
+    swept: tuple
+    comparisons: tuple
+    lr_grid: tuple = LR_GRID
+    post_train: dict = field(default_factory=dict)
+    extend: Callable[[int, dict], str] | None = None
+
+
+MOHD = Suite(
+    name="study_v2",
+    title="MoHD vs dense past the n-gram regime (width-128 base, 2.05M tokens, 3 seeds)",
+    script=__file__,
+    arms=lambda scale: ARMS,
+    jobs=jobs,
+    swept=SWEPT,
+    comparisons=COMPARISONS,
+)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Results
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def accounting_of(arm: str) -> dict:
+def accounting_of(arm: str, arms: dict | None = None) -> dict:
+    """Total and activated decoder parameters and forward FLOPs per token (`model_accounting`, at the mean context of
+    a training sequence) of an arm; LatentMoE arms add their routed-expert parameters and all-to-all scalars per token
+    (summed over layers). A pending arm (no architecture yet) gets None values."""
     from transformers import LlamaConfig
 
     from hf_mohd.models.accounting import model_accounting
+    from hf_mohd.models.configuration_latent_moe import LatentMoEConfig
     from hf_mohd.models.configuration_mohd import MoHDConfig
 
-    fields = {k: v for k, v in ARMS[arm].architecture.items() if k != "model_type"}
+    architecture = (ARMS if arms is None else arms)[arm].architecture
+    if architecture is None:
+        return dict.fromkeys(("total_params", "activated_decoder_params", "flops_per_token"))
+    fields = {k: v for k, v in architecture.items() if k != "model_type"}
     fields["vocab_size"] = runner.BUDGET["vocab_size"]
-    config = MoHDConfig(**fields) if ARMS[arm].architecture["model_type"] == "mohd" else LlamaConfig(**fields)
+    classes = {"mohd": MoHDConfig, "latent_moe": LatentMoEConfig}
+    config = classes.get(architecture["model_type"], LlamaConfig)(**fields)
     acc = model_accounting(config, context_length=(BUDGET["seq_len"] + 1) // 2)
-    return {
+    out = {
         "total_params": acc.total_params,
         "activated_decoder_params": acc.activated_decoder_params,
         "flops_per_token": acc.flops_per_token,
     }
+    if architecture["model_type"] == "latent_moe":
+        out["routed_expert_params"] = sum(layer.routed_expert_params for layer in acc.layers)
+        out["mixer_params"] = sum(layer.mixer_params for layer in acc.layers)
+        out["all_to_all_scalars"] = acc.all_to_all_scalars
+    return out
 
 
-def report(scale: int) -> dict:
-    """Results JSON (`study_v2<suffix>.json`), plot (`.png`) and markdown tables (`.md`), from every finished run."""
+def report(scale: int, suite: "Suite | None" = None) -> dict:
+    """Results JSON (`<suite.name><suffix>.json`, default `study_v2`), plot (`.png`) and markdown tables (`.md`), from
+    every finished run; `suite.extend(scale, results)` may add fields and returns extra markdown."""
+    suite = MOHD if suite is None else suite
+    grid = suite.lr_grid
     refs = references(scale)
     bigram = refs["verdict"]["bigram_kneser_ney"]
     sweeps = {
         family: {
             f"{lr:g}": (summary_of(scale, family, lr, 0) or {}).get("validation_loss")
-            for lr in sweep_grid(scale, family)
+            for lr in sweep_grid(scale, family, grid)
         }
-        for family in SWEPT
+        for family in suite.swept
     }
-    rates = {family: chosen_lr(scale, family) for family in SWEPT}
-    arms, groups = {}, {}
-    for name, arm in ARMS.items():
+    rates = {family: chosen_lr(scale, family, grid) for family in suite.swept}
+    suite_arms = suite.arms(scale)
+    arms, groups, wanted = {}, {}, {}
+    for name, arm in suite_arms.items():
         rate = rates[arm.family]
-        runs = [s for s in (summary_of(scale, name, rate, seed) for seed in SEEDS) if s] if rate else []
+        wanted[name] = arm.seeds or SEEDS
+        runs = [s for s in (summary_of(scale, name, rate, seed) for seed in wanted[name]) if s] if rate else []
         losses = [r["verdict_loss"] for r in runs]
         if losses:
             groups[name] = losses
@@ -529,22 +615,23 @@ def report(scale: int) -> dict:
             "verdict_loss_per_seed": losses,
             "verdict_loss_mean": statistics.fmean(losses) if losses else None,
             "below_bigram_by": bigram - statistics.fmean(losses) if losses else None,
-            "accounting": accounting_of(name),
+            "accounting": accounting_of(name, suite_arms),
             "cpu_seconds": [r["cpu_seconds_this_process"] for r in runs],
         }
-    complete = {name: values for name, values in groups.items() if len(values) == len(SEEDS)}
+    complete = {name: values for name, values in groups.items() if len(values) == len(wanted[name])}
     out = {
-        "title": "MoHD vs dense past the n-gram regime (width-128 base, 2.05M tokens, 3 seeds)",
+        "title": suite.title,
         "scale": scale,
-        "status": "complete" if len(complete) == len(ARMS) else "partial",
-        "command": f"nice -n 10 python bench/replication/study.py --workers 2{'' if scale == 1 else f' --scale {scale}'}",
+        "status": "complete" if len(complete) == len(suite_arms) else "partial",
+        "command": f"nice -n 10 python bench/replication/{Path(suite.script).name} --workers 2"
+        + ("" if scale == 1 else f" --scale {scale}"),
         "base_shape": BASE,
         "budget": {
             **BUDGET,
             "vocab_size": runner.BUDGET["vocab_size"],
             "tokens_per_run": BUDGET["max_steps"] * scale * BUDGET["micro_batch_size"] * BUDGET["seq_len"],
         },
-        "lr_grid": list(LR_GRID),
+        "lr_grid": list(grid),
         "lr_sweep_validation_loss": sweeps,
         "chosen_lr": rates,
         "references": refs,
@@ -559,7 +646,7 @@ def report(scale: int) -> dict:
         for name in complete:
             arms[name]["verdict_loss_ci95"] = verdicts.arm_interval(complete[name], sd, df)
         tests, pvalues = {}, {}
-        for key, a, b, claim, margin in COMPARISONS:
+        for key, a, b, claim, margin in suite.comparisons:
             if a not in complete or b not in complete:
                 continue
             result = verdicts.difference(a, b, complete, sd, df, margin)
@@ -575,12 +662,14 @@ def report(scale: int) -> dict:
             test["verdict"] = _wording(test, in_regime)
         out["comparisons"] = tests
         out["holm_family"] = sorted(pvalues)
-    path = RESULTS / f"study_v2{_suffix(scale)}.json"
+    extra = suite.extend(scale, out) if suite.extend is not None else ""
+    path = RESULTS / f"{suite.name}{_suffix(scale)}.json"
     RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
     plot(out, path.with_suffix(".png"))
-    path.with_suffix(".md").write_text(table(out) + "\n", encoding="utf-8")
-    print(table(out))
+    text = table(out) + (f"\n\n{extra}" if extra else "")
+    path.with_suffix(".md").write_text(text + "\n", encoding="utf-8")
+    print(text)
     print(f"wrote {path}")
     return out
 
@@ -594,6 +683,10 @@ def _wording(test: dict, in_regime: bool) -> str:
     if test["holm_tost_p"] is not None and test["holm_tost_p"] < 0.05:
         return f"equivalent within {test['margin']} nats"
     return "no detectable difference (neither a difference nor equivalence is shown)"
+
+
+def _count(value: int | None) -> str:
+    return "pending" if value is None else f"{value:,}"
 
 
 def table(results: dict) -> str:
@@ -619,8 +712,8 @@ def table(results: dict) -> str:
     for name, arm in results["arms"].items():
         if arm["verdict_loss_mean"] is None:
             lines.append(
-                f"| {name} | pending | 0 | not run | | {arm['accounting']['activated_decoder_params']:,} | "
-                f"{arm['accounting']['flops_per_token']:,} |"
+                f"| {name} | pending | 0 | not run | | {_count(arm['accounting']['activated_decoder_params'])} | "
+                f"{_count(arm['accounting']['flops_per_token'])} |"
             )
             continue
         ci = arm.get("verdict_loss_ci95")
@@ -679,8 +772,10 @@ def plot(results: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(suite: "Suite | None" = None, description: str | None = None) -> None:
+    """The command line of a suite (default: this study): train what is missing with `--workers`, then report."""
+    suite = MOHD if suite is None else suite
+    parser = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=1, help="worker processes sharing the queue (default 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     parser.add_argument("--scale", type=int, default=1, help="multiply the training tokens (default 1)")
@@ -691,7 +786,7 @@ def main() -> None:
         parser.error("--scale, --workers and --threads must be positive integers")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.report:
-        report(args.scale)
+        report(args.scale, suite)
         return
     import torch
 
@@ -699,18 +794,26 @@ def main() -> None:
     if args.worker or args.workers == 1:
         data(args.scale)
         references(args.scale)
-        worker(args.scale)
+        worker(args.scale, suite)
         if not args.worker:
-            report(args.scale)
+            report(args.scale, suite)
         return
     data(args.scale)
     references(args.scale)
-    command = [sys.executable, __file__, "--worker", "--scale", str(args.scale), "--threads", str(args.threads)]
+    command = [
+        sys.executable,
+        str(suite.script),
+        "--worker",
+        "--scale",
+        str(args.scale),
+        "--threads",
+        str(args.threads),
+    ]
     processes = [subprocess.Popen(command) for _ in range(args.workers)]
     codes = [process.wait() for process in processes]
     if any(codes):
         raise SystemExit(f"a worker failed (exit codes {codes}); rerun the same command to resume")
-    report(args.scale)
+    report(args.scale, suite)
 
 
 if __name__ == "__main__":
