@@ -5,6 +5,7 @@ a LLaMA model, and the accounting of the written config."""
 import importlib.util
 import json
 import math
+import re
 import struct
 
 import pytest
@@ -643,3 +644,31 @@ def test_cli_help(command, expected, capsys):
         cli_main([command, "--help"])
     assert exit_info.value.code == 0
     assert expected in " ".join(capsys.readouterr().out.split())
+
+
+def test_cli_accounting_bad_inputs_name_the_path(tmp_path, capsys):
+    """`hf-mohd accounting` on a missing path, a config of the wrong type, a `--preset` on a config that is not LLaMA
+    or an unknown preset: one line `error: <path>: ...` saying what was expected, exit status 1 (no traceback)."""
+    from transformers import LlamaConfig
+
+    from hf_mohd.models.configuration_latent_moe import LatentMoEConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4).save_pretrained(
+        tmp_path / "llama"
+    )
+    LatentMoEConfig.from_dict(DICT_CONFIG).save_pretrained(tmp_path / "latent")
+    broken = json.loads((tmp_path / "llama" / "config.json").read_text())
+    broken["hidden_size"] = "64"
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text(json.dumps(broken))
+    cases = {
+        str(tmp_path / "missing" / "config.json"): ([], "expected a config.json file or a model folder"),
+        str(tmp_path / "llama"): (["--preset", "compresion_50"], "`preset` must be one of"),
+        str(tmp_path / "latent"): (["--preset", "compression_50"], "has model_type 'latent_moe'"),
+        str(tmp_path / "broken"): ([], r"not a loadable config \(.*hidden_size"),
+    }
+    for path, (options, expected) in cases.items():
+        assert cli_main(["accounting", path, *options]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert re.match(rf"error: {re.escape(path)}: .*{expected}", captured.err, re.S), captured.err
