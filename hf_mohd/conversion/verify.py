@@ -62,7 +62,7 @@ def verify_logits(model, source: DenseLlamaSource, atol: float = 1e-4, *, seed: 
         ConversionError: the difference exceeds `atol` (or is NaN); the message gives both numbers.
     """
     diff = max_logit_difference(model, source, seed=seed)
-    logger.info("verify: max |logit difference| vs the source = %.3g", diff)
+    logger.info("verify (the exact model at full activation vs the source): max |logit difference| = %.3g", diff)
     if not diff <= atol:
         raise ConversionError(
             f"verify=True (--verify) failed: logits differ from the source by {diff:.3g} > atol={atol}."
