@@ -711,8 +711,9 @@ def table(results: dict) -> str:
     ]
     for name, arm in results["arms"].items():
         if arm["verdict_loss_mean"] is None:
+            rate = "pending" if arm["lr"] is None else f"{arm['lr']:g}"
             lines.append(
-                f"| {name} | pending | 0 | not run | | {_count(arm['accounting']['activated_decoder_params'])} | "
+                f"| {name} | {rate} | 0 | not run | | {_count(arm['accounting']['activated_decoder_params'])} | "
                 f"{_count(arm['accounting']['flops_per_token'])} |"
             )
             continue
@@ -730,10 +731,10 @@ def table(results: dict) -> str:
             "|---|---|---|---|---|---|",
         ]
         for key, test in results["comparisons"].items():
-            tost = "" if test["holm_tost_p"] is None else f"{test['holm_tost_p']:.3f}"
+            tost = "" if test["holm_tost_p"] is None else f"{test['holm_tost_p']:.2g}"
             lines.append(
                 f"| {key} | {test['diff']:+.3f} | [{test['ci95'][0]:+.3f}, {test['ci95'][1]:+.3f}] | "
-                f"{test['holm_p']:.3f} | {tost} | {test['verdict']} |"
+                f"{test['holm_p']:.2g} | {tost} | {test['verdict']} |"
             )
     return "\n".join(lines)
 
