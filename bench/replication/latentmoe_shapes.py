@@ -26,17 +26,32 @@ PRODUCT = 1024
 LATENTS = (8, 16, 32, 64)
 
 
-def shape_architecture(latent: int) -> dict:
-    """Item 4a's alpha = 4 LatentMoE with (l, m) = (latent, PRODUCT / latent) and m_s absorbing 2 D delta-l."""
-    reference = latentmoe_alpha.latent_architecture(4)
-    delta = 2 * D * (latent - reference["moe_latent_size"])
+def at_latent(reference: dict, latent: int, width: int) -> dict:
+    """`reference` (a LatentMoE architecture dict) with latent width l = `latent` at the same l m, the shared expert's
+    width m_s absorbing the change of the latent projections, 2 D (l - l0), at 3 D parameters per channel (the
+    shape sweep of arXiv 2610.14644 section 3.2 keeps mixer parameters and activated FLOPs matched this way).
+
+    Raises:
+        ValueError: `latent` does not divide the reference's l m.
+    """
+    product = reference["moe_latent_size"] * reference["moe_intermediate_size"]
+    if product % latent:
+        raise ValueError(f"at_latent: l = {latent} does not divide l m = {product}.")
+    delta = 2 * width * (latent - reference["moe_latent_size"])
     return {
         **reference,
         "moe_latent_size": latent,
-        "moe_intermediate_size": PRODUCT // latent,
+        "moe_intermediate_size": product // latent,
         "moe_shared_expert_intermediate_size": reference["moe_shared_expert_intermediate_size"]
-        - round(delta / (3 * D)),
+        - round(delta / (3 * width)),
     }
+
+
+def shape_architecture(latent: int) -> dict:
+    """Item 4a's alpha = 4 LatentMoE with (l, m) = (latent, PRODUCT / latent) and m_s absorbing 2 D delta-l."""
+    reference = latentmoe_alpha.latent_architecture(4)
+    assert reference["moe_latent_size"] * reference["moe_intermediate_size"] == PRODUCT
+    return at_latent(reference, latent, D)
 
 
 def variant(latent: int):

@@ -63,6 +63,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import latentmoe_shapes  # noqa: E402
 import study  # noqa: E402
 
 
@@ -121,18 +122,7 @@ def alpha_transformed(width: int = WIDTH, layers: int = 4, alpha: int = ALPHA) -
 
 def shape(latent: int, width: int = WIDTH, layers: int = 4) -> dict:
     """The alpha-transformed LatentMoE with (l, m) = (latent, l0 m0 / latent), m_s absorbing 2 D (latent - l0)."""
-    reference = alpha_transformed(width, layers)
-    product = reference["moe_latent_size"] * reference["moe_intermediate_size"]
-    if product % latent:
-        raise ValueError(f"shape: l = {latent} does not divide l m = {product}.")
-    delta = 2 * width * (latent - reference["moe_latent_size"])
-    return {
-        **reference,
-        "moe_latent_size": latent,
-        "moe_intermediate_size": product // latent,
-        "moe_shared_expert_intermediate_size": reference["moe_shared_expert_intermediate_size"]
-        - round(delta / (3 * width)),
-    }
+    return latentmoe_shapes.at_latent(alpha_transformed(width, layers), latent, width)
 
 
 def shape_name(latent: int, width: int = WIDTH) -> str:
