@@ -402,12 +402,21 @@ def run_one(
         "wall_seconds_this_process": result.seconds,
         "loadavg_1min_start_end": [load_before, os.getloadavg()[0]],
         "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "machine": _machine(),
         **extra,
     }
     tmp = folder / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=1), encoding="utf-8")
     os.replace(tmp, folder / "summary.json")
     return summary
+
+
+def _machine() -> dict:
+    """CPU model, cores, load average, library versions (`bench/common.machine_description`)."""
+    sys.path.insert(0, str(HERE.parent))
+    import common
+
+    return common.machine_description()
 
 
 def summary_of(scale: int, arm: str, lr: float, seed: int) -> dict | None:
@@ -617,11 +626,15 @@ def report(scale: int, suite: "Suite | None" = None) -> dict:
             "below_bigram_by": bigram - statistics.fmean(losses) if losses else None,
             "accounting": accounting_of(name, suite_arms),
             "cpu_seconds": [r["cpu_seconds_this_process"] for r in runs],
+            "load_average_1min_start_end": [r["loadavg_1min_start_end"] for r in runs],
         }
     complete = {name: values for name, values in groups.items() if len(values) == len(wanted[name])}
     out = {
         "title": suite.title,
         "scale": scale,
+        # the machine writing the report; each run's summary.json records its own (runs before this field: the same
+        # 2-core Intel Xeon, training only, never during a timing)
+        "machine_of_report": _machine(),
         "status": "complete" if len(complete) == len(suite_arms) else "partial",
         "command": f"nice -n 10 python bench/replication/{Path(suite.script).name} --workers 2"
         + ("" if scale == 1 else f" --scale {scale}"),
