@@ -19,6 +19,7 @@ from hf_mohd.models.modeling_mohd import (
     GatherPlan,
     MoHDGatherDispatch,
     SparseBlockMix,
+    contiguous_spans,
     set_linear_layout_,
 )
 
@@ -100,10 +101,15 @@ def test_plans_are_chosen_by_token_count(monkeypatch):
     weights = torch.rand(3, 2)
     host = dispatch.plan(indices[:2], weights[:2])
     assert isinstance(host, GatherHostPlan)  # eager CPU: block ids read as Python ints
-    assert host.blocks == (3, 4, 5, 7)  # routed blocks picked by any token, each read once
-    assert host.keep.tolist() == [[1, 0, 0, 0, 1], [0, 1, 1, 0, 0]]  # routed blocks 3..7 of tokens 0 and 1
+    assert host.spans == ((0, 6), (7, 8))  # shared 0-2 with routed 3, 4, 5 (picked next to them), then 7
+    assert host.keep.tolist() == [[1, 1, 1, 1, 0, 0, 0, 1], [1, 1, 1, 0, 1, 1, 0, 0]]
     torch.testing.assert_close(host.gates[0], torch.tensor([1, 1, 1, weights[0, 0], 0, 0, 0, weights[0, 1]]))
     assert dispatch.host_tokens == 8
+    with torch.no_grad():  # one token, autograd off (decoding): the gates built from Python floats, no keep
+        one = dispatch.plan(indices[2:], weights[2:])
+    assert one.keep is None and one.spans == ((0, 4), (7, 8))
+    torch.testing.assert_close(one.gates[0], torch.tensor([1, 1, 1, weights[2, 1], 0, 0, 0, weights[2, 0]]))
+    assert contiguous_spans(6, [9, 6, 7, 9]) == ((0, 8), (9, 10)) and contiguous_spans(0, [2, 1]) == ((0, 0), (1, 3))
     with monkeypatch.context() as patch:  # under torch.compile: index tensors instead
         patch.setattr(torch.compiler, "is_compiling", lambda: True)
         few = dispatch.plan(indices[:2], weights[:2])

@@ -100,6 +100,8 @@ class MoHDGroupFusion(nn.Module):
         product keep only those blocks for backward (`SparseBlockMix`)."""
         weight = self.weight.to(blocks.dtype)
         if positions is None:
+            if blocks.shape[0] == 1:  # one token (decoding): one small GEMM, not a broadcast batched matmul
+                return torch.mm(weight, blocks[0])[None]
             return torch.matmul(weight, blocks)
         return SparseBlockMix.apply(weight, blocks, positions, blocks.shape[1] - self.num_routed)
 
@@ -176,17 +178,33 @@ class GatherFewTokensPlan(NamedTuple):
 
 class GatherHostPlan(NamedTuple):
     """Routing of a few tokens on an eager CPU run: the block ids are read to Python ints (no device to synchronise),
-    so each routed block any of the M tokens picked is addressed as a contiguous slice of the weights and read once
-    for all M tokens, with no index tensors and no copies of weights.
+    so the blocks any of the M tokens picked are addressed as contiguous slices of the weights and read once for all
+    M tokens, with no index tensors and no copies of weights.
 
     gates (M, N): every block's input gate per token (1 shared, g_j selected, 0 otherwise; keeps the router's
-    gradient); keep (M, N_r) 1.0 where the token picked the routed block (None when M == 1: every block of `blocks`
-    is the token's); blocks: the sorted absolute ids of the routed blocks picked by at least one token.
+    gradient); keep (M, N) 1.0 on the shared blocks and where the token picked the routed block (None when M == 1:
+    every picked block is the token's); spans: the picked blocks as maximal runs of consecutive block ids, half-open
+    [start, stop), the first always starting at block 0 with the shared blocks (a routed block N_s, N_s + 1, ...
+    picked next to them joins that span). One GEMM per span, not per block: fewer and wider calls, what decoding at
+    small widths is bound by.
     """
 
     gates: torch.Tensor
     keep: torch.Tensor | None
-    blocks: tuple[int, ...]
+    spans: tuple[tuple[int, int], ...]
+
+
+def contiguous_spans(first: int, blocks) -> tuple[tuple[int, int], ...]:
+    """[0, first) followed by the sorted, distinct `blocks` (each >= first) merged into maximal half-open runs of
+    consecutive ids; a run that starts at `first` extends the first span. Example: first 6, blocks {6, 7, 9} ->
+    ((0, 8), (9, 10))."""
+    spans = [[0, first]]
+    for block in sorted(set(blocks)):
+        if block == spans[-1][1]:
+            spans[-1][1] += 1
+        else:
+            spans.append([block, block + 1])
+    return tuple((start, stop) for start, stop in spans)
 
 
 class RowIndexAdd(torch.autograd.Function):
@@ -479,11 +497,18 @@ class MoHDGatherDispatch:
         tensors)."""
         m = indices.shape[0]
         if m <= self.host_tokens and indices.device.type == "cpu" and not torch.compiler.is_compiling():
+            ids = indices.view(-1).tolist()
+            spans = contiguous_spans(self.num_shared, ids)
+            if m == 1 and not torch.is_grad_enabled():  # decoding: the gates from Python floats, fewer ops
+                values = [1.0] * self.num_shared + [0.0] * self.num_routed
+                for block, gate in zip(ids, weights.view(-1).tolist(), strict=True):
+                    values[block] = gate
+                return GatherHostPlan(weights.new_tensor(values)[None], None, spans)
             gates = F.pad(weights.new_ones(m, self.num_shared), (0, self.num_routed)).scatter(1, indices, weights)
             keep = None
             if m > 1:
-                keep = weights.new_zeros(m, self.num_sub_dims).scatter_(1, indices, 1.0)[:, self.num_shared :]
-            return GatherHostPlan(gates, keep, tuple(sorted(set(indices.view(-1).tolist()))))
+                keep = F.pad(weights.new_ones(m, self.num_shared), (0, self.num_routed)).scatter_(1, indices, 1.0)
+            return GatherHostPlan(gates, keep, spans)
         if m <= self.few_tokens:
             width = self.top_k * self.block
             columns = (indices[..., None] * self.block + torch.arange(self.block, device=indices.device)).view(m, -1)
@@ -634,41 +659,44 @@ class MoHDGatherDispatch:
 
     def _project_in_host(self, hidden_states: torch.Tensor, plan: GatherHostPlan, linears) -> list[torch.Tensor]:
         """Host-ids input side: (M, D) -> one (M, out) per linear. In the block-major layout each block is s
-        contiguous rows of `weight.T`: the shared span is one GEMM, each picked routed block one accumulating GEMM
-        (`addmm`) on the gated input, whose rows are 0 for the tokens that did not pick it."""
+        contiguous rows of `weight.T`: the first span (the shared blocks) is one GEMM, each further span of picked
+        blocks one accumulating GEMM (`addmm`) on the gated input, whose rows are 0 for the tokens that did not pick
+        a block; in place when autograd is off."""
         m = hidden_states.shape[0]
         gated = (hidden_states.view(m, self.num_sub_dims, self.block) * plan.gates[..., None]).view(m, -1)
-        shared = gated[:, : self.shared_width]
+        columns = [slice(start * self.block, stop * self.block) for start, stop in plan.spans]
+        in_place = not torch.is_grad_enabled()
         outputs = []
         for linear in linears:
             weight = linear.weight
             if weight.stride(0) == 1 and weight.dtype == hidden_states.dtype:
                 weight_t = weight.t()  # (D, out), rows contiguous: block g is rows g s .. (g + 1) s - 1
-                out = F.linear(shared, weight[:, : self.shared_width], linear.bias)
-                for block in plan.blocks:
-                    columns = slice(block * self.block, (block + 1) * self.block)
-                    out = torch.addmm(out, gated[:, columns], weight_t[columns])
+                out = F.linear(gated[:, columns[0]], weight[:, columns[0]], linear.bias)
+                for span in columns[1:]:
+                    out = torch.addmm(out, gated[:, span], weight_t[span], out=out if in_place else None)
                 outputs.append(out)
             else:  # row-major: one dense matmul on the gated input (the masked computation)
                 outputs.append(linear(gated))
         return outputs
 
     def _project_out_host(self, hidden_states: torch.Tensor, plan: GatherHostPlan, linear) -> torch.Tensor:
-        """Host-ids output side: (M, in) -> (M, N, s); each picked block is s contiguous rows of the row-major
-        weight, read in place once for all M tokens and kept for the tokens that picked it; other blocks 0."""
+        """Host-ids output side: (M, in) -> (M, N, s); each span of picked blocks is contiguous rows of the row-major
+        weight, read in place once for all M tokens and kept for the tokens that picked each block; other blocks 0.
+        With autograd off and no bias, each product is written straight into its span of the output."""
         m = hidden_states.shape[0]
         weight, bias = linear.weight, linear.bias
-        shared = F.linear(
-            hidden_states, weight[: self.shared_width], None if bias is None else bias[: self.shared_width]
-        )
-        out = F.pad(shared.view(m, self.num_shared, self.block), (0, 0, 0, self.num_routed))
-        for block in plan.blocks:
-            rows = slice(block * self.block, (block + 1) * self.block)
-            routed = F.linear(hidden_states, weight[rows], None if bias is None else bias[rows])
+        out = hidden_states.new_zeros(m, self.hidden_size)
+        direct = bias is None and not torch.is_grad_enabled()
+        for start, stop in plan.spans:
+            rows = slice(start * self.block, stop * self.block)
+            if direct and plan.keep is None:
+                torch.mm(hidden_states, weight[rows].t(), out=out[:, rows])
+                continue
+            product = F.linear(hidden_states, weight[rows], None if bias is None else bias[rows])
             if plan.keep is not None:
-                routed = routed * plan.keep[:, block - self.num_shared, None]
-            out[:, block] = routed
-        return out
+                product = (product.view(m, stop - start, self.block) * plan.keep[:, start:stop, None]).view(m, -1)
+            out[:, rows] = product
+        return out.view(m, self.num_sub_dims, self.block)
 
 
 MOHD_DISPATCH = {"masked": MoHDMaskedDispatch, "gather": MoHDGatherDispatch}
