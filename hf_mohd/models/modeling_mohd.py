@@ -454,12 +454,14 @@ class MoHDGatherDispatch:
     Shared blocks are one dense GEMM over the first N_s * s columns (input side) or rows (output side). Routed
     blocks of many tokens (prefill, training) are dispatched like experts, one routing slot at a time: the M tokens
     sorted by their block in that slot, one grouped matmul over views of the `nn.Linear` weight (no copy), then
-    `index_add_` back (docs/design.md section 3, "Execution paths"). For at most `few_tokens` tokens (batch-1 decoding) the
-    k active blocks of each token are read directly, with no sort and no per-group calls, the memory-bound case
-    (Deja Vu, PowerInfer): input side `embedding_bag` over the active columns (rows of `weight.T`), output side
-    one GEMV per active block on its s contiguous rows, read in place (eager CPU; under `torch.compile` or on an
-    accelerator, where reading the block ids to the host would break the graph or synchronise, one `index_select` of
-    the k * s active rows and a batched matmul).
+    `index_add_` back (docs/design.md section 3, "Execution paths"). For a few tokens (decoding, draft verification)
+    the active blocks are read directly, with no sort and no per-group calls, the memory-bound case (Deja Vu,
+    PowerInfer). On an eager CPU run (`GatherHostPlan`, up to `host_tokens` tokens) the picked block ids are read to
+    the host and merged into spans of consecutive blocks, each span one GEMM on contiguous weight rows (input side:
+    rows of the block-major `weight.T`; output side: rows of `weight`), read in place once for all tokens. Under
+    `torch.compile` or on an accelerator (`GatherFewTokensPlan`, up to `few_tokens` tokens), where reading the ids to
+    the host would break the graph or synchronise: input side `embedding_bag` over the active columns, output side
+    one `index_select` of the k * s active rows and a batched matmul.
 
     Only plain `nn.Linear` projections come here: `MoHDSubDimensions.route` sends a sublayer with any other
     projection (a PEFT LoRA layer, a quantised linear: it computes something other than its `.weight`) to the
