@@ -16,7 +16,7 @@
 The models are those of `bench_mohd_decode.py` (fixed bench shape, saved and reloaded with `from_pretrained`). Each
 decodes greedily on a `StaticCache`: the prompt eagerly, then single-token steps through the eager model or through
 `torch.compile(model, fullgraph=True, dynamic=False)` (compiled once, warm-up excluded). Under compilation MoHD's
-few-token plan reads the blocks through index tensors (`GatherFewTokensPlan`), not host ids. Ratios: compiled MoHD
+few-token plan reads the blocks through index tensors (`MoHDGatherFewTokensPlan`), not host ids. Ratios: compiled MoHD
 vs eager MoHD, vs compiled Llama, and eager MoHD vs eager Llama, on the process CPU clock by default.
 
     python bench/bench_mohd_compiled.py --reps 3     # results/mohd_compiled.json

@@ -1,8 +1,8 @@
 """Every fast execution path of MoHD equals the masked reference path, in logits and in gradients.
 
 The gather path has three regimes, chosen by the number of tokens M of a forward: per-slot grouped matmuls
-(`GatherPlan`, prefill and training) and direct reads of each token's active blocks for M <= `few_tokens` (decoding),
-by host block ids on an eager CPU run (`GatherHostPlan`) or by index tensors (`GatherFewTokensPlan`, compiled);
+(`MoHDGatherPlan`, prefill and training) and direct reads of each token's active blocks for M <= `few_tokens` (decoding),
+by host block ids on an eager CPU run (`MoHDGatherHostPlan`) or by index tensors (`MoHDGatherFewTokensPlan`, compiled);
 plus both weight layouts of `MoHDPreTrainedModel.to_weight_layout` and the module-call fallback for projections that
 are not plain `nn.Linear`. All run in float64 (no top-k ties) against
 the masked path on the same weights. No timing here: the benchmarks live in `bench/`.
@@ -14,11 +14,11 @@ from torch import nn
 
 from hf_mohd import MoHDConfig, MoHDForCausalLM
 from hf_mohd.models.modeling_mohd import (
-    GatherFewTokensPlan,
-    GatherHostPlan,
-    GatherPlan,
     MoHDGatherDispatch,
-    SparseBlockMix,
+    MoHDGatherFewTokensPlan,
+    MoHDGatherHostPlan,
+    MoHDGatherPlan,
+    MoHDSparseBlockMix,
     contiguous_spans,
     set_linear_layout_,
 )
@@ -100,7 +100,7 @@ def test_plans_are_chosen_by_token_count(monkeypatch):
     indices = torch.tensor([[3, 7], [5, 4], [7, 3]])
     weights = torch.rand(3, 2)
     host = dispatch.plan(indices[:2], weights[:2])
-    assert isinstance(host, GatherHostPlan)  # eager CPU: block ids read as Python ints
+    assert isinstance(host, MoHDGatherHostPlan)  # eager CPU: block ids read as Python ints
     assert host.spans == ((0, 6), (7, 8))  # shared 0-2 with routed 3, 4, 5 (picked next to them), then 7
     assert host.keep.tolist() == [[1, 1, 1, 1, 0, 0, 0, 1], [1, 1, 1, 0, 1, 1, 0, 0]]
     torch.testing.assert_close(host.gates[0], torch.tensor([1, 1, 1, weights[0, 0], 0, 0, 0, weights[0, 1]]))
@@ -113,12 +113,12 @@ def test_plans_are_chosen_by_token_count(monkeypatch):
     with monkeypatch.context() as patch:  # under torch.compile: index tensors instead
         patch.setattr(torch.compiler, "is_compiling", lambda: True)
         few = dispatch.plan(indices[:2], weights[:2])
-        assert isinstance(few, GatherFewTokensPlan)
+        assert isinstance(few, MoHDGatherFewTokensPlan)
         assert few.block_index.tolist() == [[3, 7], [5, 4]]  # absolute ids: rows of weight.view(N, s, in)
         assert few.columns.view(2, 2, -1)[:, :, 0].tolist() == [[3 * 8, 7 * 8], [5 * 8, 4 * 8]]  # s = 64 / 8
         plan = dispatch.plan(indices, weights)  # 3 tokens > few_tokens: grouped when compiled
-    assert isinstance(plan, GatherPlan)
-    assert isinstance(dispatch.plan(indices.repeat(3, 1), weights.repeat(3, 1)), GatherPlan)  # 9 > host_tokens
+    assert isinstance(plan, MoHDGatherPlan)
+    assert isinstance(dispatch.plan(indices.repeat(3, 1), weights.repeat(3, 1)), MoHDGatherPlan)  # 9 > host_tokens
     # slot 0 picks routed blocks (0, 2, 4) for tokens (0, 1, 2); slot 1 picks (4, 1, 0): sorted by block per slot
     assert plan.token_index.tolist() == [[0, 1, 2], [2, 1, 0]]
     assert plan.block_index.tolist() == [[0, 2, 4], [0, 1, 4]]
@@ -238,7 +238,7 @@ def test_few_tokens_reads_by_index_tensors_equal_masked(monkeypatch, tokens, lay
     gather, masked = pair(attention_bias=True, mlp_bias=True)
     gather.to_weight_layout(layout)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert isinstance(dispatches(gather)[0].plan(torch.tensor([[3, 7]]), torch.rand(1, 2)), GatherFewTokensPlan)
+    assert isinstance(dispatches(gather)[0].plan(torch.tensor([[3, 7]]), torch.rand(1, 2)), MoHDGatherFewTokensPlan)
     assert_same_training_step(gather, masked, ids(1, tokens))
 
 
@@ -293,7 +293,7 @@ GROUPED_CASES = [(64, 8, 3, 2, 96, torch.float64), (64, 8, 3, 2, 96, torch.float
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("case", GROUPED_CASES, ids=["f64", "f32", "f32-unaligned"])
 def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layout, fused):
-    """The grouped path's projections (`GatherLinearIn`, `GatherLinearOut`, or autograd on the weight views when
+    """The grouped path's projections (`MoHDGatherLinearIn`, `MoHDGatherLinearOut`, or autograd on the weight views when
     they do not apply) against the dense float64 formula on the gated input / masked output: outputs and the
     gradients of input, gates, weight (shared and routed blocks) and bias, and `.grad` kept in the weight's layout."""
     hidden, num_sub_dims, num_shared, top_k, features, dtype = case
@@ -323,7 +323,7 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
         weights_run = weights.to(dtype).requires_grad_()
         x_run.requires_grad_()
         plan = dispatch.plan(indices, weights_run)
-        assert isinstance(plan, GatherPlan)
+        assert isinstance(plan, MoHDGatherPlan)
         if side == "in":
             out = dispatch.project_in(x_run, plan, [linear])[0]
             blocks = x_ref.view(tokens, num_sub_dims, -1) * gates_ref[..., None]
@@ -331,7 +331,7 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
         else:
             out = dispatch.project_out(x_run, plan, linear)
             expected = (reference(x_ref).view(tokens, num_sub_dims, -1) * mask[..., None]).view(tokens, -1)
-        assert (type(out.grad_fn).__name__ == f"GatherLinear{side.capitalize()}Backward") == fused
+        assert (type(out.grad_fn).__name__ == f"MoHDGatherLinear{side.capitalize()}Backward") == fused
         out = out.reshape(tokens, -1)
         torch.testing.assert_close(out.double(), expected, **tolerance)
         (out.double() * upstream).sum().backward()
@@ -359,7 +359,7 @@ def test_sparse_block_mix_equals_matmul():
     fusion = torch.randn(dispatch.num_sub_dims, dispatch.num_sub_dims, dtype=torch.float64).requires_grad_()
     positions = plan.token_index * dispatch.num_sub_dims + dispatch.num_shared + plan.block_index
     upstream = torch.randn_like(blocks)
-    out = SparseBlockMix.apply(fusion, blocks, positions, dispatch.num_shared)
+    out = MoHDSparseBlockMix.apply(fusion, blocks, positions, dispatch.num_shared)
     grad_fusion, grad_blocks = torch.autograd.grad((out * upstream).sum(), (fusion, blocks))
     expected = torch.matmul(fusion, blocks)
     expected_fusion, expected_blocks = torch.autograd.grad((expected * upstream).sum(), (fusion, blocks))

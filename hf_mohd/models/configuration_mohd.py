@@ -107,7 +107,7 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
     keys_to_ignore_at_inference = ["cache"]
     # Llama's plan: q/k/v, gate/up shard their output features and o_proj, down_proj their input features, so the
     # hidden axis (the sub-dimension blocks) stays whole on every rank. The sparse sublayers do not call these
-    # modules (the gather path reads their weights); `TensorParallelProjections` in modeling_mohd.py runs them on the
+    # modules (the gather path reads their weights); `MoHDTensorParallelProjections` in modeling_mohd.py runs them on the
     # local shards with the two styles' collectives. Routers and group fusion are replicated.
     base_model_tp_plan = dict(LLAMA_TP_PLAN)
     base_model_pp_plan = dict(LLAMA_PP_PLAN)

@@ -97,16 +97,16 @@ class MoHDGroupFusion(nn.Module):
     def forward(self, blocks: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """(M, N, s) -> (M, N, s). `positions` (k, M), given where `blocks` is zero outside the first N_s blocks and
         the routed blocks at rows `positions` of `blocks.view(-1, s)` (the grouped gather path's output), lets the
-        product keep only those blocks for backward (`SparseBlockMix`)."""
+        product keep only those blocks for backward (`MoHDSparseBlockMix`)."""
         weight = self.weight.to(blocks.dtype)
         if positions is None:
             if blocks.shape[0] == 1:  # one token (decoding): one small GEMM, not a broadcast batched matmul
                 return torch.mm(weight, blocks[0])[None]
             return torch.matmul(weight, blocks)
-        return SparseBlockMix.apply(weight, blocks, positions, blocks.shape[1] - self.num_routed)
+        return MoHDSparseBlockMix.apply(weight, blocks, positions, blocks.shape[1] - self.num_routed)
 
 
-class SparseBlockMix(torch.autograd.Function):
+class MoHDSparseBlockMix(torch.autograd.Function):
     """`fusion @ blocks` (group fusion, (N, N) x (M, N, s)) for blocks that are zero outside the shared blocks
     and the routed ones at `positions`: it keeps those (N_s + k) of the N blocks per token for the gradient of
     `fusion` (autograd's matmul keeps all N), and rebuilds the zero-padded blocks in backward.
@@ -138,14 +138,14 @@ class SparseBlockMix(torch.autograd.Function):
         return grad_fusion, grad_blocks, None, None
 
 
-class MaskedPlan(NamedTuple):
+class MoHDMaskedPlan(NamedTuple):
     """Routing of M tokens for the masked path: input `gates` and binary output `mask`, both (M, N)."""
 
     gates: torch.Tensor
     mask: torch.Tensor
 
 
-class GatherPlan(NamedTuple):
+class MoHDGatherPlan(NamedTuple):
     """Routing of M tokens for the gather path, one group of M (token, routed block) pairs per routing slot.
 
     For slot j of the k slots, `token_index[j]` lists the M tokens sorted by the routed block they picked in that
@@ -161,13 +161,13 @@ class GatherPlan(NamedTuple):
     offsets: torch.Tensor
 
 
-class GatherFewTokensPlan(NamedTuple):
+class MoHDGatherFewTokensPlan(NamedTuple):
     """Routing of a few tokens (decoding) for the gather path: no sort; each token's active blocks are read directly.
 
     block_index (M, k) absolute block ids in the router's order; columns (M, k * s) the hidden-width positions of
     each token's routed blocks (g s + 0..s-1 for block g); gates (M, k * s) the gate of the block of each position;
     bags (M,) the start of each token's k * s positions in `columns.view(-1)` (`embedding_bag` offsets).
-    The form used under `torch.compile` and on accelerators; eager CPU runs use `GatherHostPlan`.
+    The form used under `torch.compile` and on accelerators; eager CPU runs use `MoHDGatherHostPlan`.
     """
 
     block_index: torch.Tensor
@@ -176,7 +176,7 @@ class GatherFewTokensPlan(NamedTuple):
     bags: torch.Tensor
 
 
-class GatherHostPlan(NamedTuple):
+class MoHDGatherHostPlan(NamedTuple):
     """Routing of a few tokens on an eager CPU run: the block ids are read to Python ints (no device to synchronise),
     so the blocks any of the M tokens picked are addressed as contiguous slices of the weights and read once for all
     M tokens, with no index tensors and no copies of weights.
@@ -207,7 +207,7 @@ def contiguous_spans(first: int, blocks) -> tuple[tuple[int, int], ...]:
     return tuple((start, stop) for start, stop in spans)
 
 
-class RowIndexAdd(torch.autograd.Function):
+class MoHDRowIndexAdd(torch.autograd.Function):
     """`out.index_add_(0, index, source)` whose backward keeps only `index`: grad_out passes through, and
     grad_source = grad_out[index].
 
@@ -227,7 +227,7 @@ class RowIndexAdd(torch.autograd.Function):
         return grad, None, grad.index_select(0, index)
 
 
-class GatheredGroupedMatmul(torch.autograd.Function):
+class MoHDGatheredGroupedMatmul(torch.autograd.Function):
     """`grouped_matmul(inputs[index], weight, offsets)` that keeps `inputs` and `index`, not the gathered rows.
 
     The output side of the grouped path gathers, per routing slot, the M token rows (M x in) in block order; autograd
@@ -235,7 +235,7 @@ class GatheredGroupedMatmul(torch.autograd.Function):
     The backward gathers again and recomputes the grouped product with autograd (one extra output-side routed GEMM
     per slot, a few percent of a training step) to get both gradients.
     Shapes: inputs (M, in), index (R,), weight (G, in, s), offsets (G,) int32 group ends -> (R, s).
-    Used where `GatherLinearOut` does not apply (autocast, `torch.compile`), with `RowIndexAdd` on the input side.
+    Used where `MoHDGatherLinearOut` does not apply (autocast, `torch.compile`), with `MoHDRowIndexAdd` on the input side.
     """
 
     @staticmethod
@@ -283,7 +283,7 @@ def grouped_weight_gradient(inputs: torch.Tensor, grad: torch.Tensor, offsets: t
     return F.grouped_mm(inputs.t(), grad.contiguous(), offs=offsets)
 
 
-class GatherLinearIn(torch.autograd.Function):
+class MoHDGatherLinearIn(torch.autograd.Function):
     """Input side of the grouped gather path for one linear: `x_shared @ W[:, :D_s].T + b` plus, per routing slot
     j, `grouped_matmul(routed[j], W_routed)` added to the rows `token_index[j]` (docs/design.md section 3,
     "Execution paths").
@@ -293,7 +293,7 @@ class GatherLinearIn(torch.autograd.Function):
     the routed column blocks by one grouped weight-gradient GEMM per slot into theirs. Autograd on the views
     (a column slice and a grouped routed view of `weight`) would materialise a zero-filled full-size gradient for
     each view, then sum them, and copy the sum into the block-major layout. It keeps only its inputs and the index
-    (as `RowIndexAdd` does, not each slot's (M, out) output).
+    (as `MoHDRowIndexAdd` does, not each slot's (M, out) output).
     Shapes: shared (M, D_s) (a view of the input), routed (k, M, s) gated routed inputs in the plan's order,
     token_index (k, M), offsets (k, N_r) int32 group ends, weight (out, D), bias (out,) or None -> (M, out).
     Same dtype for inputs, weight and bias, no autocast (`MoHDGatherDispatch` sends other cases to autograd).
@@ -344,7 +344,7 @@ class GatherLinearIn(torch.autograd.Function):
         return grad_shared, grad_routed, None, None, grad_weight, grad_bias, None, None
 
 
-class GatherLinearOut(torch.autograd.Function):
+class MoHDGatherLinearOut(torch.autograd.Function):
     """Output side of the grouped gather path: (M, in) -> (M, N, s) blocks, the shared rows `x @ W[:D_s].T`
     (+ bias) and, per routing slot j, the routed block each token picked, `grouped_matmul(x[token_index[j]],
     W_routed)` (+ its bias), written at (token, N_s + block); the other blocks are 0 (docs/design.md section 3).
@@ -426,7 +426,7 @@ class MoHDMaskedDispatch:
         self.num_shared = config.num_shared_sub_dims
         self.block = config.sub_dim_size
 
-    def plan(self, indices: torch.Tensor, weights: torch.Tensor) -> MaskedPlan:
+    def plan(self, indices: torch.Tensor, weights: torch.Tensor) -> MoHDMaskedPlan:
         """(M, k) absolute block ids and gates -> (M, N) gates and mask."""
         m = indices.shape[0]
         gates = torch.zeros(m, self.num_sub_dims, dtype=weights.dtype, device=weights.device)
@@ -434,15 +434,15 @@ class MoHDMaskedDispatch:
         mask = gates.clone()
         gates = gates.scatter(1, indices, weights)
         mask = mask.scatter(1, indices, torch.ones_like(weights))
-        return MaskedPlan(gates, mask)
+        return MoHDMaskedPlan(gates, mask)
 
-    def project_in(self, hidden_states: torch.Tensor, plan: MaskedPlan, linears) -> list[torch.Tensor]:
+    def project_in(self, hidden_states: torch.Tensor, plan: MoHDMaskedPlan, linears) -> list[torch.Tensor]:
         """(M, D) -> one (M, out) tensor per linear, each reading g ⊙ x."""
         m = hidden_states.shape[0]
         gated = (hidden_states.view(m, self.num_sub_dims, self.block) * plan.gates[..., None]).view(m, -1)
         return [linear(gated) for linear in linears]
 
-    def project_out(self, hidden_states: torch.Tensor, plan: MaskedPlan, linear: nn.Linear) -> torch.Tensor:
+    def project_out(self, hidden_states: torch.Tensor, plan: MoHDMaskedPlan, linear: nn.Linear) -> torch.Tensor:
         """(M, in) -> (M, N, s), zero outside the active blocks."""
         out = linear(hidden_states).view(hidden_states.shape[0], self.num_sub_dims, self.block)
         return out * plan.mask[..., None]
@@ -456,10 +456,10 @@ class MoHDGatherDispatch:
     sorted by their block in that slot, one grouped matmul over views of the `nn.Linear` weight (no copy), then
     `index_add_` back (docs/design.md section 3, "Execution paths"). For a few tokens (decoding, draft verification)
     the active blocks are read directly, with no sort and no per-group calls, the memory-bound case (Deja Vu,
-    PowerInfer). On an eager CPU run (`GatherHostPlan`, up to `host_tokens` tokens) the picked block ids are read to
+    PowerInfer). On an eager CPU run (`MoHDGatherHostPlan`, up to `host_tokens` tokens) the picked block ids are read to
     the host and merged into spans of consecutive blocks, each span one GEMM on contiguous weight rows (input side:
     rows of the block-major `weight.T`; output side: rows of `weight`), read in place once for all tokens. Under
-    `torch.compile` or on an accelerator (`GatherFewTokensPlan`, up to `few_tokens` tokens), where reading the ids to
+    `torch.compile` or on an accelerator (`MoHDGatherFewTokensPlan`, up to `few_tokens` tokens), where reading the ids to
     the host would break the graph or synchronise: input side `embedding_bag` over the active columns, output side
     one `index_select` of the k * s active rows and a batched matmul.
 
@@ -493,7 +493,9 @@ class MoHDGatherDispatch:
         # path (which reads a block once per routing slot) over the small batches of decoding and draft verification.
         self.host_tokens = max(self.few_tokens, 8)
 
-    def plan(self, indices: torch.Tensor, weights: torch.Tensor) -> GatherPlan | GatherFewTokensPlan | GatherHostPlan:
+    def plan(
+        self, indices: torch.Tensor, weights: torch.Tensor
+    ) -> MoHDGatherPlan | MoHDGatherFewTokensPlan | MoHDGatherHostPlan:
         """(M, k) absolute block ids and gates -> per-slot pairs sorted by routed block (many tokens), or a direct
         read of each token's blocks (at most `few_tokens` tokens: by host ids on an eager CPU run, else by index
         tensors)."""
@@ -505,32 +507,32 @@ class MoHDGatherDispatch:
                 values = [1.0] * self.num_shared + [0.0] * self.num_routed
                 for block, gate in zip(ids, weights.view(-1).tolist(), strict=True):
                     values[block] = gate
-                return GatherHostPlan(weights.new_tensor(values)[None], None, spans)
+                return MoHDGatherHostPlan(weights.new_tensor(values)[None], None, spans)
             gates = F.pad(weights.new_ones(m, self.num_shared), (0, self.num_routed)).scatter(1, indices, weights)
             keep = None
             if m > 1:
                 keep = F.pad(weights.new_ones(m, self.num_shared), (0, self.num_routed)).scatter_(1, indices, 1.0)
-            return GatherHostPlan(gates, keep, spans)
+            return MoHDGatherHostPlan(gates, keep, spans)
         if m <= self.few_tokens:
             width = self.top_k * self.block
             columns = (indices[..., None] * self.block + torch.arange(self.block, device=indices.device)).view(m, -1)
             gates = weights[..., None].expand(*weights.shape, self.block).reshape(m, width)
             bags = torch.arange(0, m * width, width, device=indices.device)
-            return GatherFewTokensPlan(indices, columns, gates, bags)
+            return MoHDGatherFewTokensPlan(indices, columns, gates, bags)
         slots = (indices - self.num_shared).t()
         order = torch.argsort(slots, dim=1, stable=True)
         slot_offset = torch.arange(self.top_k, device=indices.device)[:, None] * self.num_routed
         counts = torch.bincount((slots + slot_offset).reshape(-1), minlength=self.top_k * self.num_routed)
         offsets = torch.cumsum(counts.view(self.top_k, self.num_routed), dim=1).to(torch.int32)
-        return GatherPlan(order, slots.gather(1, order), weights.t().gather(1, order)[..., None], offsets)
+        return MoHDGatherPlan(order, slots.gather(1, order), weights.t().gather(1, order)[..., None], offsets)
 
     def project_in(
-        self, hidden_states: torch.Tensor, plan: GatherPlan | GatherFewTokensPlan | GatherHostPlan, linears
+        self, hidden_states: torch.Tensor, plan: MoHDGatherPlan | MoHDGatherFewTokensPlan | MoHDGatherHostPlan, linears
     ) -> list[torch.Tensor]:
         """(M, D) -> one (M, out) tensor per linear: shared columns dense, routed columns grouped or gathered."""
-        if isinstance(plan, GatherHostPlan):
+        if isinstance(plan, MoHDGatherHostPlan):
             return self._project_in_host(hidden_states, plan, linears)
-        if isinstance(plan, GatherFewTokensPlan):
+        if isinstance(plan, MoHDGatherFewTokensPlan):
             return self._project_in_few(hidden_states, plan, linears)
         m = hidden_states.shape[0]
         shared = hidden_states[:, : self.shared_width]
@@ -543,7 +545,7 @@ class MoHDGatherDispatch:
             weight = linear.weight
             if self._fused(hidden_states, routed, linear):
                 outputs.append(
-                    GatherLinearIn.apply(
+                    MoHDGatherLinearIn.apply(
                         shared,
                         routed,
                         plan.token_index,
@@ -561,22 +563,25 @@ class MoHDGatherDispatch:
             routed_weight = routed_weight.permute(1, 2, 0)
             for slot in range(self.top_k):
                 routed_out = grouped_matmul(routed[slot], routed_weight, plan.offsets[slot])
-                out = RowIndexAdd.apply(out, plan.token_index[slot], routed_out.to(out.dtype))
+                out = MoHDRowIndexAdd.apply(out, plan.token_index[slot], routed_out.to(out.dtype))
             outputs.append(out)
         return outputs
 
     def project_out(
-        self, hidden_states: torch.Tensor, plan: GatherPlan | GatherFewTokensPlan | GatherHostPlan, linear: nn.Linear
+        self,
+        hidden_states: torch.Tensor,
+        plan: MoHDGatherPlan | MoHDGatherFewTokensPlan | MoHDGatherHostPlan,
+        linear: nn.Linear,
     ) -> torch.Tensor:
         """(M, in) -> (M, N, s): shared rows dense, each token's routed rows grouped or gathered, other blocks 0."""
-        if isinstance(plan, GatherHostPlan):
+        if isinstance(plan, MoHDGatherHostPlan):
             return self._project_out_host(hidden_states, plan, linear)
-        if isinstance(plan, GatherFewTokensPlan):
+        if isinstance(plan, MoHDGatherFewTokensPlan):
             return self._project_out_few(hidden_states, plan, linear)
         m = hidden_states.shape[0]
         weight, bias = linear.weight, linear.bias
         if self._fused(hidden_states, linear):
-            return GatherLinearOut.apply(
+            return MoHDGatherLinearOut.apply(
                 hidden_states,
                 plan.token_index,
                 plan.block_index,
@@ -595,7 +600,7 @@ class MoHDGatherDispatch:
         routed_blocks = hidden_states.new_zeros(m * self.num_routed, self.block)
         for slot in range(self.top_k):
             tokens = plan.token_index[slot]
-            routed = GatheredGroupedMatmul.apply(hidden_states, tokens, routed_weight, plan.offsets[slot])
+            routed = MoHDGatheredGroupedMatmul.apply(hidden_states, tokens, routed_weight, plan.offsets[slot])
             if routed_bias is not None:
                 routed = routed + routed_bias[plan.block_index[slot]]
             routed_blocks = routed_blocks.index_add_(
@@ -606,7 +611,7 @@ class MoHDGatherDispatch:
 
     @staticmethod
     def _fused(*tensors_and_linear) -> bool:
-        """Whether the grouped path runs as one autograd Function per linear (`GatherLinearIn`, `GatherLinearOut`):
+        """Whether the grouped path runs as one autograd Function per linear (`MoHDGatherLinearIn`, `MoHDGatherLinearOut`):
         activations, weight and bias of one dtype, eager, no autocast. Otherwise (autocast's casts, `torch.compile`'s
         tracing) autograd composes the same computation from its views of the weight."""
         *tensors, linear = tensors_and_linear
@@ -616,7 +621,9 @@ class MoHDGatherDispatch:
         bias = getattr(linear, "bias", None)
         return all(t.dtype == dtype for t in tensors) and (bias is None or bias.dtype == dtype)
 
-    def _project_in_few(self, hidden_states: torch.Tensor, plan: GatherFewTokensPlan, linears) -> list[torch.Tensor]:
+    def _project_in_few(
+        self, hidden_states: torch.Tensor, plan: MoHDGatherFewTokensPlan, linears
+    ) -> list[torch.Tensor]:
         """Few-tokens input side: (M, D) -> one (M, out) per linear from the shared and the k * s active columns."""
         shared = hidden_states[:, : self.shared_width]
         values = hidden_states.gather(1, plan.columns) * plan.gates  # (M, k * s) gated routed inputs
@@ -642,7 +649,7 @@ class MoHDGatherDispatch:
             outputs.append(linear(dense))
         return outputs
 
-    def _project_out_few(self, hidden_states: torch.Tensor, plan: GatherFewTokensPlan, linear) -> torch.Tensor:
+    def _project_out_few(self, hidden_states: torch.Tensor, plan: MoHDGatherFewTokensPlan, linear) -> torch.Tensor:
         """Few-tokens output side: (M, in) -> (M, N, s), the shared rows and each token's k * s active rows."""
         m = hidden_states.shape[0]
         weight, bias = linear.weight, linear.bias
@@ -659,7 +666,7 @@ class MoHDGatherDispatch:
         out = out.scatter_(1, plan.columns, routed.to(shared.dtype))
         return out.view(m, self.num_sub_dims, self.block)
 
-    def _project_in_host(self, hidden_states: torch.Tensor, plan: GatherHostPlan, linears) -> list[torch.Tensor]:
+    def _project_in_host(self, hidden_states: torch.Tensor, plan: MoHDGatherHostPlan, linears) -> list[torch.Tensor]:
         """Host-ids input side: (M, D) -> one (M, out) per linear. In the block-major layout each block is s
         contiguous rows of `weight.T`: the first span (the shared blocks) is one GEMM, each further span of picked
         blocks one accumulating GEMM (`addmm`) on the gated input, whose rows are 0 for the tokens that did not pick
@@ -681,7 +688,7 @@ class MoHDGatherDispatch:
                 outputs.append(linear(gated))
         return outputs
 
-    def _project_out_host(self, hidden_states: torch.Tensor, plan: GatherHostPlan, linear) -> torch.Tensor:
+    def _project_out_host(self, hidden_states: torch.Tensor, plan: MoHDGatherHostPlan, linear) -> torch.Tensor:
         """Host-ids output side: (M, in) -> (M, N, s); each span of picked blocks is contiguous rows of the row-major
         weight, read in place once for all M tokens and kept for the tokens that picked each block; other blocks 0.
         With autograd off and no bias, each product is written straight into its span of the output."""
@@ -748,7 +755,7 @@ def _set_local_shard_layout_(weight: nn.Parameter, layout: str) -> None:
     torch.utils.swap_tensors(weight, nn.Parameter(sharded, requires_grad=weight.requires_grad))
 
 
-class AllReduceSum(torch.autograd.Function):
+class MoHDAllReduceSum(torch.autograd.Function):
     """Sum over the ranks of `group` forward, identity backward: the partial outputs of a row-sharded projection
     (each rank holds the rows of its own heads or intermediate features), whose sum is the replicated output; its
     gradient is that of the sum, already replicated (transformers' `RowwiseParallel`, `_AllReduceForward`)."""
@@ -764,7 +771,7 @@ class AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-class AllReduceGradient(torch.autograd.Function):
+class MoHDAllReduceGradient(torch.autograd.Function):
     """Identity forward, sum over the ranks of `group` backward: a replicated input (hidden states, gates) read by a
     column-sharded projection gets a partial gradient on each rank (transformers' `ColwiseParallel`, which marks the
     input gradient `Partial`; `_AllReduceBackward`)."""
@@ -781,7 +788,7 @@ class AllReduceGradient(torch.autograd.Function):
         return grad, None
 
 
-class TensorParallelProjections:
+class MoHDTensorParallelProjections:
     """MoHD's sparse projections on tensor-parallel weights (`from_pretrained(tp_plan="auto")`).
 
     The plan (`MoHDConfig.base_model_tp_plan`) is Llama's: q/k/v and gate/up "colwise" (weight `Shard(0)`, output
@@ -799,11 +806,11 @@ class TensorParallelProjections:
 
     - input side (colwise): no forward communication (the input is replicated, the output is this rank's slice of
       features, which attention reads as its local heads); backward sums the partial gradients of the input and of
-      the gates (`AllReduceGradient`).
-    - output side (rowwise): the dispatch's (M, N, s) partial blocks are summed over the ranks (`AllReduceSum`)
+      the gates (`MoHDAllReduceGradient`).
+    - output side (rowwise): the dispatch's (M, N, s) partial blocks are summed over the ranks (`MoHDAllReduceSum`)
       before activation scaling and group fusion (both linear and replicated). The bias (replicated) enters the
       dispatch on rank 0 only (zeros elsewhere), so that the sum counts it once, on the active blocks only, as
-      without TP; its gradient, computed on rank 0, is summed to every rank (`AllReduceGradient`), as a
+      without TP; its gradient, computed on rank 0, is summed to every rank (`MoHDAllReduceGradient`), as a
       replicated parameter needs.
 
     Attributes:
@@ -820,7 +827,7 @@ class TensorParallelProjections:
         self.rank = rank
 
     @classmethod
-    def of(cls, linears, side: str) -> "TensorParallelProjections | None":
+    def of(cls, linears, side: str) -> "MoHDTensorParallelProjections | None":
         """The tensor-parallel state of `linears` (one side of a sublayer), or None when no weight is sharded.
 
         Raises:
@@ -863,7 +870,7 @@ class TensorParallelProjections:
         bias = None if linear.bias is None else linear.bias.to_local()
         if bias is not None and side == "output":
             if torch.is_grad_enabled():
-                bias = AllReduceGradient.apply(bias, self.group)
+                bias = MoHDAllReduceGradient.apply(bias, self.group)
             if self.rank != 0:
                 bias = bias * 0  # zeros that keep the graph, so that every rank joins the gradient's all-reduce
         # plain attributes, not parameters: `to_local()` of a parameter is a non-leaf view (the gradient reaches the
@@ -876,14 +883,14 @@ class TensorParallelProjections:
     def project_in(self, dispatch, hidden_states: torch.Tensor, plan, linears) -> list[torch.Tensor]:
         """(M, D) replicated -> one (M, out / P) local slice per linear."""
         if torch.is_grad_enabled():
-            hidden_states = AllReduceGradient.apply(hidden_states, self.group)
-            plan = plan._replace(gates=AllReduceGradient.apply(plan.gates, self.group))
+            hidden_states = MoHDAllReduceGradient.apply(hidden_states, self.group)
+            plan = plan._replace(gates=MoHDAllReduceGradient.apply(plan.gates, self.group))
         return dispatch.project_in(hidden_states, plan, [self.local_linear(linear) for linear in linears])
 
     def project_out(self, dispatch, hidden_states: torch.Tensor, plan, linear: nn.Linear) -> torch.Tensor:
         """(M, in / P) local slice -> (M, N, s) replicated blocks, the sum of the ranks' partial products."""
         partial = dispatch.project_out(hidden_states, plan, self.local_linear(linear, side="output"))
-        return AllReduceSum.apply(partial, self.group)
+        return MoHDAllReduceSum.apply(partial, self.group)
 
 
 class MoHDSubDimensions(nn.Module):
@@ -920,13 +927,13 @@ class MoHDSubDimensions(nn.Module):
         return dispatch.plan(indices.reshape(-1, indices.shape[-1]), weights.reshape(-1, weights.shape[-1]))
 
     def _dispatch(self, plan):
-        return self.masked if isinstance(plan, MaskedPlan) else self.dispatch
+        return self.masked if isinstance(plan, MoHDMaskedPlan) else self.dispatch
 
     def project_in(self, hidden_states: torch.Tensor, plan, linears) -> list[torch.Tensor]:
         """(B, T, D) -> one (B, T, out) tensor per linear, reading only the active (gated) blocks; with
-        tensor-parallel weights each rank's (B, T, out / P) slice (`TensorParallelProjections`)."""
+        tensor-parallel weights each rank's (B, T, out / P) slice (`MoHDTensorParallelProjections`)."""
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        tensor_parallel = TensorParallelProjections.of(linears, "input")
+        tensor_parallel = MoHDTensorParallelProjections.of(linears, "input")
         if tensor_parallel is None:
             outputs = self._dispatch(plan).project_in(flat, plan, linears)
         else:
@@ -937,14 +944,14 @@ class MoHDSubDimensions(nn.Module):
         """(B, T, in) -> (B, T, D): active output blocks, scaled by alpha, then group-fused; with tensor-parallel
         weights the input is this rank's (B, T, in / P) slice and the blocks are summed over the ranks first."""
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        tensor_parallel = TensorParallelProjections.of([linear], "output")
+        tensor_parallel = MoHDTensorParallelProjections.of([linear], "output")
         if tensor_parallel is None:
             blocks = self._dispatch(plan).project_out(flat, plan, linear)
         else:
             blocks = tensor_parallel.project_out(self._dispatch(plan), flat, plan, linear)
         blocks = blocks * self.activation_scale
         if (
-            isinstance(plan, GatherPlan)
+            isinstance(plan, MoHDGatherPlan)
             and isinstance(self.group_fusion, MoHDGroupFusion)
             and tensor_parallel is None
             and torch.is_grad_enabled()

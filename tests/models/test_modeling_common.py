@@ -905,7 +905,7 @@ def test_tensor_parallel_on_two_processes_equals_one(family, tmp_path):
     """`from_pretrained(distributed_config=DistributedConfig(tp_plan="auto"))` on 2 gloo processes shards attention
     and MLPs as Llama, the tied embedding / LM head on the vocabulary, the routed experts as Qwen3-MoE, and leaves
     routers and latent projections replicated; every rank's logits, greedy tokens and (gathered) gradients equal
-    the single-process ones. MoHD runs its gather path on block-major local shards (`TensorParallelProjections`);
+    the single-process ones. MoHD runs its gather path on block-major local shards (`MoHDTensorParallelProjections`);
     LatentMoE runs a second time with `ep_size=2` (whole experts per rank, `base_model_ep_plan`)."""
     fields = TENSOR_PARALLEL_FIELDS[family.name]
     model = family.model(dtype=torch.float32, tie_word_embeddings=True, vocab_size=96, **fields)  # 96: 2 shards

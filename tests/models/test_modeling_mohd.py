@@ -344,7 +344,7 @@ def test_projections_that_are_not_plain_linears_take_the_masked_strategy():
     """A sublayer with a projection that is not a plain `nn.Linear` (here a subclass standing for a PEFT or a
     quantised layer, whose forward adds 1) is planned by the masked strategy in `route`, the one place of that
     rule, so the gather strategy never reads a `.weight` that is not what the module computes."""
-    from hf_mohd.models.modeling_mohd import GatherHostPlan, MaskedPlan
+    from hf_mohd.models.modeling_mohd import MoHDGatherHostPlan, MoHDMaskedPlan
 
     class Shifted(torch.nn.Linear):
         def forward(self, x):
@@ -354,7 +354,7 @@ def test_projections_that_are_not_plain_linears_take_the_masked_strategy():
     attention = model.model.layers[0].self_attn
     hidden = torch.randn(1, 1, model.config.hidden_size, dtype=torch.float64)
     projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
-    assert isinstance(attention.sub_dims.route(hidden, projections), GatherHostPlan)
+    assert isinstance(attention.sub_dims.route(hidden, projections), MoHDGatherHostPlan)
     reference = make_model(sparse_implementation="masked")
     shifted = Shifted(model.config.hidden_size, attention.o_proj.out_features, bias=False, dtype=torch.float64)
     for m in (model, reference):
@@ -363,7 +363,7 @@ def test_projections_that_are_not_plain_linears_take_the_masked_strategy():
         m.model.layers[0].self_attn.q_proj = shifted_copy
     attention = model.model.layers[0].self_attn
     projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
-    assert isinstance(attention.sub_dims.route(hidden, projections), MaskedPlan)
+    assert isinstance(attention.sub_dims.route(hidden, projections), MoHDMaskedPlan)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids()).logits, reference(input_ids()).logits, atol=1e-10, rtol=0)
 
