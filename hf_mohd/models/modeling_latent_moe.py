@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
@@ -45,6 +44,7 @@ from .modeling_common import (
     RoutedCausalLMMixin,
     RoutedDecoderMixin,
     TopKRouter,
+    activation,
     load_balancing_loss,
 )
 
@@ -202,7 +202,7 @@ class LatentMoEExperts(LatentMoEExpertsBase):
         self.intermediate_dim = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, input_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, input_size, intermediate_size))
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_fn = activation(config.hidden_act)
 
     def expert_forward(self, hidden_states: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(hidden_states, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
@@ -223,7 +223,7 @@ class LatentMoEUngatedExperts(LatentMoEExpertsBase):
         self.intermediate_dim = intermediate_size
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, input_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, input_size, intermediate_size))
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_fn = activation(config.hidden_act)
 
     def expert_forward(self, hidden_states: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
         return F.linear(self.act_fn(F.linear(hidden_states, self.up_proj[expert_idx])), self.down_proj[expert_idx])

@@ -25,7 +25,7 @@ from transformers.distributed.parallel_utils import replace_layer_number_by_wild
 
 import hf_mohd  # noqa: F401  (registers the Auto classes)
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
-from hf_mohd.models.modeling_common import TopKRouter, _grouped_mm_aligned, grouped_matmul
+from hf_mohd.models.modeling_common import ReLUSquared, TopKRouter, _grouped_mm_aligned, activation, grouped_matmul
 from hf_mohd.models.modeling_latent_moe import LatentMoEExpertsBase, LatentMoERouter
 from hf_mohd.models.modeling_mohd import MoHDGatherDispatch, MoHDRouter
 
@@ -935,3 +935,22 @@ def test_tensor_parallel_on_two_processes_equals_one(family, tmp_path):
             assert result["grads"].keys() == expected_grads.keys()
             for name, grad in result["grads"].items():
                 torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-5, msg=f"{run} {name}")
+
+
+def test_relu_squared_equals_transformers_and_works_in_place_only_outside_autograd():
+    """ "relu2" equals transformers' `ReLUSquaredActivation` bit for bit, with the same gradient; outside autograd it
+    overwrites its input (no temporaries), inside autograd it leaves the input as it is."""
+    from transformers.activations import ReLUSquaredActivation
+
+    assert isinstance(activation("relu2"), ReLUSquared) and type(activation("silu")).__name__ == "SiLUActivation"
+    x = torch.randn(64, 96, dtype=torch.float64)
+    reference = ReLUSquaredActivation()(x)
+    with torch.no_grad():
+        scratch = x.clone()
+        out = ReLUSquared()(scratch)
+    assert torch.equal(out, reference) and out.data_ptr() == scratch.data_ptr()
+    leaf = x.clone().requires_grad_(True)
+    out = ReLUSquared()(leaf)
+    assert torch.equal(out, reference) and torch.equal(leaf.detach(), x)
+    out.sum().backward()
+    torch.testing.assert_close(leaf.grad, 2 * x.clamp_min(0), rtol=0, atol=0)
