@@ -240,19 +240,38 @@ class Attention(nn.Module):
         return self.o_proj(attn_output), attn_weights
 
 
+class ReLUSquaredFunction(torch.autograd.Function):
+    """y = relu(x)^2 with dy/dx = 2 relu(x): backward is one product with the saved relu(x) (which is 0 where x <= 0),
+    where autograd's composition runs pow's backward and then relu's `threshold_backward`, one more pass over a
+    tensor of the experts' (tokens x K, m) size. Once differentiable."""
+
+    @staticmethod
+    def forward(ctx, hidden_states: torch.Tensor) -> torch.Tensor:
+        relu = F.relu(hidden_states)
+        ctx.save_for_backward(relu)
+        return relu.square()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
+        (relu,) = ctx.saved_tensors
+        return torch.mul(grad_output, relu).mul_(2.0)
+
+
 class ReLUSquared(nn.Module):
     """relu(x)^2, transformers' `ReLUSquaredActivation` (the "relu2" of Nemotron-H, arXiv 2109.08668), in place on its
     input when that input is outside autograd (inference, `torch.no_grad`): `relu_` then `square_`, the same values
     without the two input-sized temporaries. The callers pass a fresh intermediate that nothing else reads: a
     projection's output, or the (tokens x K, m) hidden activations of the experts, 58 MB at the LatentMoE bench shape,
-    past glibc's 32 MB mmap threshold, so each temporary was page-faulted in afresh on every call.
+    past glibc's 32 MB mmap threshold, so each temporary was page-faulted in afresh on every call. Under autograd
+    `ReLUSquaredFunction` computes it, with a one-pass backward.
 
     Shapes: (..., m) -> (..., m).
     """
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if hidden_states.requires_grad:
-            return torch.square(F.relu(hidden_states))
+            return ReLUSquaredFunction.apply(hidden_states)
         return torch.relu_(hidden_states).square_()
 
 
