@@ -24,6 +24,8 @@ Ceilings come from `hf_mohd.models.accounting.model_accounting`: forward FLOPs p
 
     python bench/bench_mohd.py            # fixed shape, writes bench/results/mohd.json and mohd.png
     python bench/bench_mohd.py --quick    # 2 layers, batch 2 x seq 128 (development)
+    python bench/bench_mohd.py --blocks 8 3 1   # the wider-block variant beside it: 8 blocks of 128, 3 shared, top-1
+                                                # (also 50% active), writes bench/results/mohd_blocks8.json
 """
 
 import os
@@ -60,17 +62,20 @@ def llama_config(shape: dict, hidden_size: int | None = None) -> LlamaConfig:
     )
 
 
-def build_models(shape: dict) -> tuple[dict, dict]:
-    """The four models of the comparison and their configs; MoHD gather and masked share one set of weights."""
+def build_models(shape: dict, blocks: dict | None = None) -> tuple[dict, dict]:
+    """The four models of the comparison and their configs; MoHD gather and masked share one set of weights.
+    `blocks` overrides the preset's sub-dimension fields (`num_sub_dims`, `num_shared_sub_dims`,
+    `num_routed_sub_dims_per_tok`)."""
     base = llama_config(shape)
     active = llama_config(shape, hidden_size=shape["hidden_size"] // 2)
+    blocks = blocks or {}
     configs = {
         "llama": base,
         "mohd_gather": MoHDConfig.from_llama_config(
-            base, PRESET, sparse_implementation="gather", attn_implementation="sdpa"
+            base, PRESET, sparse_implementation="gather", attn_implementation="sdpa", **blocks
         ),
         "mohd_masked": MoHDConfig.from_llama_config(
-            base, PRESET, sparse_implementation="masked", attn_implementation="sdpa"
+            base, PRESET, sparse_implementation="masked", attn_implementation="sdpa", **blocks
         ),
         "llama_active": active,
     }
@@ -122,12 +127,24 @@ def check_equivalence(models, ids) -> float:
 def main():
     parser = common.base_arguments(__doc__.splitlines()[0])
     parser.add_argument("--skip", nargs="*", default=[], choices=["prefill", "train"])
+    parser.add_argument(
+        "--blocks",
+        nargs=3,
+        type=int,
+        metavar=("N", "N_S", "K"),
+        help="sub-dimensions, shared ones and routed per token instead of the preset's 16, 6, 2",
+    )
     args = parser.parse_args()
+    blocks = None
+    if args.blocks:
+        blocks = dict(
+            zip(("num_sub_dims", "num_shared_sub_dims", "num_routed_sub_dims_per_tok"), args.blocks, strict=True)
+        )
     shape = common.setup(args)
     clock = f"{args.clock}_s"
     machine = common.machine_description()
     print(f"machine: {machine}")
-    models, configs = build_models(shape)
+    models, configs = build_models(shape, blocks)
     batch, seq = shape["batch"], shape["seq"]
     ids = torch.randint(0, shape["vocab_size"], (batch, seq))
     bandwidth = common.copy_bandwidth()
@@ -158,7 +175,8 @@ def main():
 
     summary = summarize(results, flop_ceiling)
     print("\n" + "\n".join(summary))
-    output = args.output or common.RESULTS_DIR / ("mohd_quick.json" if args.quick else "mohd.json")
+    name = "mohd" if blocks is None else f"mohd_blocks{blocks['num_sub_dims']}"
+    output = args.output or common.RESULTS_DIR / (f"{name}_quick.json" if args.quick else f"{name}.json")
     payload = {
         "benchmark": "mohd",
         "command": common.command_line(),
@@ -166,6 +184,7 @@ def main():
         "shape": shape,
         "quick": args.quick,
         "preset": PRESET,
+        "blocks": blocks,
         "clock_for_ratios": args.clock,
         "machine": machine,
         "machine_end": {"load_average_1_5_15": [round(x, 2) for x in os.getloadavg()]},
