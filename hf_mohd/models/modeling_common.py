@@ -404,7 +404,10 @@ class TopKRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cache=None, routing_replay=None, **kwargs):
         compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+        if torch.is_autocast_enabled(hidden_states.device.type):
+            with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+                logits = F.linear(hidden_states.to(compute_dtype), self.weight.to(compute_dtype))
+        else:  # no autocast to switch off (the context manager alone costs more than this GEMV in decoding)
             logits = F.linear(hidden_states.to(compute_dtype), self.weight.to(compute_dtype))
         scores = self.score(logits)
         if routing_replay is not None:
