@@ -259,25 +259,34 @@ class ReLUSquaredFunction(torch.autograd.Function):
 
 
 class ReLUSquared(nn.Module):
-    """relu(x)^2, transformers' `ReLUSquaredActivation` (the "relu2" of Nemotron-H, arXiv 2109.08668), in place on its
-    input when that input is outside autograd (inference, `torch.no_grad`): `relu_` then `square_`, the same values
-    without the two input-sized temporaries. The callers pass a fresh intermediate that nothing else reads: a
-    projection's output, or the (tokens x K, m) hidden activations of the experts, 58 MB at the LatentMoE bench shape,
-    past glibc's 32 MB mmap threshold, so each temporary was page-faulted in afresh on every call. Under autograd
-    `ReLUSquaredFunction` computes it, with a one-pass backward.
+    """relu(x)^2, transformers' `ReLUSquaredActivation` (the "relu2" of Nemotron-H, arXiv 2109.08668).
+
+    Under autograd `ReLUSquaredFunction` computes it, with a one-pass backward. With `inplace=True`, an input outside
+    autograd (inference, `torch.no_grad`) is overwritten: `relu_` then `square_`, the same values without the two
+    input-sized temporaries. That is for intermediates no one else can see, as `nn.ReLU(inplace=True)`: the experts'
+    (tokens x K, m) hidden activations inside the experts kernels (58 MB at the LatentMoE bench shape, past glibc's
+    32 MB mmap threshold, so each temporary was page-faulted in afresh on every call). A module's output, which a
+    forward hook may have kept (the MLP's `up_proj`), takes `inplace=False`.
 
     Shapes: (..., m) -> (..., m).
     """
 
+    def __init__(self, inplace: bool = False):
+        super().__init__()
+        self.inplace = inplace
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if hidden_states.requires_grad:
             return ReLUSquaredFunction.apply(hidden_states)
-        return torch.relu_(hidden_states).square_()
+        if self.inplace:
+            return torch.relu_(hidden_states).square_()
+        return torch.square(F.relu(hidden_states))
 
 
-def activation(name: str) -> nn.Module:
-    """The activation module of `config.hidden_act`: transformers' `ACT2FN[name]`, with "relu2" as `ReLUSquared`."""
-    return ReLUSquared() if name == "relu2" else ACT2FN[name]
+def activation(name: str, inplace: bool = False) -> nn.Module:
+    """The activation module of `config.hidden_act`: transformers' `ACT2FN[name]`, with "relu2" as
+    `ReLUSquared(inplace)` (see there for when `inplace` is safe)."""
+    return ReLUSquared(inplace) if name == "relu2" else ACT2FN[name]
 
 
 class MLP(nn.Module):

@@ -202,7 +202,7 @@ class LatentMoEExperts(LatentMoEExpertsBase):
         self.intermediate_dim = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, input_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, input_size, intermediate_size))
-        self.act_fn = activation(config.hidden_act)
+        self.act_fn = activation(config.hidden_act, inplace=True)  # on the kernels' own intermediates
 
     def expert_forward(self, hidden_states: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(hidden_states, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
@@ -223,7 +223,7 @@ class LatentMoEUngatedExperts(LatentMoEExpertsBase):
         self.intermediate_dim = intermediate_size
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, input_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, input_size, intermediate_size))
-        self.act_fn = activation(config.hidden_act)
+        self.act_fn = activation(config.hidden_act, inplace=True)  # on the kernels' own intermediates
 
     def expert_forward(self, hidden_states: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
         return F.linear(self.act_fn(F.linear(hidden_states, self.up_proj[expert_idx])), self.down_proj[expert_idx])

@@ -937,9 +937,9 @@ def test_tensor_parallel_on_two_processes_equals_one(family, tmp_path):
                 torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-5, msg=f"{run} {name}")
 
 
-def test_relu_squared_equals_transformers_and_works_in_place_only_outside_autograd():
-    """ "relu2" equals transformers' `ReLUSquaredActivation` bit for bit, with the same gradient; outside autograd it
-    overwrites its input (no temporaries), inside autograd it leaves the input as it is."""
+def test_relu_squared_equals_transformers_and_works_in_place_only_where_asked_outside_autograd():
+    """relu2 equals transformers' `ReLUSquaredActivation` bit for bit, with the same gradient; outside autograd
+    `inplace=True` overwrites its input (no temporaries) and the default leaves it; inside autograd neither does."""
     from transformers.activations import ReLUSquaredActivation
 
     assert isinstance(activation("relu2"), ReLUSquared) and type(activation("silu")).__name__ == "SiLUActivation"
@@ -947,10 +947,13 @@ def test_relu_squared_equals_transformers_and_works_in_place_only_outside_autogr
     reference = ReLUSquaredActivation()(x)
     with torch.no_grad():
         scratch = x.clone()
-        out = ReLUSquared()(scratch)
-    assert torch.equal(out, reference) and out.data_ptr() == scratch.data_ptr()
+        out = ReLUSquared(inplace=True)(scratch)
+        assert torch.equal(out, reference) and out.data_ptr() == scratch.data_ptr()
+        scratch = x.clone()
+        out = ReLUSquared()(scratch)  # not in place: the input (a module output a hook may hold) stays
+        assert torch.equal(out, reference) and torch.equal(scratch, x)
     leaf = x.clone().requires_grad_(True)
-    out = ReLUSquared()(leaf)
+    out = ReLUSquared(inplace=True)(leaf)
     assert torch.equal(out, reference) and torch.equal(leaf.detach(), x)
     grad = torch.randn_like(x)
     out.backward(grad)
