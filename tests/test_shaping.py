@@ -703,3 +703,21 @@ def test_cli_eval_and_train_bad_inputs_name_the_file_or_option(tmp_path, capsys)
         captured = capsys.readouterr()
         assert captured.out == "" and re.match(expected, captured.err), (argv, captured.err)
         assert "Traceback" not in captured.err and captured.err.count("\n") <= 8
+
+
+@pytest.mark.parametrize("name", ["no-such-folder", "your-name/no-such"])
+def test_cli_eval_offline_name_that_is_no_folder_nor_cached_hub_model(name, tmp_path, monkeypatch, capsys):
+    """Offline, a model name with at most one "/" that is no local folder and no Hub model in the cache (the typo a
+    new user makes) gets the one-line error, not the Hub client's traceback; a cached Hub model would pass."""
+    import huggingface_hub
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    assert cli_main(["eval", name, "--tasks", "arc_easy", "--limit", "5"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"error: {name} is neither a local model folder nor a Hub model in the local cache (HF_HUB_OFFLINE is set, so "
+        "nothing is downloaded); expected a folder written by save_pretrained\n"
+    )

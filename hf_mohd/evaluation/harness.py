@@ -7,6 +7,8 @@ exactly as `lm_eval --model hf --include_path <tasks dir>` would score it (tests
 
 import os
 
+import huggingface_hub
+
 
 # Files from which `AutoTokenizer.from_pretrained(folder)` can build a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
@@ -76,7 +78,8 @@ def evaluate(
         lm-eval's result dict; `results[task]` maps "acc,none", "acc_norm,none", "perplexity,none", ... to numbers.
 
     Raises:
-        FileNotFoundError: `model` names a local path that is not an existing folder (checked before loading).
+        FileNotFoundError: `model` names a local path that is not an existing folder, or, with HF_HUB_OFFLINE set,
+            neither a local folder nor a Hub model in the local cache (checked before loading).
         ValueError: an unknown task (checked first); a model folder (or `tokenizer` folder) without tokenizer files;
             a model object without `tokenizer`.
     """
@@ -128,6 +131,20 @@ def _check_local_model(model: str) -> None:
     if looks_local and not os.path.isdir(path):
         what = "is a file, not a model folder" if os.path.exists(path) else "does not exist"
         raise FileNotFoundError(f"model folder {model} {what} (expected a folder written by save_pretrained)")
+    if not looks_local and huggingface_hub.constants.HF_HUB_OFFLINE and not _in_hub_cache(model):
+        raise FileNotFoundError(
+            f"{model} is neither a local model folder nor a Hub model in the local cache (HF_HUB_OFFLINE is set, so "
+            "nothing is downloaded); expected a folder written by save_pretrained"
+        )
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the local Hugging Face cache holds `config.json` of the Hub model `repo_id` (False for a string that
+    is not a valid repo id)."""
+    try:
+        return isinstance(huggingface_hub.try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # huggingface_hub's HFValidationError: not a repo id
+        return False
 
 
 def _check_tokenizer_source(source) -> None:
