@@ -21,6 +21,7 @@ This file is copied next to the weights by `save_pretrained` (remote code), so i
 """
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -413,10 +414,12 @@ class TopKRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cache=None, routing_replay=None, **kwargs):
         compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        if torch.is_autocast_enabled(hidden_states.device.type):
-            with torch.autocast(device_type=hidden_states.device.type, enabled=False):
-                logits = F.linear(hidden_states.to(compute_dtype), self.weight.to(compute_dtype))
-        else:  # no autocast to switch off (the context manager alone costs more than this GEMV in decoding)
+        device_type = hidden_states.device.type
+        # switched off only when on: entering torch.autocast costs more than this GEMV in decoding
+        no_autocast = (
+            torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext()
+        )
+        with no_autocast:
             logits = F.linear(hidden_states.to(compute_dtype), self.weight.to(compute_dtype))
         scores = self.score(logits)
         if routing_replay is not None:

@@ -508,11 +508,9 @@ class MoHDGatherDispatch:
                 for block, gate in zip(ids, weights.view(-1).tolist(), strict=True):
                     values[block] = gate
                 return MoHDGatherHostPlan(weights.new_tensor(values)[None], None, spans)
-            gates = F.pad(weights.new_ones(m, self.num_shared), (0, self.num_routed)).scatter(1, indices, weights)
-            keep = None
-            if m > 1:
-                keep = F.pad(weights.new_ones(m, self.num_shared), (0, self.num_routed)).scatter_(1, indices, 1.0)
-            return MoHDGatherHostPlan(gates, keep, spans)
+            shared = F.pad(weights.new_ones(m, self.num_shared), (0, self.num_routed))  # 1 on the shared blocks
+            keep = None if m == 1 else shared.scatter(1, indices, 1.0)
+            return MoHDGatherHostPlan(shared.scatter(1, indices, weights), keep, spans)
         if m <= self.few_tokens:
             width = self.top_k * self.block
             columns = (indices[..., None] * self.block + torch.arange(self.block, device=indices.device)).view(m, -1)
@@ -695,10 +693,10 @@ class MoHDGatherDispatch:
         m = hidden_states.shape[0]
         weight, bias = linear.weight, linear.bias
         out = hidden_states.new_zeros(m, self.hidden_size)
-        direct = bias is None and not torch.is_grad_enabled()
+        direct = bias is None and plan.keep is None and not torch.is_grad_enabled()
         for start, stop in plan.spans:
             rows = slice(start * self.block, stop * self.block)
-            if direct and plan.keep is None:
+            if direct:
                 torch.mm(hidden_states, weight[rows].t(), out=out[:, rows])
                 continue
             product = F.linear(hidden_states, weight[rows], None if bias is None else bias[rows])
