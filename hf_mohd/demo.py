@@ -73,9 +73,20 @@ class DemoConfig:
     models: list[str] = field(default_factory=lambda: ["llama-dense", "mohd", "latent-moe"])
 
     def __post_init__(self):
+        """Checks `models` and `eval_tasks` before anything trains.
+
+        Raises:
+            ValueError: an unknown model name (``--models``) or lm-eval task (``--eval-tasks``).
+        """
+        from .evaluation.harness import resolve_tasks
+
         unknown = sorted(set(self.models) - set(DEMO_MODELS))
         if unknown:
-            raise ValueError(f"`models`: unknown {unknown}; choose from {', '.join(DEMO_MODELS)}.")
+            raise ValueError(f"--models: unknown {unknown}; choose from {', '.join(DEMO_MODELS)}.")
+        try:
+            resolve_tasks(self.eval_tasks)
+        except ValueError as error:
+            raise ValueError(f"--eval-tasks: {error}") from None
 
     def quick(self) -> "DemoConfig":
         """The `--quick` smoke setting (about a minute on 2 cores): tiny models, at most 10 steps and 4 documents

@@ -66,7 +66,7 @@ def mohd_configs(draw) -> dict:
         mlp_bias=draw(st.booleans()),
         num_sub_dims=num_sub_dims,
         num_shared_sub_dims=shared,
-        num_routed_sub_dims_per_tok=draw(st.integers(1, routed)) if routed else 0,
+        num_routed_sub_dims_per_tok=draw(st.integers(0 if shared else 1, routed)) if routed else 0,
         sparse_modules=draw(st.sampled_from([["attention", "ffn"], ["attention"], ["ffn"], []])),
         activation_scaling=draw(st.sampled_from(["inverse_active", "none"])),
         routed_gate=draw(st.sampled_from(["softmax", "normalized"])),

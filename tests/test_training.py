@@ -71,7 +71,7 @@ def curve(result):
     return [(r["step"], r["loss"], r["aux_loss"], r["lr"], r["grad_norm"]) for r in result.train_log]
 
 
-def test_resume_after_interruption_reproduces_the_uninterrupted_run(tmp_path):
+def test_resume_after_interruption_reproduces_the_uninterrupted_run(tmp_path, monkeypatch, capsys):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     config = dict(log_every=2, keep_checkpoints=5)  # a record averages 2 steps; resumption can split that window
     full = train(tiny_config(tmp_path, corpus, "full", **config))
@@ -102,6 +102,18 @@ def test_resume_after_interruption_reproduces_the_uninterrupted_run(tmp_path):
     for (name, a), b in zip(full.model.state_dict().items(), last.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), f"{name} differs after resumption"
     assert last.eval_perplexity == full.eval_perplexity
+
+    # A rerun of the finished run trains and evaluates nothing: it says so and reads the final evaluation back.
+    import hf_mohd.training.trainer as trainer_module
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("a finished run must not be evaluated again")
+
+    monkeypatch.setattr(trainer_module, "evaluate_perplexity", no_evaluation)
+    again = train(tiny_config(tmp_path, corpus, "resumed", **config))
+    assert (again.steps, again.eval_loss, again.eval_perplexity) == (6, last.eval_loss, last.eval_perplexity)
+    assert "already complete (6 of 6 steps)" in capsys.readouterr().out
+    assert [json.loads(line) for line in open(tmp_path / "resumed" / "log.jsonl")] == logged
 
 
 def test_config_errors_name_field_and_file(tmp_path):
@@ -237,3 +249,18 @@ def test_cli_overrides_and_help():
     assert (args.tasks, args.limit) == ("piqa", 10)
     args = build_parser().parse_args(["demo", "--quick"])
     assert args.quick and args.max_steps > 0
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [("--models", "llama-dense,gpt", "error: --models: unknown ['gpt']"), ("--eval-tasks", "piqa,nope", "'nope'")],
+)
+def test_demo_rejects_unknown_models_and_tasks_before_training(tmp_path, capsys, option, value, message):
+    """A misspelt model or lm-eval task fails at once with one line naming the option, before any data or training
+    (the output folder stays empty)."""
+    from hf_mohd.cli import main
+
+    assert main(["demo", "--output-dir", str(tmp_path / "out"), option, value]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {option}: ") and message in err and "\n" not in err
+    assert not (tmp_path / "out").exists()

@@ -33,6 +33,10 @@ Arms (parameters and FLOPs from the package's accounting, printed into the resul
 - `dense_at_x2_flops`: dense at the expansion model's forward FLOPs per token (width 128, FFN 592).
 - `dense_at_x2_params`: dense at the expansion model's total parameters (width 256, 8 heads of 16, FFN 384: the
   expansion model with every sub-dimension active, less its routers).
+- `dense_at_x2_embedding`: the expansion model's 256-wide embedding and LM head around a dense decoder of width 128
+  (MoHD with the same 8 of 16 blocks for every token: 8 shared, `num_routed_sub_dims_per_tok=0`, no router, no group
+  fusion, no activation scaling; the other 8 blocks carry the embedding to the final norm), which separates the wider
+  decoder from the wider embedding. Added after the ablations; it is the last job of the queue.
 
 Second budget, ablations of the compression model at its learning rate (`ABLATIONS`): attention-only vs FFN-only
 sparsity at nearly equal removed activated parameters (32,768 vs 36,864 per layer), the shared fraction (25, 50, 75%
@@ -134,6 +138,21 @@ ARMS = {
         _dense(hidden_size=256),
         "Llama at expansion_x2's total parameters (width 256, 8 heads of 16, FFN 384)",
     ),
+    # expansion_x2's 256-wide embedding and LM head around a dense decoder of width 128: MoHD with the same 8 of
+    # 16 blocks for every token (8 shared, k = 0: no router), no group fusion and no activation scaling, so the other
+    # 8 blocks carry the embedding straight to the final norm and the LM head. It separates the wider decoder from the
+    # wider embedding. Its decoder is dense, so it takes the dense family's rate, as the other dense baselines.
+    "dense_at_x2_embedding": Arm(
+        "dense",
+        _mohd(
+            "expansion_x2",
+            num_shared_sub_dims=8,
+            num_routed_sub_dims_per_tok=0,
+            group_fusion="none",
+            activation_scaling="none",
+        ),
+        "dense decoder of width 128 inside expansion_x2's 256-wide embedding and LM head (8 of 16 blocks static)",
+    ),
 }
 # Ablations of the compression model (the second budget). Attention-only vs FFN-only at (nearly) equal removed
 # activated parameters per layer: attention holds 4 D^2 = 65,536 weights and the FFN 3 D I = 147,456, so attention
@@ -199,6 +218,20 @@ COMPARISONS = (
         "dense_at_x2_params",
         "expansion x2 keeps the quality of dense at equal total parameters",
         MARGIN,
+    ),
+    (
+        "expansion_vs_dense_at_embedding",
+        "mohd_expansion_x2",
+        "dense_at_x2_embedding",
+        "expansion x2 improves on a dense decoder given only its wider embedding and LM head (width, not embedding)",
+        None,
+    ),
+    (
+        "dense_at_embedding_vs_dense",
+        "dense_at_x2_embedding",
+        "dense",
+        "the wider embedding and LM head alone change the dense model's loss",
+        None,
     ),
     (
         "attention_only_vs_ffn_only",
@@ -464,6 +497,7 @@ def jobs(scale: int) -> list[tuple[str, float | None, int]]:
         order += [(arm, None, seed) for seed in SEEDS]
     for seed in SEEDS:  # the second budget, seed-major so that every ablation has a first seed early
         order += [(arm, None, seed) for arm in ABLATIONS]
+    order += [("dense_at_x2_embedding", None, seed) for seed in SEEDS]  # added after the ablations had run
     return order
 
 

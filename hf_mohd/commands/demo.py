@@ -25,6 +25,8 @@ def run(args) -> int:
 
     from hf_mohd.demo import DemoConfig, run_demo
 
+    from . import fail
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         demo = DemoConfig(
@@ -35,8 +37,8 @@ def run(args) -> int:
             models=[m.strip() for m in args.models.split(",") if m.strip()],
             progress_bar=not args.no_progress,
         )
-    except ValueError as error:
-        raise SystemExit(f"--models: {error}") from error
+    except ValueError as error:  # names the option: --models or --eval-tasks
+        return fail(str(error).split(":", 1)[0], error)
     if args.quick:
         demo = demo.quick()
     path = run_demo(demo)

@@ -45,8 +45,8 @@ K = `num_experts_per_tok`, m_s = `moe_shared_expert_intermediate_size`:
 MoHD layer (arXiv 2412.05644, docs/design.md section 3 "Layer definition"), N = `num_sub_dims`, N_s shared,
 k routed per token, n_a = N_s + k: a sparsified sublayer reads the n_a / N fraction of the input-side weight columns
 (q/k/v, gate/up) and output-side rows (o, down) and of the output-side biases, all of the input-side biases, its
-router (N_r x D, N_r = N - N_s) and its group fusion (N x N; N D multiply-adds per token). A LLaMA config is a MoHD
-one with every block shared.
+router (N_r x D, N_r = N - N_s; none when k = 0) and its group fusion (N x N; N D multiply-adds per token). A LLaMA
+config is a MoHD one with every block shared.
 
 Everything takes plain numbers, or a config-like object: a `PreTrainedConfig` (LatentMoE per-layer values read
 through `config.per_layer_config[i]`), any object with the field names as attributes, or a plain `dict` such as a
@@ -615,7 +615,8 @@ def _mohd_layers(config, context_length: int) -> tuple:
     n = _check_positive("num_sub_dims", _get(config, "num_sub_dims", 1))
     n_shared = _get(config, "num_shared_sub_dims", n)
     n_routed = n - n_shared
-    n_active = n_shared + _get(config, "num_routed_sub_dims_per_tok", 0)
+    top_k = _get(config, "num_routed_sub_dims_per_tok", 0)
+    n_active = n_shared + top_k
     sparse = set(_get(config, "sparse_modules", ()) or ()) if n_routed > 0 else set()
     fusion = _get(config, "group_fusion", "none") == "mix"
     sublayers = {
@@ -626,7 +627,7 @@ def _mohd_layers(config, context_length: int) -> tuple:
     for name, (w_in, w_out, b_in, b_out) in sublayers.items():
         if name in sparse:
             active_weights = w_in * n_active // n + w_out * n_active // n
-            routers, fusions = n_routed * d, n * n * fusion
+            routers, fusions = n_routed * d * (top_k > 0), n * n * fusion  # k = 0 builds no router
             sizes[name] = dict(
                 params=w_in + w_out + b_in + b_out,
                 activated=active_weights + b_in + b_out * n_active // n,

@@ -78,7 +78,9 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
     num_shared_sub_dims (`int`, *optional*, defaults to 6):
         N_s, always-active blocks (the first N_s), 0 <= N_s <= N.
     num_routed_sub_dims_per_tok (`int`, *optional*, defaults to 2):
-        k, routed blocks a token activates, 1 <= k <= N - N_s (0 only when N_s = N).
+        k, routed blocks a token activates, 0 <= k <= N - N_s, with N_s + k >= 1. k = 0 with N_s < N builds no
+        router: every token activates the same N_s blocks (a dense decoder of width N_s s inside a residual stream of
+        width D, whose other blocks carry the embedding to the LM head).
     sparse_modules (`list[str]`, *optional*, defaults to `["attention", "ffn"]`):
         Sublayers whose projections read/write only active blocks; others stay dense and have no router.
     activation_scaling (`str`, *optional*, defaults to `"inverse_active"`):
@@ -188,11 +190,11 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
                 f"got {self.num_shared_sub_dims}."
             )
         routed = self.num_sub_dims - self.num_shared_sub_dims
-        low = 1 if routed > 0 else 0
+        low = 0 if self.num_shared_sub_dims > 0 else 1
         if not low <= self.num_routed_sub_dims_per_tok <= routed:
             raise ValueError(
                 f"`num_routed_sub_dims_per_tok` must be in [{low}, {routed}] (the routed count num_sub_dims - "
-                f"num_shared_sub_dims), got {self.num_routed_sub_dims_per_tok}."
+                f"num_shared_sub_dims; at least 1 without shared blocks), got {self.num_routed_sub_dims_per_tok}."
             )
         unknown = [m for m in self.sparse_modules if m not in SPARSE_MODULES]
         if unknown or len(set(self.sparse_modules)) != len(self.sparse_modules):

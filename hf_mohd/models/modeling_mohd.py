@@ -903,7 +903,8 @@ class MoHDSubDimensions(nn.Module):
 
     def __init__(self, config: MoHDConfig, layer_idx: int, router_name: str):
         super().__init__()
-        self.router = MoHDRouter(config, layer_idx, router_name)
+        # CODEPATH: num_routed_sub_dims_per_tok=0 (static sub-dimensions): no router, every token's N_s shared blocks.
+        self.router = MoHDRouter(config, layer_idx, router_name) if config.num_routed_sub_dims_per_tok > 0 else None
         # CODEPATH: group_fusion="mix" (paper default) adds an N x N block mixer; "none" is the ablation.
         self.group_fusion = MoHDGroupFusion(config) if config.group_fusion == "mix" else nn.Identity()
         self.dispatch = MOHD_DISPATCH[config.sparse_implementation](config)
@@ -917,7 +918,12 @@ class MoHDSubDimensions(nn.Module):
         """(B, T, D) normed input -> dispatch plan for its B * T tokens, of the configured strategy, or of the
         masked one when a projection of the sublayer (`projections`: all its linears) is not a plain `nn.Linear`
         (a PEFT LoRA layer, a quantised linear computes something other than its `.weight`, which the gather
-        strategy reads): exact either way."""
+        strategy reads): exact either way. Without a router (k = 0) every token gets the masked plan of the shared
+        blocks alone."""
+        if self.router is None:
+            tokens = hidden_states.shape[:-1].numel()
+            no_routes = torch.empty(tokens, 0, dtype=torch.long, device=hidden_states.device)
+            return self.masked.plan(no_routes, hidden_states.new_empty(no_routes.shape))
         _, weights, indices = self.router(hidden_states, **kwargs)
         dispatch = self.dispatch
         if any(type(linear) is not nn.Linear for linear in projections):

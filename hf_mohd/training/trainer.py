@@ -572,7 +572,15 @@ def train(config: TrainConfig) -> TrainResult:
         train_log=[r for r in log.records if "loss" in r],
     )
     if state.step >= config.max_steps:
-        if len(eval_blocks):
+        # a rerun of a finished run trains nothing; its final evaluation is already in the log
+        done = [r for r in log.records if r.get("eval_full") and r.get("step") == state.step and not steps_this_call]
+        if done:
+            result.eval_loss, result.eval_perplexity = done[-1]["eval_loss"], done[-1]["eval_perplexity"]
+            accelerator.print(
+                f"{config.output_dir}: already complete ({state.step} of {config.max_steps} steps); "
+                "final evaluation read from log.jsonl"
+            )
+        elif len(eval_blocks):
             result.eval_loss, result.eval_perplexity = evaluate_perplexity(
                 model, eval_blocks, config.micro_batch_size, accelerator
             )

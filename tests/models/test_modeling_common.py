@@ -127,7 +127,7 @@ FAMILIES = {
             ({"num_shared_sub_dims": 9}, "`num_shared_sub_dims`"),
             ({"num_shared_sub_dims": -1}, "`num_shared_sub_dims`"),
             ({"num_routed_sub_dims_per_tok": 6}, "`num_routed_sub_dims_per_tok`"),
-            ({"num_routed_sub_dims_per_tok": 0}, "`num_routed_sub_dims_per_tok`"),
+            ({"num_shared_sub_dims": 0, "num_routed_sub_dims_per_tok": 0}, "`num_routed_sub_dims_per_tok`"),
             ({"sparse_modules": ["attention", "moe"]}, "`sparse_modules`"),
             ({"sparse_modules": ["ffn", "ffn"]}, "`sparse_modules`"),
             ({"activation_scaling": "sqrt"}, "`activation_scaling`"),

@@ -83,6 +83,78 @@ def test_all_shared_equals_llama(tied, attn_implementation):
     )
 
 
+def _folded_into_llama(model: MoHDForCausalLM) -> LlamaForCausalLM:
+    """The LlamaForCausalLM that computes a MoHD model whose sublayers all see one fixed set of active blocks (k = 0):
+    input-side weight columns outside the N_s shared blocks zeroed, output-side rows and bias outside them zeroed,
+    times alpha, then mixed by the group fusion F (y = (F kron I_s) alpha mask (W x + b))."""
+    config = model.config
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            **LLAMA_SHAPE,
+            attention_bias=config.attention_bias,
+            mlp_bias=config.mlp_bias,
+            tie_word_embeddings=config.tie_word_embeddings,
+        )
+    ).to(torch.float64)
+    state = {k: v.clone() for k, v in model.state_dict().items() if "sub_dims" not in k}
+    s, n_s = config.sub_dim_size, config.num_shared_sub_dims
+    keep = torch.zeros(config.hidden_size, dtype=torch.float64)
+    keep[: n_s * s] = 1
+    alpha = config.num_sub_dims / n_s
+    for idx, layer in enumerate(model.model.layers):
+        for sublayer, kind, inputs, output in (
+            (layer.self_attn, "self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj"),
+            (layer.mlp, "mlp", ("gate_proj", "up_proj"), "down_proj"),
+        ):
+            prefix = f"model.layers.{idx}.{kind}."
+            for name in inputs:
+                state[prefix + name + ".weight"] = state[prefix + name + ".weight"] * keep
+            fusion = torch.kron(sublayer.sub_dims.group_fusion.weight.detach(), torch.eye(s, dtype=torch.float64))
+            out_map = fusion @ torch.diag(alpha * keep)
+            state[prefix + output + ".weight"] = out_map @ state[prefix + output + ".weight"]
+            if prefix + output + ".bias" in state:
+                state[prefix + output + ".bias"] = out_map @ state[prefix + output + ".bias"]
+    llama.load_state_dict(state, strict=True)
+    return llama.eval()
+
+
+@pytest.mark.parametrize("implementation", ["gather", "masked"])
+@pytest.mark.parametrize("biases", [False, True])
+def test_static_sub_dimensions_equal_the_llama_they_fold_into(implementation, biases):
+    """k = 0 with routed blocks present: no router, every token reads and writes the same N_s shared blocks, the
+    other blocks of the residual stream carry the embedding to the LM head; logits, loss and greedy tokens equal the
+    folded LlamaForCausalLM's."""
+    model = make_model(
+        num_shared_sub_dims=4,
+        num_routed_sub_dims_per_tok=0,
+        sparse_implementation=implementation,
+        attention_bias=biases,
+        mlp_bias=biases,
+    )
+    assert not any("router" in name for name, _ in model.named_parameters())
+    llama = _folded_into_llama(model)
+    ids = input_ids()
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    out = model(ids, attention_mask=mask, labels=ids, output_router_logits=True)
+    expected = llama(ids, attention_mask=mask, labels=ids)
+    # LLaMA's rotary tables are computed in fp32 (differences ~1e-7); a missing alpha or fusion gives ~1e-1
+    torch.testing.assert_close(out.logits, expected.logits, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.loss, expected.loss, atol=1e-6, rtol=0)
+    assert out.aux_loss is None and out.router_logits == ()
+    # without group fusion the routed blocks of the residual stream carry the embedding through every layer
+    unfused = make_model(num_shared_sub_dims=4, num_routed_sub_dims_per_tok=0, group_fusion="none")
+    final = []
+    unfused.model.norm.register_forward_pre_hook(lambda module, args: final.append(args[0]))
+    hidden = unfused.model(ids, output_hidden_states=True).hidden_states  # the last one is after the final norm
+    s = model.config.sub_dim_size
+    for states in (*hidden[1:-1], final[0]):
+        torch.testing.assert_close(states[..., 4 * s :], hidden[0][..., 4 * s :], atol=0, rtol=0)
+    assert not torch.equal(final[0][..., : 4 * s], hidden[0][..., : 4 * s])
+    generated = model.generate(ids[:1], max_new_tokens=5, do_sample=False)
+    assert torch.equal(generated, llama.generate(ids[:1], max_new_tokens=5, do_sample=False))
+
+
 # --- execution paths -----------------------------------------------------------------------------------------
 
 
@@ -258,6 +330,7 @@ def _activated_from_modules(model) -> int:
         {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
         {"sparse_modules": ["ffn"], "group_fusion": "none"},
         {"num_shared_sub_dims": 8, "num_routed_sub_dims_per_tok": 0, "mlp_bias": True},
+        {"num_shared_sub_dims": 4, "num_routed_sub_dims_per_tok": 0, "attention_bias": True},
     ],
 )
 def test_accounting_matches_built_model(overrides):
