@@ -418,6 +418,17 @@ class MoHDGatherLinearOut(torch.autograd.Function):
         return grad_input, None, None, None, grad_weight, grad_bias, None, None
 
 
+def is_block_major(weight: torch.Tensor) -> bool:
+    """Whether a (out, in) weight holds the "block_major" layout of `set_linear_layout_` (column-major, stride
+    (1, out)), in which each input-side block of s columns is s contiguous rows of `weight.T`.
+
+    The layout is a property of the tensor, read where a path chooses how to read the weight, not a flag kept beside
+    it: a parameter replaced by another layout (FSDP2's unsharded parameters, `load_state_dict(assign=True)`) brings
+    its own, and both readings compute the same values, so a layout can cost speed, never exactness.
+    """
+    return weight.stride(0) == 1
+
+
 class MoHDMaskedDispatch:
     """Reference path: dense matmuls on the gated input, binary mask on the output (`sparse_implementation="masked"`)."""
 
@@ -630,7 +641,7 @@ class MoHDGatherDispatch:
         outputs = []
         for linear in linears:
             weight = linear.weight
-            if weight.stride(0) == 1 and weight.dtype == values.dtype:
+            if is_block_major(weight) and weight.dtype == values.dtype:
                 # column-major ("block_major"): the shared columns are one contiguous span, and each active column
                 # is a contiguous row of weight.T that embedding_bag scales by its input and sums, reading no other
                 routed = F.embedding_bag(columns, weight.t(), plan.bags, mode="sum", per_sample_weights=flat_values)
@@ -676,7 +687,7 @@ class MoHDGatherDispatch:
         outputs = []
         for linear in linears:
             weight = linear.weight
-            if weight.stride(0) == 1 and weight.dtype == hidden_states.dtype:
+            if is_block_major(weight) and weight.dtype == hidden_states.dtype:
                 weight_t = weight.t()  # (D, out), rows contiguous: block g is rows g s .. (g + 1) s - 1
                 out = F.linear(gated[:, columns[0]], weight[:, columns[0]], linear.bias)
                 for span in columns[1:]:
@@ -728,7 +739,7 @@ def set_linear_layout_(linear: nn.Module, layout: str) -> None:
         return
     if type(weight.data) is not torch.Tensor or weight.is_meta:
         return
-    if layout == "block_major" and weight.stride(0) != 1:
+    if layout == "block_major" and not is_block_major(weight):
         weight.data = weight.data.t().contiguous().t()
     elif layout == "row_major" and not weight.is_contiguous():
         weight.data = weight.data.contiguous()
@@ -741,7 +752,7 @@ def _set_local_shard_layout_(weight: nn.Parameter, layout: str) -> None:
     local = weight.to_local()
     if local.is_meta or local.dim() != 2:
         return
-    if layout == "block_major" and local.stride(0) != 1:
+    if layout == "block_major" and not is_block_major(local):
         local, stride = local.t().contiguous().t(), (1, weight.shape[0])
     elif layout == "row_major" and not local.is_contiguous():
         local, stride = local.contiguous(), (weight.shape[1], 1)
