@@ -89,7 +89,7 @@ class DemoConfig:
             raise ValueError(f"--eval-tasks: {error}") from None
 
     def quick(self) -> "DemoConfig":
-        """The `--quick` smoke setting (about a minute on 2 cores): tiny models, at most 10 steps and 4 documents
+        """The `--quick` smoke setting (a few minutes on 2 cores): tiny models, at most 10 steps and 4 documents
         per lm-eval task, 20 Wikipedia pages; the other knobs (output folder, models, tasks) are kept."""
         return dataclasses.replace(
             self,

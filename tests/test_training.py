@@ -264,3 +264,72 @@ def test_demo_rejects_unknown_models_and_tasks_before_training(tmp_path, capsys,
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {option}: ") and message in err and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+def _write_yaml(path, values) -> str:
+    import yaml
+
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+def _tiny_values(tmp_path, corpus) -> dict:
+    values = tiny_config(tmp_path, corpus, max_steps=2, save_every=0, save_final=True).to_dict()
+    values["model"] = {"tokenizer_vocab_size": 300, "architecture": dict(values["model"]["architecture"])}
+    return values
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model.architecture.num_sub_dim": 8}, "`model.architecture.num_sub_dim` (did you mean 'num_sub_dims'?)"),
+        ({"model.architecture.model_type": "mohdd"}, "is not a registered model type; did you mean ['mohd'"),
+        ({"model.architecture.num_shared_sub_dims": 9}, "`num_shared_sub_dims` must be in [0, num_sub_dims=8]"),
+        ({"data.path": "corpsu.jsonl"}, "`data.path` 'corpsu.jsonl' matches no"),
+        ({"data.text_field": "content"}, "`data.text_field` 'content' is not a column"),
+    ],
+)
+def test_train_cli_names_a_bad_architecture_or_data_field_in_one_line(tmp_path, capsys, monkeypatch, change, message):
+    """Each mistake fails before the first step with one `error: <config>: ...` line naming the field; a misspelt
+    architecture field is not stored as an extra attribute while the default trains."""
+    from hf_mohd.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    values = _tiny_values(tmp_path, write_corpus(tmp_path / "corpus.jsonl"))
+    for key, value in change.items():
+        *parents, leaf = key.split(".")
+        target = values
+        for part in parents:
+            target = target[part]
+        target[leaf] = value
+    config = _write_yaml(tmp_path / "run.yaml", values)
+    assert main(["train", config]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # past datasets' progress bars
+    assert len(err) == 1 and err[0].startswith(f"error: {config}: ") and message in err[0], err
+    assert not os.path.exists(os.path.join(values["output_dir"], "checkpoints"))
+
+
+def test_train_cli_refuses_other_model_in_a_run_folder_and_leaves_a_finished_run_alone(tmp_path, capsys):
+    """A second run in the same folder with another width names the field and both values and touches no
+    checkpoint; rerunning the finished run keeps what the user added to `final/`."""
+    from hf_mohd.cli import main
+
+    values = _tiny_values(tmp_path, write_corpus(tmp_path / "corpus.jsonl"))
+    config = _write_yaml(tmp_path / "run.yaml", values)
+    assert main(["train", config]) == 0
+    final = os.path.join(values["output_dir"], "final")
+    with open(os.path.join(final, "README.md"), "w") as handle:
+        handle.write("my model card\n")
+    checkpoints = sorted(os.listdir(os.path.join(values["output_dir"], "checkpoints")))
+    capsys.readouterr()
+
+    assert main(["train", config, "--set", "model.architecture.hidden_size=64"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "`model.architecture.hidden_size` is 64, but the checkpoints in" in err[0], err
+    assert "trained with 32" in err[0]
+    assert sorted(os.listdir(os.path.join(values["output_dir"], "checkpoints"))) == checkpoints
+
+    assert main(["train", config]) == 0
+    assert "already complete (2 of 2 steps)" in capsys.readouterr().out
+    with open(os.path.join(final, "README.md")) as handle:
+        assert handle.read() == "my model card\n"

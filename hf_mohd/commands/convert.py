@@ -33,8 +33,8 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--verify",
         action="store_true",
         help="Before writing, check the exact model (MoHD at full activation, LatentMoE as converted) against the "
-        "source LLaMA's logits on random tokens; fail if they differ by more than --atol. With --rotate the check "
-        "runs in float64 (the same rotation applied to a float64 copy of the source).",
+        "source LLaMA's logits on random tokens; fail if they differ by more than --atol. With `mohd --rotate` the "
+        "check runs in float64 (the same rotation applied to a float64 copy of the source).",
     )
     parser.add_argument("--atol", type=float, default=1e-4, help="Tolerance of --verify (default 1e-4).")
     parser.add_argument(
@@ -124,7 +124,13 @@ def add_latent_moe_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
         help="slices: routed experts start from slices of the dense FFN, projected to the latent width; random: "
         "N(0, initializer_range^2). Either way fc2_latent_proj is zero, so the output equals the source's.",
     )
-    parser.add_argument("--router-score-func", choices=("softmax", "sigmoid"), default="softmax")
+    parser.add_argument(
+        "--router-score-func",
+        choices=("softmax", "sigmoid"),
+        default="softmax",
+        help="Router scores: softmax (balanced by the aux loss) or sigmoid (DeepSeek-V3 / Nemotron-H style, balanced "
+        "by a selection bias) (default softmax).",
+    )
     parser.add_argument(
         "--dense-layers", type=int, nargs="+", default=[], help="Layer indices kept dense (their FFN copied as is)."
     )

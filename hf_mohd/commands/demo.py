@@ -15,7 +15,9 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--models", default=",".join(defaults.models), help="Comma-separated subset of llama-dense,mohd,latent-moe."
     )
-    parser.add_argument("--quick", action="store_true", help="A tiny smoke run (a minute): small models, few steps.")
+    parser.add_argument(
+        "--quick", action="store_true", help="A tiny smoke run (a few minutes): small models, few steps."
+    )
     parser.add_argument("--no-progress", action="store_true", help="No progress bars.")
 
 

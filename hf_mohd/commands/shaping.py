@@ -31,7 +31,7 @@ def register(subparsers) -> None:
     p.add_argument("--layer", type=int, default=0, help="Layer of --config to read l and m from.")
     p.add_argument("--max-aspect-deviation", type=float, default=0.4, help="Bound on |l/m - 1|.")
     p.add_argument("--multiple", type=int, default=64, help="Alignment of l and m.")
-    p.add_argument("--max-latent-size", type=int, help="Upper bound on l (default with --config: hidden_size).")
+    p.add_argument("--max-latent-size", type=int, help="Upper bound on l (with --config: hidden_size).")
     p.add_argument("--product-tolerance", type=float, default=0.05, help="Accepted relative error of l*m.")
     p.add_argument("--top", type=int, default=5, help="How many ranked shapes to print.")
 
@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     inputs = p.add_mutually_exclusive_group(required=True)
     inputs.add_argument("--text-file", help="UTF-8 text; non-empty paragraphs (blank-line separated) are sequences.")
     inputs.add_argument("--input-ids", help="JSON file holding a list of token-id lists.")
-    p.add_argument("--tokenizer", help="Tokenizer folder for --text-file (default: the model folder).")
+    p.add_argument("--tokenizer", help="Tokenizer folder for --text-file (when omitted: the model folder).")
     p.add_argument("--gguf-file", help="GGUF file inside the model folder to load (transformers dequantises it).")
     p.add_argument("--max-length", type=int, default=512, help="Tokens per sequence (--text-file).")
     p.add_argument("--max-tokens", type=int, default=20000, help="Pool of non-padding tokens.")
@@ -59,14 +59,23 @@ def register(subparsers) -> None:
     p.add_argument("--tolerance", type=float, default=0.05, help="Relative per-layer budget.")
     p.add_argument("--max-aspect-deviation", type=float, default=0.3, help="Bound on |l/m - 1| of both regimes.")
     p.add_argument("--multiple", type=int, default=64, help="Alignment of l and m.")
-    p.add_argument("--shared-multiple", type=int, help="Alignment of m_s (default: --multiple).")
+    p.add_argument("--shared-multiple", type=int, help="Alignment of m_s (when omitted: --multiple).")
     p.add_argument("--narrow-latent-size", type=int, help="Force l of the shallow regime.")
     p.add_argument("--wide-latent-size", type=int, help="Force l of the deep regime.")
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, silent where there is no default to show (required or unset options)."""
+
+    def _get_help_string(self, action):
+        if action.required or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _command(subparsers, name: str, run) -> argparse.ArgumentParser:
     """`add_command` with option defaults shown in `--help` and `run`'s `ValueError`s turned into exit status 2."""
-    return add_command(subparsers, name, _guard(run, name), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return add_command(subparsers, name, _guard(run, name), formatter_class=_DefaultsHelpFormatter)
 
 
 def _guard(func, name):

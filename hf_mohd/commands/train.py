@@ -36,14 +36,16 @@ def run(args) -> int:
 
     Every field of the config has a default; see hf_mohd.training.config for their meaning.
     Run under `accelerate launch` for several processes. A config file that does not exist, does not parse, or has
-    an invalid field (or --set) prints `error: <config>: <what was expected>` (exit status 1) before training starts.
+    an invalid field (or --set), a data path that matches no file, an architecture field its config class does not
+    have, or a run folder whose checkpoints were trained with another model prints `error: <config>: <what was
+    expected>` (exit status 1) before training starts. A finished run is not trained or evaluated again.
     """
     import json
     import os
 
     import yaml
 
-    from hf_mohd.training import train, train_config_from_dict
+    from hf_mohd.training import TrainConfigError, train, train_config_from_dict
     from hf_mohd.training.config import load_train_config
 
     try:
@@ -54,7 +56,10 @@ def run(args) -> int:
             config = train_config_from_dict(apply_overrides(values, args.set), source=args.config)
     except (OSError, ValueError, TypeError, yaml.YAMLError) as error:
         return fail(args.config, error)
-    result = train(config)
+    try:
+        result = train(config)
+    except TrainConfigError as error:  # found before the first step: data, tokenizer, model, run folder
+        return fail(args.config, error)
     summary = {
         "output_dir": result.output_dir,
         "final_model_dir": result.final_model_dir,

@@ -6,6 +6,7 @@ from .config import (
     ModelConfig,
     OptimConfig,
     TrainConfig,
+    TrainConfigError,
     load_train_config,
     train_config_from_dict,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "TrainConfig",
+    "TrainConfigError",
     "TrainResult",
     "evaluate_perplexity",
     "latest_checkpoint",

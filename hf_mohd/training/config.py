@@ -6,12 +6,58 @@ file, so a typo never silently falls back to a default.
 """
 
 import dataclasses
+import difflib
 import json
 import os
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
+
+
+class TrainConfigError(ValueError):
+    """A training run that cannot start as configured, found before its first step (a data path that matches no
+    file, an architecture field its config class does not have, a run folder trained with another model). The message
+    names the field and what was expected; `hf-mohd train` prints it as one line."""
+
+
+def check_architecture(architecture: dict) -> None:
+    """Builds the model config of `model.architecture` once, before any data is read.
+
+    Raises:
+        TrainConfigError: `model_type` is not a registered model type (with the closest names), a key is not a field
+            of its config class (a typo would otherwise be stored as an extra attribute and the default used), or
+            the config class rejects a value.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    import hf_mohd  # noqa: F401  (registers the model types with the Auto classes)
+
+    fields = {k: v for k, v in architecture.items() if k != "model_type"}
+    model_type = architecture["model_type"]
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
+        raise TrainConfigError(
+            f"`model.architecture.model_type` {model_type!r} is not a registered model type"
+            + (f"; did you mean {close}?" if close else " (e.g. 'mohd', 'latent_moe', 'llama').")
+        )
+    try:
+        built = AutoConfig.for_model(model_type, **fields).to_dict()
+    except (ValueError, TypeError) as error:
+        raise TrainConfigError(f"`model.architecture` (model_type {model_type!r}) is invalid: {error}") from None
+    config_class = CONFIG_MAPPING[model_type]
+    # `per_layer_config` is a field of every config (transformers' `PreTrainedConfig.__init__`, heterogeneous
+    # layers) that a default instance does not serialise
+    known = set(config_class().to_dict()) | {"per_layer_config"}
+    # a key the class does not consume stays as an extra attribute of the built config
+    unknown = sorted(k for k in fields if k in built and k not in known)
+    if unknown:
+        hints = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
+        listed = ", ".join(
+            f"`model.architecture.{k}`" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items()
+        )
+        raise TrainConfigError(f"{listed}: not a field of {config_class.__name__} ({model_type!r}).")
 
 
 @dataclass
@@ -210,6 +256,8 @@ class TrainConfig:
                 "Set either `model.init_from` (a pretrained folder or Hub id) or `model.architecture` with a "
                 "`model_type` (e.g. {model_type: llama, hidden_size: 128, ...})."
             )
+        if not self.model.init_from:
+            check_architecture(self.model.architecture)
         if self.model.trainable not in TRAINABLE_CHOICES:
             raise ValueError(
                 f"`model.trainable` must be one of {list(TRAINABLE_CHOICES)}, got {self.model.trainable!r}."

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .config import DataConfig
+from .config import DataConfig, TrainConfigError
 
 
 _BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -45,28 +45,28 @@ def load_documents(config: DataConfig) -> list[str]:
         elif looks_local:
             files = _local_files(path)
             if not files:
-                raise ValueError(f"`data.path` {path!r} matches no .txt/.json/.jsonl/.parquet file.")
+                raise TrainConfigError(f"`data.path` {path!r} matches no .txt/.json/.jsonl/.parquet file.")
             kinds = {_BUILDERS[os.path.splitext(f)[1]] for f in files}
             if len(kinds) > 1:
-                raise ValueError(f"`data.path` {path!r} mixes file types {sorted(kinds)}; point it at one kind.")
+                raise TrainConfigError(f"`data.path` {path!r} mixes file types {sorted(kinds)}; point it at one kind.")
             dataset = datasets.load_dataset(kinds.pop(), data_files={"train": files}, split="train")
         else:
             dataset = datasets.load_dataset(path, config.name or None, split=config.split)
     except ValueError:
         raise
     except Exception as error:
-        raise ValueError(
+        raise TrainConfigError(
             f"Cannot load `data.path` {path!r} (split {config.split!r}): {error}. Offline, give local files."
         ) from error
     if config.text_field not in dataset.column_names:
-        raise ValueError(
+        raise TrainConfigError(
             f"`data.text_field` {config.text_field!r} is not a column of {path!r}; columns: {dataset.column_names}."
         )
     texts = [t for t in dataset[config.text_field] if isinstance(t, str) and t.strip()]
     if config.max_documents:
         texts = texts[: config.max_documents]
     if not texts:
-        raise ValueError(f"`data.path` {path!r} holds no non-empty text in field {config.text_field!r}.")
+        raise TrainConfigError(f"`data.path` {path!r} holds no non-empty text in field {config.text_field!r}.")
     return texts
 
 
@@ -132,7 +132,7 @@ class PackedBatches:
         self.rank, self.world = process_index, num_processes
         self.steps_per_epoch = len(blocks) // (micro_batch_size * num_processes)
         if self.steps_per_epoch == 0:
-            raise ValueError(
+            raise TrainConfigError(
                 f"The training split has {len(blocks)} packed blocks, fewer than one global micro-batch "
                 f"({micro_batch_size} x {num_processes} processes): lower `micro_batch_size` or `data.seq_len`, or "
                 "give more text."

@@ -9,7 +9,7 @@ loss. The teacher is run on each micro-batch without gradient; nothing of it is 
 import torch
 import torch.nn.functional as F
 
-from .config import DistillConfig, ModelConfig
+from .config import DistillConfig, ModelConfig, TrainConfigError
 
 
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -55,9 +55,11 @@ def load_teacher(config: DistillConfig, student, device, trust_remote_code: bool
             config.teacher, dtype=torch.float32, trust_remote_code=trust_remote_code, **kwargs
         )
     except (OSError, ValueError) as error:
-        raise ValueError(f"`distill.teacher` {config.teacher!r} cannot be loaded as a causal LM: {error}") from error
+        raise TrainConfigError(
+            f"`distill.teacher` {config.teacher!r} cannot be loaded as a causal LM: {error}"
+        ) from error
     if teacher.config.vocab_size != student.config.vocab_size:
-        raise ValueError(
+        raise TrainConfigError(
             f"`distill.teacher` {config.teacher!r} has vocab_size {teacher.config.vocab_size}, the student "
             f"{student.config.vocab_size}: distillation needs the same tokenizer."
         )
@@ -88,14 +90,14 @@ def select_trainable(model, config: ModelConfig):
                     param.requires_grad_(True)
                     chosen += 1
         if not chosen:
-            raise ValueError(
+            raise TrainConfigError(
                 "`model.trainable: routers_norms`: the model has no router, group fusion or norm weights."
             )
         return model
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as error:
-        raise ValueError("`model.trainable: lora` needs PEFT: pip install 'hf-mohd[peft]'.") from error
+        raise TrainConfigError("`model.trainable: lora` needs PEFT: pip install 'hf-mohd[peft]'.") from error
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=LORA_TARGET_MODULES)
     return get_peft_model(model, lora)
 

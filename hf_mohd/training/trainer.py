@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from .config import TrainConfig
+from .config import TrainConfig, TrainConfigError
 from .data import PackedBatches, load_documents, pack, split_documents, train_bpe_tokenizer
 from .distill import distillation_loss, load_teacher, select_trainable
 
@@ -137,9 +137,11 @@ def _check_tokenizer_folder(source: str, field: str) -> None:
 
     path = os.path.expanduser(source)
     if not os.path.exists(path) and (os.path.isabs(path) or source.startswith((".", "~"))):
-        raise ValueError(f"`{field}` {source!r} does not exist (expected a folder with tokenizer files or a Hub id).")
+        raise TrainConfigError(
+            f"`{field}` {source!r} does not exist (expected a folder with tokenizer files or a Hub id)."
+        )
     if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        raise ValueError(
+        raise TrainConfigError(
             f"`{field}` {source!r} has no tokenizer files (expected one of {list(TOKENIZER_FILES)}); set "
             "`model.tokenizer` to a folder or Hub id that has them."
         )
@@ -167,7 +169,7 @@ def build_model(config: TrainConfig, tokenizer):
     try:
         model_config = AutoConfig.for_model(model_type, **architecture)
     except (ValueError, TypeError) as error:
-        raise ValueError(f"`model.architecture` (model_type {model_type!r}) is invalid: {error}") from error
+        raise TrainConfigError(f"`model.architecture` (model_type {model_type!r}) is invalid: {error}") from error
     return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
 
 
@@ -416,6 +418,39 @@ def make_accelerator(config: TrainConfig):
     return accelerator
 
 
+# What a checkpoint's weights and data order depend on: a resumed run must have the same (the rest, such as
+# `max_steps` or the learning rate, may change between calls).
+RUN_IDENTITY_FIELDS = ("model", "data.path", "data.seq_len", "seed")
+
+
+def check_same_run(config: TrainConfig) -> None:
+    """Refuses to resume the checkpoints of `output_dir` with another model, data or seed.
+
+    Raises:
+        TrainConfigError: a field of `RUN_IDENTITY_FIELDS` differs from the run's saved `train_config.json` while a
+            checkpoint would be resumed; the message names the field, both values, and the two ways out.
+    """
+    saved = os.path.join(config.output_dir, "train_config.json")
+    if config.resume != "auto" or not os.path.isfile(saved) or not latest_checkpoint(config.output_dir):
+        return
+    with open(saved, encoding="utf-8") as handle:
+        before = json.load(handle)
+    now = config.to_dict()
+
+    def flat(values, prefix=""):
+        if not isinstance(values, dict):
+            return {prefix[:-1]: values}
+        return {k: v for key, value in values.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+
+    before, now = flat(before), flat(now)
+    for name in sorted(set(before) | set(now)):
+        if name.startswith(RUN_IDENTITY_FIELDS) and before.get(name) != now.get(name):
+            raise TrainConfigError(
+                f"`{name}` is {now.get(name)!r}, but the checkpoints in {config.output_dir!r} were trained with "
+                f"{before.get(name)!r}: set another `output_dir`, or `resume: never` to start afresh in this one."
+            )
+
+
 def train(config: TrainConfig) -> TrainResult:
     """Run (or resume) one training run described by `config`; see `TrainConfig` for every knob."""
     from accelerate.utils import DistributedType, set_seed
@@ -433,6 +468,7 @@ def train(config: TrainConfig) -> TrainResult:
         tokenizer = prepare_tokenizer(config, train_texts)
         if accelerator.is_main_process:
             tokenizer.save_pretrained(os.path.join(config.output_dir, "tokenizer"))
+    check_same_run(config)
     if accelerator.is_main_process:
         with open(os.path.join(config.output_dir, "train_config.json"), "w", encoding="utf-8") as handle:
             json.dump(config.to_dict(), handle, indent=2)
@@ -468,7 +504,7 @@ def train(config: TrainConfig) -> TrainResult:
         resume_from = latest_checkpoint(config.output_dir)
     elif config.resume != "never":
         if not os.path.isdir(config.resume):
-            raise ValueError(f"`resume` {config.resume!r} is neither 'auto', 'never' nor a checkpoint folder.")
+            raise TrainConfigError(f"`resume` {config.resume!r} is neither 'auto', 'never' nor a checkpoint folder.")
         resume_from = config.resume
     if resume_from:
         load_checkpoint(accelerator, resume_from)
@@ -592,7 +628,9 @@ def train(config: TrainConfig) -> TrainResult:
             save_checkpoint(accelerator, config.output_dir, state.step, config.keep_checkpoints)
         if config.save_final:
             result.final_model_dir = os.path.join(config.output_dir, "final")
-            save_final_model(accelerator, model, tokenizer, result.final_model_dir)
+            # a finished run's final folder stays as it is (a model card or results added there are kept)
+            if not (done and os.path.isfile(os.path.join(result.final_model_dir, "config.json"))):
+                save_final_model(accelerator, model, tokenizer, result.final_model_dir)
     result.model = accelerator.unwrap_model(model)
     accelerator.end_training()
     return result
