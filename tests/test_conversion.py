@@ -281,6 +281,10 @@ def test_mohd_explicit_fields_and_refusals(one_llama):
         llama_to_mohd(source, "compression_50", num_sub_dims=12)
     with pytest.raises(ConversionError, match="Unknown MoHD conversion field"):
         llama_to_mohd(source, "full", num_experts=4)
+    # "full" is every block shared (the exact source, no fusion or scaling): another split is not "full"
+    with pytest.raises(ConversionError, match=r"preset 'full' has every block shared.*\['num_shared_sub_dims'\]"):
+        llama_to_mohd(source, "full", num_sub_dims=8, num_shared_sub_dims=4)
+    assert llama_to_mohd(source, "full", num_sub_dims=8).config.num_shared_sub_dims == 8
 
 
 def test_mohd_channel_order_is_the_same_function(tiny_llama, input_ids):

@@ -94,6 +94,12 @@ def mohd_config_from_llama(llama_config, preset: str | None = "full", **sparsity
     if preset is not None and preset not in CONVERSION_PRESETS:
         raise ConversionError(f"`preset` must be one of {list(CONVERSION_PRESETS)} or None, got {preset!r}.")
     if preset == "full":
+        split = sorted({"num_shared_sub_dims", "num_routed_sub_dims_per_tok"} & set(overrides))
+        if split:
+            raise ConversionError(
+                f"preset 'full' has every block shared (the exact source model); it takes no {split}. For another "
+                "split give preset None (`--preset none`) and the three sub-dimension counts."
+            )
         num_sub_dims = overrides.get("num_sub_dims", _full_sub_dims(llama_config.hidden_size))
         fields = {
             "num_sub_dims": num_sub_dims,
