@@ -316,6 +316,8 @@ def test_train_cli_refuses_other_model_in_a_run_folder_and_leaves_a_finished_run
 
     values = _tiny_values(tmp_path, write_corpus(tmp_path / "corpus.jsonl"))
     config = _write_yaml(tmp_path / "run.yaml", values)
+    assert main(["train", config, "--set", "optim.lrr=1"]) == 1
+    assert f"error: {config} with --set: unknown field(s) ['optim.lrr']" in capsys.readouterr().err
     assert main(["train", config]) == 0
     final = os.path.join(values["output_dir"], "final")
     with open(os.path.join(final, "README.md"), "w") as handle:

@@ -53,7 +53,7 @@ def run(args) -> int:
         if args.set:
             with open(args.config, encoding="utf-8") as handle:
                 values = yaml.safe_load(handle) or {}
-            config = train_config_from_dict(apply_overrides(values, args.set), source=args.config)
+            config = train_config_from_dict(apply_overrides(values, args.set), source=f"{args.config} with --set")
     except (OSError, ValueError, TypeError, yaml.YAMLError) as error:
         return fail(args.config, error)
     try:
