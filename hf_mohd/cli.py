@@ -12,8 +12,17 @@ import sys
 from . import commands
 
 
+DESCRIPTION = (
+    "MoHD and LatentMoE sparse Transformers for Hugging Face: train, convert, evaluate, shape, publish. "
+    "`hf-mohd COMMAND --help` describes each command."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-mohd", description=__doc__.splitlines()[0])
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="hf-mohd", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{commands.__name__}.{info.name}")

@@ -247,6 +247,10 @@ def test_python_dash_m_runs_the_cli(tmp_path):
     assert as_module.stdout == as_script.stdout and as_module.stdout.strip()
     assert "compression_50" in as_module.stdout or "activated" in as_module.stdout.lower()
     assert subprocess.run([sys.executable, "-m", "hf_mohd"], capture_output=True).returncode == 2  # no sub-command
+    import hf_mohd
+
+    version = subprocess.run([sys.executable, "-m", "hf_mohd", "--version"], capture_output=True, text=True)
+    assert (version.returncode, version.stdout.strip()) == (0, f"hf-mohd {hf_mohd.__version__}")
 
 
 def test_repository_cites_only_what_it_ships():
