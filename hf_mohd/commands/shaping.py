@@ -16,8 +16,10 @@ from . import add_command
 def register(subparsers) -> None:
     p = _command(subparsers, "latent-accounting", run_accounting)
     p.add_argument("config", help="config.json of a LatentMoE (or MoHD, LLaMA) model, or the folder holding it.")
-    p.add_argument("--context-length", type=int, default=0, help="Keys per query for attention-score FLOPs.")
-    p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    p.add_argument(
+        "--context-length", type=int, default=2048, help="Keys per query for attention-score FLOPs, as `accounting`."
+    )
+    p.add_argument("--json", action="store_true", help="Print JSON instead of a table (the numbers of `accounting`).")
 
     p = _command(subparsers, "alpha-transform", run_alpha_transform)
     p.add_argument("config", help="config.json (or folder) of a standard MoE (moe_latent_size unset).")
