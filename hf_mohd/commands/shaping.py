@@ -31,7 +31,12 @@ def register(subparsers) -> None:
     source.add_argument("--product", type=int, help="Target l*m.")
     source.add_argument("--config", help="LatentMoE config.json (or folder): target = l*m of --layer.")
     p.add_argument("--layer", type=int, default=0, help="Layer of --config to read l and m from.")
-    p.add_argument("--max-aspect-deviation", type=float, default=0.4, help="Bound on |l/m - 1|.")
+    p.add_argument(
+        "--max-aspect-deviation",
+        type=float,
+        default=0.4,
+        help="Bound on |l/m - 1| (0.4: the near-square plateau of arXiv 2610.14644 section 3.2).",
+    )
     p.add_argument("--multiple", type=int, default=64, help="Alignment of l and m.")
     p.add_argument("--max-latent-size", type=int, help="Upper bound on l (with --config: hidden_size).")
     p.add_argument("--product-tolerance", type=float, default=0.05, help="Accepted relative error of l*m.")
@@ -59,7 +64,12 @@ def register(subparsers) -> None:
     p.add_argument("--output-dir", required=True, help="Folder for config.json, allocation.json, id_profile.png.")
     p.add_argument("--split", type=int, help="First wide layer (overrides the profile's split).")
     p.add_argument("--tolerance", type=float, default=0.05, help="Relative per-layer budget.")
-    p.add_argument("--max-aspect-deviation", type=float, default=0.3, help="Bound on |l/m - 1| of both regimes.")
+    p.add_argument(
+        "--max-aspect-deviation",
+        type=float,
+        default=0.3,
+        help="Bound on |l/m - 1| of both regimes (0.3: the allocation's 'up to 30%%' of arXiv 2610.14644 section 4.2).",
+    )
     p.add_argument("--multiple", type=int, default=64, help="Alignment of l and m.")
     p.add_argument("--shared-multiple", type=int, help="Alignment of m_s (when omitted: --multiple).")
     p.add_argument("--narrow-latent-size", type=int, help="Force l of the shallow regime.")
