@@ -21,6 +21,24 @@ class TrainConfigError(ValueError):
     names the field and what was expected; `hf-mohd train` prints it as one line."""
 
 
+def architecture_config(architecture: dict, **extra):
+    """The model config of `model.architecture` (its `model_type` and fields, updated by `extra`).
+
+    Raises:
+        TrainConfigError: the config class rejects a field or a value.
+    """
+    from transformers import AutoConfig
+
+    import hf_mohd  # noqa: F401  (registers the model types with the Auto classes)
+
+    fields = {k: v for k, v in architecture.items() if k != "model_type"} | extra
+    model_type = architecture["model_type"]
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except (ValueError, TypeError) as error:
+        raise TrainConfigError(f"`model.architecture` (model_type {model_type!r}) is invalid: {error}") from None
+
+
 def check_architecture(architecture: dict) -> None:
     """Builds the model config of `model.architecture` once, before any data is read.
 
@@ -29,7 +47,6 @@ def check_architecture(architecture: dict) -> None:
             of its config class (a typo would otherwise be stored as an extra attribute and the default used), or
             the config class rejects a value.
     """
-    from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     import hf_mohd  # noqa: F401  (registers the model types with the Auto classes)
@@ -42,10 +59,7 @@ def check_architecture(architecture: dict) -> None:
             f"`model.architecture.model_type` {model_type!r} is not a registered model type"
             + (f"; did you mean {close}?" if close else " (e.g. 'mohd', 'latent_moe', 'llama').")
         )
-    try:
-        built = AutoConfig.for_model(model_type, **fields).to_dict()
-    except (ValueError, TypeError) as error:
-        raise TrainConfigError(f"`model.architecture` (model_type {model_type!r}) is invalid: {error}") from None
+    built = architecture_config(architecture).to_dict()
     config_class = CONFIG_MAPPING[model_type]
     # `per_layer_config` is a field of every config (transformers' `PreTrainedConfig.__init__`, heterogeneous
     # layers) that a default instance does not serialise

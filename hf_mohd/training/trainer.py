@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from .config import TrainConfig, TrainConfigError
+from .config import TrainConfig, TrainConfigError, architecture_config
 from .data import PackedBatches, load_documents, pack, split_documents, train_bpe_tokenizer
 from .distill import distillation_loss, load_teacher, select_trainable
 
@@ -149,7 +149,7 @@ def _check_tokenizer_folder(source: str, field: str) -> None:
 
 def build_model(config: TrainConfig, tokenizer):
     """A fresh model from `model.architecture` (vocabulary and special ids from the tokenizer) or `init_from`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import hf_mohd  # noqa: F401  (registers the model types with the Auto classes)
 
@@ -158,18 +158,13 @@ def build_model(config: TrainConfig, tokenizer):
         return AutoModelForCausalLM.from_pretrained(
             config.model.init_from, dtype=torch.float32, trust_remote_code=config.model.trust_remote_code, **kwargs
         )
-    architecture = dict(config.model.architecture)
-    model_type = architecture.pop("model_type")
-    architecture.update(
+    model_config = architecture_config(
+        config.model.architecture,
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    try:
-        model_config = AutoConfig.for_model(model_type, **architecture)
-    except (ValueError, TypeError) as error:
-        raise TrainConfigError(f"`model.architecture` (model_type {model_type!r}) is invalid: {error}") from error
     return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
 
 
@@ -458,6 +453,7 @@ def train(config: TrainConfig) -> TrainResult:
 
     accelerator = make_accelerator(config)
     os.makedirs(config.output_dir, exist_ok=True)
+    check_same_run(config)  # before any data is read
     set_seed(config.seed)
 
     # Data and tokenizer. The main process goes first (it fills the `datasets` cache and saves the tokenizer), then
@@ -468,7 +464,6 @@ def train(config: TrainConfig) -> TrainResult:
         tokenizer = prepare_tokenizer(config, train_texts)
         if accelerator.is_main_process:
             tokenizer.save_pretrained(os.path.join(config.output_dir, "tokenizer"))
-    check_same_run(config)
     if accelerator.is_main_process:
         with open(os.path.join(config.output_dir, "train_config.json"), "w", encoding="utf-8") as handle:
             json.dump(config.to_dict(), handle, indent=2)
@@ -609,9 +604,10 @@ def train(config: TrainConfig) -> TrainResult:
     )
     if state.step >= config.max_steps:
         # a rerun of a finished run trains nothing; its final evaluation is already in the log
-        done = [r for r in log.records if r.get("eval_full") and r.get("step") == state.step and not steps_this_call]
+        finals = [r for r in log.records if r.get("eval_full") and r.get("step") == state.step]
+        done = finals[-1] if finals and not steps_this_call else None
         if done:
-            result.eval_loss, result.eval_perplexity = done[-1]["eval_loss"], done[-1]["eval_perplexity"]
+            result.eval_loss, result.eval_perplexity = done["eval_loss"], done["eval_perplexity"]
             accelerator.print(
                 f"{config.output_dir}: already complete ({state.step} of {config.max_steps} steps); "
                 "final evaluation read from log.jsonl"
