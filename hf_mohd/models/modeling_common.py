@@ -17,7 +17,9 @@ Shape legend used in this package: B batch, T tokens in this forward, S cached +
 M = B * T flattened tokens, N sub-dimensions (MoHD) or experts (LatentMoE), k routed picks per token.
 
 This file is copied next to the weights by `save_pretrained` (remote code), so it imports only `torch`,
-`transformers` and same-folder siblings.
+`transformers` and same-folder siblings. The forwards of the base model and the causal LM, which both families
+share too, are in `modular_common.py`: `scripts/modular_converter.py` writes them into each family's generated
+`modeling_<family>.py`.
 """
 
 from collections.abc import Callable
@@ -27,18 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.cache_utils import DynamicCache, StaticCache
-from transformers.integrations import moe as transformers_moe
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils import TransformersKwargs, logging
 from transformers.utils.deprecation import deprecate_kwarg
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
 
 from .routing_cache import RoutingCache
 
@@ -436,53 +432,6 @@ class TopKRouter(nn.Module):
         return logits.reshape(-1, logits.shape[-1]), weights, indices
 
 
-def _grouped_mm_aligned(tensor: torch.Tensor) -> bool:
-    """Whether `torch.nn.functional.grouped_mm` accepts `tensor` as an operand: a 16-byte aligned start and a leading
-    stride (of the last two dims, the one that is not 1) that is a multiple of 16 bytes.
-
-    The rule of ATen's `check_valid_strides_and_return_transposed` (`aten/src/ATen/native/GroupedMMUtils.h`), which
-    raises "strides should be multiple of 16 bytes" otherwise. The start is checked as the view's offset into its
-    storage (the allocator aligns storages themselves); under torch.compile, where reading the offset would break
-    the graph, only the strides are: the MoHD views start at N_s * s columns or N_s * s rows of a weight, aligned
-    whenever their strides are.
-    """
-    alignment = 16 // tensor.element_size()
-    rows, columns = tensor.stride()[-2:]
-    leading = columns if rows == 1 else rows
-    start_aligned = torch.compiler.is_compiling() or tensor.storage_offset() % alignment == 0
-    return start_aligned and leading % alignment == 0
-
-
-def grouped_matmul(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Grouped matmul: rows `offsets[g-1]:offsets[g]` of `inputs` (R, K) times `weight[g]` (G, K, O) -> (R, O).
-
-    Uses `torch.nn.functional.grouped_mm` (CPU and CUDA kernels in torch >= 2.10, float32/bf16/fp16) through
-    transformers' `integrations.moe._grouped_mm`, and transformers' registered loop operator for float64
-    (equivalence tests).
-
-    The kernel needs 16-byte aligned operands (`_grouped_mm_aligned`), in the backward too, where the output's
-    gradient (R, O) is one. MoHD's operands are views of an `nn.Linear` weight cut into sub-dimension blocks of s
-    scalars, so a block of s * element_size bytes that is not a multiple of 16 (s = 36 in bf16 or fp16:
-    SmolLM2-135M's hidden 576 at 16 sub-dimensions) breaks that rule. Such operands are padded with zeros to K', O'
-    multiples of 16 bytes (the zero rows and columns add nothing to the products) and the result is cut back to O
-    columns. The padding copies `inputs` and `weight`, and autograd keeps the padded weight for the backward; aligned
-    operands (s a multiple of 4 in float32, of 8 in bf16/fp16) take the kernel directly, with no copy.
-    """
-    if inputs.dtype == torch.float64:
-        return torch.ops.transformers.grouped_mm_fallback(inputs, weight, offsets)
-    inputs = inputs.to(weight.dtype)  # transformers' `_grouped_mm` casts the same way (autocast leaves fp32 inputs)
-    alignment = 16 // weight.element_size()
-    contraction, out_features = weight.shape[-2:]
-    # the output's gradient (R, O), contiguous, is an operand of the backward: O must be aligned too
-    if _grouped_mm_aligned(inputs) and _grouped_mm_aligned(weight) and out_features % alignment == 0:
-        return transformers_moe._grouped_mm(inputs, weight, offsets)
-    pad_contraction, pad_out = -contraction % alignment, -out_features % alignment
-    # F.pad returns new contiguous (hence 16-byte aligned) tensors, even when a pad is 0
-    inputs = F.pad(inputs, (0, pad_contraction))
-    weight = F.pad(weight, (0, pad_out, 0, pad_contraction))
-    return transformers_moe._grouped_mm(inputs, weight, offsets)[:, :out_features]
-
-
 def load_balancing_loss(
     router_logits: tuple[torch.Tensor, ...] | None,
     top_k: int,
@@ -523,175 +472,3 @@ def load_balancing_loss(
         mean_prob = (probs * token_weight[:, None]).sum(0) / num_tokens
         losses.append(num_choices * torch.sum(fraction_routed * mean_prob))
     return torch.stack(losses).mean()
-
-
-class RoutingGenerationMixin:
-    """Makes `generate` use a `RoutingCache` (key/value cache plus routing record) by default.
-
-    `GenerationMixin._prepare_cache_for_generation` builds a plain `DynamicCache`; this swaps it for a
-    `RoutingCache` with the same layer structure (docs/design.md section 5). A static cache keeps working, without a record.
-    """
-
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        user_cache = model_kwargs.get("cache")
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("cache")
-        if user_cache is None and type(cache) is DynamicCache and not cache.offloading:
-            model_kwargs["cache"] = RoutingCache(config=self.config.get_text_config(decoder=True))
-            if generation_config.is_assistant:
-                model_kwargs["cache"].activate_past_recording()
-        elif isinstance(cache, StaticCache):
-            logger.warning_once(
-                "A static cache keeps keys and values only: the routing record (indices and weights per token) is "
-                "not available with cache_implementation='static'. Use the default cache to read it."
-            )
-
-
-class RoutedDecoderMixin:
-    """`forward` of both families' base models (the `LlamaModel` flow): embed, create the `RoutingCache`, positions
-    and causal mask once, run the decoder layers, final norm. The model defines `embed_tokens`, `layers`, `norm` and
-    `rotary_emb` (a module returning None when the family has no positional embedding).
-    """
-
-    @deprecate_past_key_values
-    @merge_with_config_defaults
-    @capture_outputs
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: RoutingCache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeModelOutputWithPast:
-        r"""
-        Args:
-            input_ids, attention_mask, position_ids, inputs_embeds, use_cache: as for `LlamaModel`.
-            cache (`RoutingCache`, *optional*): keys, values and the routing record; created when `use_cache`.
-            routing_replay (`dict[tuple[int, str], RoutingRecord]`, *optional*): a routing record (e.g.
-                `RoutingCache.routing_record` of a generation) whose indices, (B, T, k) per (layer, router), replace
-                the routers' own top-k; the gates are recomputed by the current routers (docs/design.md section 3).
-
-        Returns:
-            `MoeModelOutputWithPast` with `last_hidden_state` (B, T, D) and the cache; hidden states, attentions and
-            router logits when requested.
-        """
-        if (input_ids is None) ^ (inputs_embeds is not None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and cache is None:
-            cache = RoutingCache(config=self.config)
-        if position_ids is None:
-            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            position_ids = position_ids.unsqueeze(0)
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-        )
-        hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=use_cache,
-                **kwargs,
-            )
-        hidden_states = self.norm(hidden_states)
-        return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
-
-
-class RoutedCausalLMMixin(RoutingGenerationMixin):
-    """`forward` of both families' causal LMs (the `MixtralForCausalLM` flow): LM head on the kept positions, LM
-    loss, and `router_aux_loss_coef` times the family's `load_balancing_loss(router_logits, attention_mask)` when
-    `output_router_logits` (the family returns None where routing is balanced otherwise).
-    """
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, with `auto_map.AutoModel` naming the base model class too.
-
-        transformers writes `auto_map` entries for the saved class only (`AutoModelForCausalLM`); serving engines that
-        load remote code through `AutoModel` (vLLM's Transformers modeling backend) need the base class as well, which
-        sits in the same copied code file.
-        """
-        base = type(self.model)
-        if getattr(base, "_auto_class", None) == "AutoModel":
-            auto_map = dict(getattr(self.config, "auto_map", None) or {})
-            auto_map.setdefault("AutoModel", f"{base.__module__.rsplit('.', 1)[-1]}.{base.__name__}")
-            self.config.auto_map = auto_map
-        return super().save_pretrained(save_directory, *args, **kwargs)
-
-    @deprecate_past_key_values
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: RoutingCache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_router_logits: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeCausalLMOutputWithPast:
-        r"""
-        Args:
-            input_ids, attention_mask, position_ids, inputs_embeds, labels, use_cache, logits_to_keep: as for
-                `LlamaForCausalLM`.
-            cache (`RoutingCache`, *optional*): keys, values and the routing record (docs/design.md section 5).
-            output_router_logits (`bool`, *optional*): return the router logits and add the aux loss to the loss.
-            routing_replay (`dict[tuple[int, str], RoutingRecord]`, *optional*): reuse recorded routing indices.
-
-        Returns:
-            `MoeCausalLMOutputWithPast`: logits (B, T', vocab), loss = LM loss + coef * aux loss, aux_loss, cache.
-
-        Example:
-
-        ```python
-        >>> out = model.generate(input_ids, max_new_tokens=8, return_dict_in_generate=True)
-        >>> out.cache.routing_record[(0, "mlp")].indices.shape  # (batch, seq, k); "moe" for LatentMoE
-        ```"""
-        output_router_logits = (
-            output_router_logits if output_router_logits is not None else self.config.output_router_logits
-        )
-        outputs: MoeModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_router_logits=output_router_logits,
-            **kwargs,
-        )
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden_states)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
-        aux_loss = None
-        if output_router_logits:
-            aux_loss = self.load_balancing_loss(outputs.router_logits, attention_mask)
-            if labels is not None and aux_loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device, loss.dtype)
-        return MoeCausalLMOutputWithPast(
-            loss=loss,
-            aux_loss=aux_loss,
-            logits=logits,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            router_logits=outputs.router_logits,
-        )

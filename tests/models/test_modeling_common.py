@@ -25,9 +25,9 @@ from transformers.distributed.parallel_utils import replace_layer_number_by_wild
 
 import hf_mohd  # noqa: F401  (registers the Auto classes)
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
-from hf_mohd.models.modeling_common import ReLUSquared, TopKRouter, _grouped_mm_aligned, activation, grouped_matmul
+from hf_mohd.models.modeling_common import ReLUSquared, TopKRouter, activation
 from hf_mohd.models.modeling_latent_moe import LatentMoEExpertsBase, LatentMoERouter
-from hf_mohd.models.modeling_mohd import MoHDGatherDispatch, MoHDRouter
+from hf_mohd.models.modeling_mohd import MoHDGatherDispatch, MoHDRouter, _grouped_mm_aligned, grouped_matmul
 
 
 VOCAB = 97
@@ -433,6 +433,8 @@ def test_save_and_reload_exact(family, tmp_path):
     assert '"auto_map"' in config_json and f"{family.code_files[0][:-3]}.{family.model_class.__name__}" in config_json
     for name in (*family.code_files, "modeling_common.py", "configuration_common.py", "routing_cache.py"):
         assert (tmp_path / name).exists(), name
+    # the generated modeling files import no modular source, so none travels with the weights
+    assert not list(tmp_path.glob("modular_*.py"))
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(reloaded) is family.model_class
     saved, loaded = model.config.to_dict(), reloaded.config.to_dict()
