@@ -19,8 +19,9 @@ transformers repository) ships in neither the transformers wheel nor its source 
 bases inside `transformers.models`; this is the same idea, reduced to what the two families here need.
 
 The rule: a class of the modular file that lists a class imported from `hf_mohd/models/modular_common.py` (a mixin)
-among its bases gets that mixin's methods (and those of the mixin's bases that modular_common.py defines, nearest
-first) written into its body, after its own; a method the class defines itself wins, as inheritance would have it.
+among its bases gets that mixin's class attributes written at the top of its body and the mixin's methods after its
+own (with those of the mixin's bases that modular_common.py defines, nearest first); an attribute or method the
+class defines itself wins, as inheritance would have it.
 The mixin is dropped from the bases, the module-level names the copied methods use are imported as
 `modular_common.py` imports them (from `modeling_common.py` or an installed package; a generated file never imports
 a modular file), and the file is sorted and formatted with ruff under the project's settings. So each family's
@@ -58,9 +59,20 @@ class ModularConversionError(RuntimeError):
 
 
 def _segment(lines: list[str], node: ast.AST) -> str:
-    """Source lines of `node`, decorators included, as written (with their indentation)."""
+    """Source lines of `node` as written (with their indentation): its decorators and the comment lines just above."""
     first = min([node.lineno, *(decorator.lineno for decorator in getattr(node, "decorator_list", []))])
+    while first > 1 and lines[first - 2].lstrip().startswith("#"):
+        first -= 1
     return "".join(lines[first - 1 : node.end_lineno])
+
+
+def _attribute_names(item: ast.stmt) -> set[str]:
+    """Names a class-level assignment (`name = ...`, `name: type = ...`) binds; empty for anything else."""
+    if isinstance(item, ast.Assign):
+        return {target.id for target in item.targets if isinstance(target, ast.Name)}
+    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+        return {item.target.id}
+    return set()
 
 
 def _module_bindings(tree: ast.Module) -> dict[str, ast.stmt]:
@@ -159,14 +171,20 @@ def convert(modular_path: Path) -> str:
         if not mixins:
             continue
         defined = {item.name for item in node.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))}
-        copied = []
+        defined |= set().union(*(_attribute_names(item) for item in node.body))
+        attributes, copied = [], []
         for mixin in mixins:
             for mixin_node in _mixin_chain(mixin, common_classes):
                 for item in mixin_node.body:
                     if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name not in defined:
                         defined.add(item.name)
                         copied.append(_segment(common_lines, item))
-                        needed |= {sub.id for sub in ast.walk(item) if isinstance(sub, ast.Name)}
+                    elif _attribute_names(item) and not _attribute_names(item) & defined:
+                        defined |= _attribute_names(item)
+                        attributes.append(_segment(common_lines, item))
+                    else:
+                        continue
+                    needed |= {sub.id for sub in ast.walk(item) if isinstance(sub, ast.Name)}
         bases = [ast.get_source_segment(source, base) for base in node.bases if ast.unparse(base) not in mixins]
         header_end = node.body[0].lineno - 1
         header_start = node.lineno
@@ -174,7 +192,10 @@ def convert(modular_path: Path) -> str:
         if header.count("\n") != 1:
             raise ModularConversionError(f"{modular_path.name}: class {node.name} must have a one-line header")
         new_header = f"class {node.name}({', '.join(bases)}):\n"
-        body = "".join(lines[header_end : node.end_lineno])
+        # the mixin's class attributes open the body (after a docstring), its methods close it
+        has_docstring = isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+        split = node.body[0].end_lineno if has_docstring else header_end
+        body = "".join(lines[header_end:split]) + "".join(attributes) + "".join(lines[split : node.end_lineno])
         edits.append((header_start, node.end_lineno, new_header + body + "".join("\n" + text for text in copied)))
 
     imports = []

@@ -66,8 +66,9 @@ def test_forward_is_written_in_each_family_file(module, classes):
 
 
 def test_converter_keeps_a_method_the_class_defines_and_copies_the_rest(tmp_path):
-    """Override semantics: a method the modular class writes itself wins over the mixin's; the mixin's other methods
-    (and its base mixin's) are copied, the mixin leaves the bases, and the names the copies use are imported."""
+    """Override semantics: an attribute or method the modular class writes itself wins over the mixin's; the mixin's
+    other attributes and methods (and its base mixin's) are copied, the mixin leaves the bases, and the names the
+    copies use are imported."""
     modular = tmp_path / "modular_toy.py"
     modular.write_text(
         textwrap.dedent(
@@ -80,6 +81,8 @@ def test_converter_keeps_a_method_the_class_defines_and_copies_the_rest(tmp_path
 
 
             class ToyForCausalLM(RoutedCausalLMMixin, PreTrainedModel):
+                _pp_plan = None
+
                 def forward(self, input_ids):
                     return input_ids
             '''
@@ -92,6 +95,11 @@ def test_converter_keeps_a_method_the_class_defines_and_copies_the_rest(tmp_path
     methods = [item.name for item in toy.body if isinstance(item, ast.FunctionDef)]
     # its own forward first and once; then RoutedCausalLMMixin's save_pretrained, then its base's cache hook
     assert methods == ["forward", "save_pretrained", "_prepare_cache_for_generation"]
+    # the mixin's attributes open the body, except the one the class sets itself
+    attributes = [ast.unparse(item) for item in toy.body if isinstance(item, ast.Assign)]
+    assert [text.split(" =")[0] for text in attributes] == ["_tied_weights_keys", "_tp_plan", "_pp_plan"]
+    assert attributes[-1] == "_pp_plan = None"
+    assert "# both tied weights sharded on the vocabulary" in out  # a comment above a copied attribute comes along
     assert "return input_ids" in out and "slice_logits_to_keep" not in out
     assert "from transformers.cache_utils import DynamicCache, StaticCache" in out
     assert "from .modeling_common import logger" in out

@@ -132,6 +132,11 @@ class RoutedCausalLMMixin(RoutingGenerationMixin):
     `output_router_logits` (the family returns None where routing is balanced otherwise).
     """
 
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # both tied weights sharded on the vocabulary, as in `LlamaForCausalLM.tp_plan`
+    _tp_plan = {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, with `auto_map.AutoModel` naming the base model class too.
 

@@ -352,11 +352,6 @@ class LatentMoEModel(RoutedDecoderMixin, LatentMoEPreTrainedModel):
 
 @auto_docstring
 class LatentMoEForCausalLM(RoutedCausalLMMixin, LatentMoEPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    # both tied weights sharded on the vocabulary, as in `LlamaForCausalLM.tp_plan`
-    _tp_plan = {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
-    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
-
     def __init__(self, config: LatentMoEConfig):
         super().__init__(config)
         self.model = LatentMoEModel(config)

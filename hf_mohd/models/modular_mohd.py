@@ -1177,11 +1177,6 @@ class MoHDModel(RoutedDecoderMixin, MoHDPreTrainedModel):
 
 @auto_docstring
 class MoHDForCausalLM(RoutedCausalLMMixin, MoHDPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    # both tied weights sharded on the vocabulary, as in `LlamaForCausalLM.tp_plan`
-    _tp_plan = {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
-    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
-
     def __init__(self, config: MoHDConfig):
         super().__init__(config)
         self.model = MoHDModel(config)
