@@ -114,3 +114,125 @@ def test_converter_rejects_a_base_modular_common_does_not_define(tmp_path):
     )
     with pytest.raises(converter.ModularConversionError, match="modular_bad.py: class Bad inherits 'NoSuchMixin'"):
         converter.convert(modular)
+
+
+def write(tmp_path, text, name="modular_toy.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_converter_accepts_any_header_layout_and_keeps_keywords_and_comments(tmp_path):
+    """A header over several lines (as ruff formats a long one), a keyword base, a comment in the header and a body
+    that opens with a comment or a decorated method all convert."""
+    modular = write(
+        tmp_path,
+        '''\
+        """A toy family."""
+
+        from transformers.modeling_utils import PreTrainedModel
+
+        from .modular_common import RoutedCausalLMMixin
+
+
+        class ToyForCausalLM(
+            RoutedCausalLMMixin,
+            PreTrainedModel,
+            metaclass=type,
+        ):  # noqa: B024
+            # a comment opening the body
+            @property
+            def width(self):
+                return 1
+        ''',
+    )
+    out = converter.convert(modular)
+    assert "class ToyForCausalLM(PreTrainedModel, metaclass=type):  # noqa: B024" in out
+    tree = ast.parse(out)
+    (toy,) = [node for node in tree.body if isinstance(node, ast.ClassDef)]
+    assert [item.name for item in toy.body if isinstance(item, ast.FunctionDef)][:2] == ["width", "save_pretrained"]
+    assert "# a comment opening the body" in out
+
+
+def test_converter_rejects_super_call_to_a_dropped_mixin(tmp_path):
+    """An override that calls super() on the mixin's method would reach the next base once the mixin is dropped."""
+    modular = write(
+        tmp_path,
+        '''\
+        """A toy family."""
+
+        from transformers.modeling_utils import PreTrainedModel
+
+        from .modular_common import RoutedCausalLMMixin
+
+
+        class ToyForCausalLM(RoutedCausalLMMixin, PreTrainedModel):
+            def forward(self, **kwargs):
+                return super().forward(**kwargs)
+        ''',
+    )
+    with pytest.raises(converter.ModularConversionError, match=r"ToyForCausalLM.forward calls super\(\).forward"):
+        converter.convert(modular)
+
+
+def test_converter_rejects_a_family_name_that_shadows_what_the_mixin_imports(tmp_path):
+    """A family-level `RoutingCache` would silently replace the one the copied forward means."""
+    modular = write(
+        tmp_path,
+        '''\
+        """A toy family."""
+
+        from transformers.modeling_utils import PreTrainedModel
+
+        from .modular_common import RoutedDecoderMixin
+
+
+        class RoutingCache:
+            pass
+
+
+        class ToyModel(RoutedDecoderMixin, PreTrainedModel):
+            pass
+        ''',
+    )
+    with pytest.raises(converter.ModularConversionError, match="modular_toy.py binds 'RoutingCache' otherwise"):
+        converter.convert(modular)
+
+
+def test_check_mode_reports_a_conversion_error_as_one_line(tmp_path, monkeypatch, capsys):
+    bad = write(
+        tmp_path,
+        '"""Bad."""\n\nfrom .modular_common import NoSuchMixin\n\n\nclass Bad(NoSuchMixin):\n    pass\n',
+        name="modular_bad.py",
+    )
+    monkeypatch.setattr(converter, "modular_files", lambda: [bad])
+    assert converter.main(["--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: modular_bad.py: class Bad inherits 'NoSuchMixin'") and err.count("\n") == 1
+
+
+def test_converter_rejects_a_mixin_helper_defined_in_the_modular_source(tmp_path, monkeypatch):
+    """A generated file must not import a modular file, so a helper the mixins use must come from modeling_common."""
+    common = write(
+        tmp_path,
+        '''\
+        """Shared modular source."""
+
+
+        def _count_layers(model):
+            return len(model.layers)
+
+
+        class CountMixin:
+            def num_layers(self):
+                return _count_layers(self)
+        ''',
+        name="modular_common.py",
+    )
+    monkeypatch.setattr(converter, "COMMON", common)
+    modular = write(
+        tmp_path,
+        '"""Toy."""\n\nfrom .modular_common import CountMixin\n\n\nclass Toy(CountMixin):\n    pass\n',
+    )
+    with pytest.raises(converter.ModularConversionError, match="CountMixin.num_layers uses '_count_layers', which"):
+        converter.convert(modular)

@@ -1,3 +1,4 @@
+# Modular source of modeling_mohd.py: edit this file, then run `python scripts/modular_converter.py`.
 # Copyright 2026 The hf-mohd Authors. All rights reserved.
 #
 # Licensed under the Apache License, Version 2.0 (the "License");
