@@ -628,5 +628,9 @@ def train(config: TrainConfig) -> TrainResult:
             if not (done and os.path.isfile(os.path.join(result.final_model_dir, "config.json"))):
                 save_final_model(accelerator, model, tokenizer, result.final_model_dir)
     result.model = accelerator.unwrap_model(model)
+    # every rank's collectives (the final save's among them) finish before `end_training` destroys the process group:
+    # without it a gloo rank that is still inside one aborts in teardown ("terminate called without an active
+    # exception"), seen once under FSDP2 on two CPU processes
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return result
