@@ -166,16 +166,13 @@ def _is_shared(name: str, bindings: dict[str, ast.stmt]) -> bool:
 
 
 def _mixin_chain(name: str, common_classes: dict[str, ast.ClassDef]) -> list[ast.ClassDef]:
-    """The mixin `name` and the bases of it that modular_common.py defines, nearest first (single inheritance)."""
-    chain, pending = [], [name]
-    while pending:
-        current = pending.pop(0)
-        if current not in common_classes:
-            raise ModularConversionError(f"modular_common.py defines no mixin {current!r}")
-        node = common_classes[current]
-        if node not in chain:
-            chain.append(node)
-        pending += [base.id for base in node.bases if isinstance(base, ast.Name) and base.id in common_classes]
+    """The mixin `name` (defined in modular_common.py) and its bases that modular_common.py defines, nearest first
+    (single inheritance)."""
+    chain = [common_classes[name]]
+    for node in chain:
+        chain += [
+            common_classes[base.id] for base in node.bases if isinstance(base, ast.Name) and base.id in common_classes
+        ]
     return chain
 
 
@@ -250,8 +247,9 @@ def convert(modular_path: Path) -> str:
                         attributes.append(_segment(common_lines, item))
                     else:
                         continue
+                    member = item.name if is_method else ", ".join(sorted(_attribute_names(item)))
                     for name in _free_names(item):
-                        needed.setdefault(name, f"{mixin_node.name}.{getattr(item, 'name', ast.unparse(item)[:40])}")
+                        needed.setdefault(name, f"{mixin_node.name}.{member}")
         bases = [ast.get_source_segment(source, base) for base in node.bases if ast.unparse(base) not in mixins]
         bases += [ast.get_source_segment(source, keyword) for keyword in node.keywords]
         header_end, header_comment = _header(lines, node, modular_path.name)

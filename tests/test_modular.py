@@ -25,6 +25,12 @@ def load_converter():
 converter = load_converter()
 
 
+def write(tmp_path, text, name="modular_toy.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
 @pytest.mark.parametrize("family", ["mohd", "latent_moe"])
 def test_generated_file_matches_its_modular_file(family):
     """The committed modeling file is exactly what the converter writes from the modular file (run
@@ -69,24 +75,22 @@ def test_converter_keeps_a_method_the_class_defines_and_copies_the_rest(tmp_path
     """Override semantics: an attribute or method the modular class writes itself wins over the mixin's; the mixin's
     other attributes and methods (and its base mixin's) are copied, the mixin leaves the bases, and the names the
     copies use are imported."""
-    modular = tmp_path / "modular_toy.py"
-    modular.write_text(
-        textwrap.dedent(
-            '''\
-            """A toy family."""
+    modular = write(
+        tmp_path,
+        '''\
+        """A toy family."""
 
-            from transformers.modeling_utils import PreTrainedModel
+        from transformers.modeling_utils import PreTrainedModel
 
-            from .modular_common import RoutedCausalLMMixin
+        from .modular_common import RoutedCausalLMMixin
 
 
-            class ToyForCausalLM(RoutedCausalLMMixin, PreTrainedModel):
-                _pp_plan = None
+        class ToyForCausalLM(RoutedCausalLMMixin, PreTrainedModel):
+            _pp_plan = None
 
-                def forward(self, input_ids):
-                    return input_ids
-            '''
-        )
+            def forward(self, input_ids):
+                return input_ids
+        ''',
     )
     out = converter.convert(modular)
     tree = ast.parse(out)
@@ -107,19 +111,14 @@ def test_converter_keeps_a_method_the_class_defines_and_copies_the_rest(tmp_path
 
 
 def test_converter_rejects_a_base_modular_common_does_not_define(tmp_path):
-    modular = tmp_path / "modular_bad.py"
-    modular.write_text(
+    modular = write(
+        tmp_path,
         '"""Bad."""\n\nfrom .modular_common import NoSuchMixin, RoutedCausalLMMixin\n\n\n'
-        "class Bad(NoSuchMixin, RoutedCausalLMMixin):\n    pass\n"
+        "class Bad(NoSuchMixin, RoutedCausalLMMixin):\n    pass\n",
+        name="modular_bad.py",
     )
     with pytest.raises(converter.ModularConversionError, match="modular_bad.py: class Bad inherits 'NoSuchMixin'"):
         converter.convert(modular)
-
-
-def write(tmp_path, text, name="modular_toy.py"):
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(text))
-    return path
 
 
 def test_converter_accepts_any_header_layout_and_keeps_keywords_and_comments(tmp_path):
