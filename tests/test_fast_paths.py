@@ -13,13 +13,16 @@ import torch
 from torch import nn
 
 from hf_mohd import MoHDConfig, MoHDForCausalLM
+from hf_mohd.models import modeling_mohd
 from hf_mohd.models.modeling_mohd import (
     MoHDGatherDispatch,
     MoHDGatherFewTokensPlan,
     MoHDGatherHostPlan,
     MoHDGatherPlan,
+    MoHDGroupPart,
     MoHDSparseBlockMix,
     contiguous_spans,
+    grouped_parts,
     set_linear_layout_,
 )
 
@@ -288,14 +291,31 @@ def block_gates(dispatch, indices, weights) -> tuple[torch.Tensor, torch.Tensor]
 GROUPED_CASES = [(64, 8, 3, 2, 96, torch.float64), (64, 8, 3, 2, 96, torch.float32), (48, 8, 2, 3, 30, torch.float32)]
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "autograd-views"])
+def test_grouped_parts_are_the_non_empty_groups_on_cpu(monkeypatch):
+    """Eager CPU: one part per non-empty group, its rows the group's slice; while compiling: one part of all rows."""
+    offsets = torch.tensor([1, 1, 2, 2, 3], dtype=torch.int32)  # groups 1 and 3 are empty
+    parts = grouped_parts(offsets)
+    assert [(part.rows.start, part.rows.stop, part.group) for part in parts] == [(0, 1, 0), (1, 2, 2), (2, 3, 4)]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    (part,) = grouped_parts(offsets)
+    assert part.rows == slice(None) and part.group is None and part.offsets is offsets
+
+
+def grouped_kernel_parts(offsets: torch.Tensor) -> list[MoHDGroupPart]:
+    """`grouped_parts` as on an accelerator: one part of all rows, the grouped kernel."""
+    return [MoHDGroupPart(slice(None), None, offsets)]
+
+
+@pytest.mark.parametrize("path", ["fused-per-group", "fused-grouped-kernel", "autograd-views"])
 @pytest.mark.parametrize("layout", ["block_major", "row_major"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("case", GROUPED_CASES, ids=["f64", "f32", "f32-unaligned"])
-def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layout, fused):
+def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layout, path):
     """The grouped path's projections (`MoHDGatherLinearIn`, `MoHDGatherLinearOut`, or autograd on the weight views when
     they do not apply) against the dense float64 formula on the gated input / masked output: outputs and the
-    gradients of input, gates, weight (shared and routed blocks) and bias, and `.grad` kept in the weight's layout."""
+    gradients of input, gates, weight (shared and routed blocks) and bias, and `.grad` kept in the weight's layout.
+    Both ways of running a slot's groups (`grouped_parts`: a product per group on CPU, one grouped kernel call on an
+    accelerator), with the last routed block picked by no token (an empty group, whose weight gradient is 0)."""
     hidden, num_sub_dims, num_shared, top_k, features, dtype = case
     dispatch = MoHDGatherDispatch(
         config(
@@ -306,11 +326,15 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
             intermediate_size=features,
         )
     )
+    fused = path != "autograd-views"
     if not fused:
         monkeypatch.setattr(MoHDGatherDispatch, "_fused", staticmethod(lambda *args: False))
+    if path == "fused-grouped-kernel":
+        monkeypatch.setattr(modeling_mohd, "grouped_parts", grouped_kernel_parts)
     tokens = 3 * dispatch.host_tokens  # grouped plan
     generator = torch.Generator().manual_seed(1)
     scores = torch.rand(tokens, dispatch.num_routed, generator=generator)
+    scores[:, -1] = -1.0  # never picked
     indices = scores.topk(top_k, dim=1).indices + num_shared
     weights = torch.rand(tokens, top_k, generator=generator, dtype=torch.float64)
     gates, mask = block_gates(dispatch, indices, weights)

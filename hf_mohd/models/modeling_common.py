@@ -315,6 +315,8 @@ class MLP(nn.Module):
         """act(gate) * up for the gated form, act(up) otherwise; shapes (..., intermediate_size)."""
         if gate is None:
             return self.act_fn(up)
+        if not torch.is_grad_enabled():  # the product in place of act(gate), a fresh (tokens, intermediate) tensor
+            return self.act_fn(gate).mul_(up)
         return self.act_fn(gate) * up
 
     def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
