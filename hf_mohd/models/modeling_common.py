@@ -28,6 +28,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
@@ -315,9 +316,14 @@ class MLP(nn.Module):
         """act(gate) * up for the gated form, act(up) otherwise; shapes (..., intermediate_size)."""
         if gate is None:
             return self.act_fn(up)
-        if not torch.is_grad_enabled():  # the product in place of act(gate), a fresh (tokens, intermediate) tensor
-            return self.act_fn(gate).mul_(up)
-        return self.act_fn(gate) * up
+        activated = self.act_fn(gate)
+        hooked = self.act_fn._forward_hooks or _global_forward_hooks
+        if not torch.is_grad_enabled() and not hooked and activated is not gate:
+            # outside autograd, and no forward hook can hold act(gate) (a fresh tensor, not gate itself): the product
+            # overwrites it, one (tokens, intermediate) temporary fewer; past glibc's mmap threshold a fresh one is
+            # page-faulted in on every call
+            return activated.mul_(up)
+        return activated * up
 
     def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
         gate = self.gate_proj(hidden_states) if self.gate_proj is not None else None

@@ -819,11 +819,12 @@ class MoHDGatherDispatch:
     def _project_out_host(self, hidden_states: torch.Tensor, plan: MoHDGatherHostPlan, linear) -> torch.Tensor:
         """Host-ids output side: (M, in) -> (M, N, s); each span of picked blocks is contiguous rows of the row-major
         weight, read in place once for all M tokens and kept for the tokens that picked each block; other blocks 0.
-        With autograd off and no bias, each product is written straight into its span of the output."""
+        With autograd off and no bias, each product is written straight into its span of the output and the blocks a
+        token did not pick are zeroed by one mask at the end."""
         m = hidden_states.shape[0]
         weight, bias = linear.weight, linear.bias
         out = hidden_states.new_zeros(m, self.hidden_size)
-        direct = bias is None and plan.keep is None and not torch.is_grad_enabled()
+        direct = bias is None and not torch.is_grad_enabled()
         for start, stop in plan.spans:
             rows = slice(start * self.block, stop * self.block)
             if direct:
@@ -833,7 +834,10 @@ class MoHDGatherDispatch:
             if plan.keep is not None:
                 product = (product.view(m, stop - start, self.block) * plan.keep[:, start:stop, None]).view(m, -1)
             out[:, rows] = product
-        return out.view(m, self.num_sub_dims, self.block)
+        out = out.view(m, self.num_sub_dims, self.block)
+        if direct and plan.keep is not None:  # one mask over all spans instead of one per span
+            out.mul_(plan.keep[..., None])
+        return out
 
 
 MOHD_DISPATCH = {"masked": MoHDMaskedDispatch, "gather": MoHDGatherDispatch}

@@ -964,3 +964,35 @@ def test_relu_squared_equals_transformers_and_works_in_place_only_where_asked_ou
     torch.testing.assert_close(leaf.grad, expected.grad, rtol=1e-15, atol=0)
     torch.testing.assert_close(leaf.grad, 2 * grad * x.clamp_min(0), rtol=1e-15, atol=0)
     assert torch.autograd.gradcheck(ReLUSquared(), (torch.randn(5, 7, dtype=torch.float64, requires_grad=True),))
+
+
+def test_gated_mlp_product_in_place_only_where_no_hook_can_hold_the_activation():
+    """The SwiGLU product `act(gate) * up` overwrites act(gate) outside autograd (one temporary fewer) and equals
+    the out-of-place product bit for bit; a forward hook on `act_fn` (a module or a global hook) keeps seeing
+    silu(gate), not the product; under autograd act(gate) is never overwritten."""
+    from hf_mohd.models.modeling_common import MLP
+
+    mlp = MLP(LlamaConfig(hidden_size=32, intermediate_size=48, hidden_act="silu"))
+    gate, up = torch.randn(5, 48, dtype=torch.float64), torch.randn(5, 48, dtype=torch.float64)
+    expected = F.silu(gate) * up
+    with torch.no_grad():
+        out = mlp.activate(gate, up)
+        assert torch.equal(out, expected)
+        kept = []
+        for register in (mlp.act_fn.register_forward_hook, torch.nn.modules.module.register_module_forward_hook):
+            handle = register(lambda module, args, output: kept.append(output))
+            out = mlp.activate(gate, up)
+            handle.remove()
+            assert torch.equal(out, expected) and torch.equal(kept.pop(), F.silu(gate))
+        hidden = torch.randn(5, 32, dtype=torch.float64)
+        mlp = mlp.double()
+        dense = mlp.down_proj(F.silu(mlp.gate_proj(hidden)) * mlp.up_proj(hidden))
+        assert torch.equal(mlp(hidden), dense)
+    leaf = gate.clone().requires_grad_(True)
+    kept = []
+    handle = mlp.act_fn.register_forward_hook(lambda module, args, output: kept.append(output))
+    out = mlp.activate(leaf, up)
+    handle.remove()
+    out.sum().backward()
+    assert torch.equal(out.detach(), expected) and torch.equal(kept[0].detach(), F.silu(gate))
+    torch.testing.assert_close(leaf.grad, up * torch.sigmoid(gate) * (1 + gate * (1 - torch.sigmoid(gate))))
