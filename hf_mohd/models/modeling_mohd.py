@@ -409,9 +409,9 @@ class MoHDGatherLinearIn(torch.autograd.Function):
 
     The backward writes both pieces of the weight gradient into one (out, in) tensor of the weight's own layout
     (so that `AccumulateGrad` takes it as `.grad` without a copy): the shared columns by one GEMM into their slice,
-    the routed column blocks by one weight-gradient GEMM per group (or one grouped call per slot) into theirs. Autograd on the views
-    (a column slice and a grouped routed view of `weight`) would materialise a zero-filled full-size gradient for
-    each view, then sum them, and copy the sum into the block-major layout. It keeps only its inputs and the index
+    the routed column blocks by one weight-gradient GEMM per group (or one grouped call per slot) into theirs.
+    Autograd on the views (a column slice and a grouped routed view of `weight`) would materialise a zero-filled
+    full-size gradient for each view, then sum them, and copy the sum into the block-major layout. It keeps only its inputs and the index
     (as `MoHDRowIndexAdd` does, not each slot's (M, out) output).
     Shapes: shared (M, D_s) (a view of the input), routed (k, M, s) gated routed inputs in the plan's order,
     token_index (k, M), offsets (k, N_r) int32 group ends, weight (out, D), bias (out,) or None -> (M, out).
@@ -456,7 +456,6 @@ class MoHDGatherLinearIn(torch.autograd.Function):
                     part.add_weight_gradient_(routed_grad_weight, routed[slot, rows], grad_rows)
                 if grad_routed is not None:
                     grad_routed[slot, rows] = part.matmul(grad_rows, routed_weight_t)
-                del grad_rows
         if ctx.has_bias and ctx.needs_input_grad[5]:
             grad_bias = grad.sum(0)
         return grad_shared, grad_routed, None, None, grad_weight, grad_bias, None, None
@@ -819,8 +818,8 @@ class MoHDGatherDispatch:
     def _project_out_host(self, hidden_states: torch.Tensor, plan: MoHDGatherHostPlan, linear) -> torch.Tensor:
         """Host-ids output side: (M, in) -> (M, N, s); each span of picked blocks is contiguous rows of the row-major
         weight, read in place once for all M tokens and kept for the tokens that picked each block; other blocks 0.
-        With autograd off and no bias, each product is written straight into its span of the output and the blocks a
-        token did not pick are zeroed by one mask at the end."""
+        With autograd off and no bias, each product is written straight into its span of the output. With several
+        tokens, the blocks a token did not pick are zeroed by one mask over all spans at the end."""
         m = hidden_states.shape[0]
         weight, bias = linear.weight, linear.bias
         out = hidden_states.new_zeros(m, self.hidden_size)
@@ -829,13 +828,10 @@ class MoHDGatherDispatch:
             rows = slice(start * self.block, stop * self.block)
             if direct:
                 torch.mm(hidden_states, weight[rows].t(), out=out[:, rows])
-                continue
-            product = F.linear(hidden_states, weight[rows], None if bias is None else bias[rows])
-            if plan.keep is not None:
-                product = (product.view(m, stop - start, self.block) * plan.keep[:, start:stop, None]).view(m, -1)
-            out[:, rows] = product
+            else:
+                out[:, rows] = F.linear(hidden_states, weight[rows], None if bias is None else bias[rows])
         out = out.view(m, self.num_sub_dims, self.block)
-        if direct and plan.keep is not None:  # one mask over all spans instead of one per span
+        if plan.keep is not None:
             out.mul_(plan.keep[..., None])
         return out
 
