@@ -93,6 +93,20 @@ def check_positive_ints(config, names) -> None:
             raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
 
 
+def default_head_dim(config) -> int:
+    """`head_dim` when the config leaves it unset: hidden_size // num_attention_heads, as `LlamaConfig` derives it.
+
+    Raises:
+        ValueError: naming `num_attention_heads` when it exceeds `hidden_size` (the derived width would be 0).
+    """
+    if config.num_attention_heads > config.hidden_size:
+        raise ValueError(
+            f"`num_attention_heads` ({config.num_attention_heads}) exceeds `hidden_size` ({config.hidden_size}): "
+            "the derived head_dim would be 0; lower it or set `head_dim`."
+        )
+    return config.hidden_size // config.num_attention_heads
+
+
 def check_real(config, name: str, low: float, high: float | None = None, open_low: bool = False) -> None:
     """`low <= value (<= high)` (`low < value` when `open_low`), finite; else a `ValueError` naming `name`."""
     value = getattr(config, name)

@@ -30,6 +30,7 @@ from .configuration_common import (
     check_llama_fields,
     check_positive_ints,
     check_real,
+    default_head_dim,
     raise_value_errors,
 )
 
@@ -183,7 +184,7 @@ class LatentMoEConfig(AccountingMixin, PreTrainedConfig):
         check_positive_ints(self, ("num_attention_heads", "max_position_embeddings"))
         defaults = SimpleNamespace(**{name: getattr(self, name) for name in PER_LAYER_FIELDS})
         if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
+            self.head_dim = default_head_dim(self)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         super().__post_init__(**kwargs)

@@ -26,6 +26,7 @@ from .configuration_common import (
     check_llama_fields,
     check_positive_ints,
     check_real,
+    default_head_dim,
     raise_value_errors,
 )
 
@@ -150,7 +151,7 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"))
         check_positive_ints(self, ("num_attention_heads", "max_position_embeddings", "num_sub_dims"))
         if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
+            self.head_dim = default_head_dim(self)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         self.sparse_modules = list(SPARSE_MODULES if self.sparse_modules is None else self.sparse_modules)

@@ -190,6 +190,7 @@ LLAMA_BAD_CONFIGS = (
     ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, "rope_theta"),
     ({"rope_parameters": {"rope_type": "spiral", "rope_theta": 10000.0}}, "rope_type"),
     ({"num_hidden_layers": 0}, "`num_hidden_layers`"),
+    ({"num_attention_heads": 128, "num_key_value_heads": 128, "head_dim": None}, "`num_attention_heads`"),
 )
 BAD_CONFIG_CASES = [
     pytest.param(name, overrides, message, id=f"{name}-{'-'.join(map(str, overrides))}-{index}")
