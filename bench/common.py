@@ -76,14 +76,31 @@ def setup(args) -> dict:
     return dict(QUICK_SHAPE if args.quick else BENCH_SHAPE)
 
 
-def _cpu_model() -> str:
+def _cpuinfo_fields() -> dict:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    fields = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return fields
+
+
+def _cpu_model() -> str:
+    """Model name, with vendor, family, model and stepping: a VM may name only "AMD EPYC", which family 25 model 1
+    (Zen 3) and family 25 model 17 (Zen 4) share."""
+    fields = _cpuinfo_fields()
+    name = fields.get("model name") or platform.processor() or "unknown"
+    if "cpu family" in fields:
+        name += (
+            f" ({fields.get('vendor_id', '?')} family {fields['cpu family']} model {fields.get('model', '?')}"
+            f" stepping {fields.get('stepping', '?')})"
+        )
+    return name
 
 
 def machine_description() -> dict:
