@@ -15,9 +15,10 @@
 
 The models are those of `bench_mohd_decode.py` (fixed bench shape, saved and reloaded with `from_pretrained`). Each
 decodes greedily on a `StaticCache`: the prompt eagerly, then single-token steps through the eager model or through
-`torch.compile(model, fullgraph=True, dynamic=False)` (compiled once, warm-up excluded). Under compilation MoHD's
-few-token plan reads the blocks through index tensors (`MoHDGatherFewTokensPlan`), not host ids. Ratios: compiled MoHD
-vs eager MoHD, vs compiled Llama, and eager MoHD vs eager Llama, on the process CPU clock by default.
+`torch.compile(model, fullgraph=True, dynamic=False)` (compiled once, warm-up excluded); the four variants'
+repetitions run round-robin. Under compilation MoHD's few-token plan reads the blocks through index tensors
+(`MoHDGatherFewTokensPlan`), not host ids. Ratios: compiled MoHD vs eager MoHD, vs compiled Llama, and eager MoHD vs
+eager Llama, on the process CPU clock by default.
 
     python bench/bench_mohd_compiled.py --reps 3     # results/mohd_compiled.json
 """
@@ -60,19 +61,31 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         models, _ = build_and_reload(shape, folder)
     prompt = torch.randint(3, shape["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0))
-    results = {}
+    forwards, compile_s = {}, {}
     for name in NAMES:
         model = models[name]
         compiled = torch.compile(model, fullgraph=True, dynamic=False)
         start = time.perf_counter()
         decode_steps(model, compiled, prompt, 4)  # compiles
-        compile_s = time.perf_counter() - start
-        for mode, forward in (("eager", model), ("compiled", compiled)):
-            decode_steps(model, forward, prompt, args.new_tokens)  # warm-up
-            runs = [decode_steps(model, forward, prompt, args.new_tokens) for _ in range(args.reps)]
-            seconds = statistics.median(r[clock] for r in runs)
-            results[f"{name}_{mode}"] = {"tok_s": (args.new_tokens - 1) / seconds, "seconds": seconds}
-        results[f"{name}_compiled"]["compile_wall_s"] = compile_s
+        compile_s[name] = time.perf_counter() - start
+        forwards[f"{name}_eager"], forwards[f"{name}_compiled"] = (model, model), (model, compiled)
+    # repetitions round-robin over the four variants, so that a drift of the machine's memory bandwidth falls on all
+    runs = {key: [] for key in forwards}
+    for round_index in range(args.reps + 1):  # round 0 is the warm-up
+        for key, (model, forward) in forwards.items():
+            timing = decode_steps(model, forward, prompt, args.new_tokens)
+            if round_index:
+                runs[key].append(timing)
+    results = {}
+    for key, timings in runs.items():
+        seconds = statistics.median(t[clock] for t in timings)
+        results[key] = {
+            "tok_s": (args.new_tokens - 1) / seconds,
+            "seconds": seconds,
+            "runs_s": [round(t[clock], 5) for t in timings],
+        }
+    for name in NAMES:
+        results[f"{name}_compiled"]["compile_wall_s"] = compile_s[name]
         print(name, {k: round(v["tok_s"], 1) for k, v in results.items() if k.startswith(name)}, flush=True)
     ratios = {
         "mohd_compiled_vs_mohd_eager": results["mohd_compiled"]["tok_s"] / results["mohd_eager"]["tok_s"],
