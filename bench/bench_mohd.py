@@ -20,7 +20,8 @@ Models (fp32, CPU, sdpa attention), all built in this run from the fixed bench s
 - `llama_active`: `LlamaForCausalLM` at the activated width (hidden 512, same heads and FFN; reference only).
 
 Ceilings come from `hf_mohd.models.accounting.model_accounting`: forward FLOPs per token (decoder at the mean causal context
-(T + 1) / 2, plus the LM head).
+(T + 1) / 2, plus the LM head). Times are medians of `--reps` repetitions run round-robin over the four models
+(`common.measure_interleaved`, every repetition stored); peak memory comes from one run of each model alone.
 
     python bench/bench_mohd.py            # fixed shape, writes bench/results/mohd.json and mohd.png
     python bench/bench_mohd.py --quick    # 2 layers, batch 2 x seq 128 (development)
@@ -160,10 +161,16 @@ def main():
     for mode, make in (("prefill", prefill_fn), ("train", train_fn)):
         if mode in args.skip:
             continue
-        for name in MODELS_PER_MODE[mode]:
-            model = models[name].train(mode == "train")
-            results[mode][name] = common.measure(make(model, ids), reps=args.reps)
-            model.eval().zero_grad(set_to_none=True)
+        names = MODELS_PER_MODE[mode]
+        for name in names:
+            models[name].train(mode == "train")
+        results[mode] = common.measure_interleaved(
+            {name: make(models[name], ids) for name in names},
+            reps=args.reps,
+            after=lambda name: models[name].zero_grad(set_to_none=True),
+        )
+        for name in names:
+            models[name].eval()
             print(f"{mode:8s} {name:13s} {results[mode][name]}", flush=True)
         base_time = results[mode]["llama"][clock]
         for name, res in results[mode].items():

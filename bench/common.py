@@ -182,6 +182,70 @@ def measure(fn: Callable[[], object], reps: int = 3, warmup: int = 1) -> dict:
     }
 
 
+def measure_interleaved(
+    fns: dict[str, Callable[[], object]],
+    reps: int = 3,
+    warmup: int = 1,
+    after: Callable[[str], None] | None = None,
+) -> dict[str, dict]:
+    """`measure` for several models at once, with their timed repetitions run round-robin.
+
+    On a shared VM the machine's speed drifts over minutes (seen here: the same Llama prefill 3.9 s in one run and 5.0
+    s in the next, the same Llama decoding step 45-60 ms within one minute); timing each model's repetitions one
+    after the other lets the drift fall on whichever model ran during it, round-robin spreads it over all of them.
+    First each model runs its warm-ups and one run alone for its peak memory (the counter is reset just before
+    it, after `after(name)` freed what the warm-up left), then `reps` rounds time one repetition of every model.
+
+    Args:
+        fns: name -> the callable to time.
+        after: called with the name after each run of that model, outside the timing (e.g. to free gradients).
+    Returns:
+        name -> the fields of `measure` (medians, minima, peak memory of the memory run), plus `wall_runs` /
+        `cpu_runs`, every timed repetition in seconds.
+    """
+    results = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        if after is not None:
+            after(name)
+        release_free_memory()
+        rss_before = _read_status_kib("VmRSS")
+        can_reset = reset_peak_memory()
+        fn()
+        hwm = _read_status_kib("VmHWM") if can_reset else None
+        if after is not None:
+            after(name)
+        results[name] = {
+            "peak_rss_mib": None if hwm is None else round(hwm / 1024, 1),
+            "rss_before_mib": None if rss_before is None else round(rss_before / 1024, 1),
+            "peak_rss_above_start_mib": None
+            if hwm is None or rss_before is None
+            else round((hwm - rss_before) / 1024, 1),
+        }
+    runs = {name: ([], []) for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            runs[name][1].append(time.process_time() - c0)
+            runs[name][0].append(time.perf_counter() - w0)
+            if after is not None:
+                after(name)
+    for name, (walls, cpus) in runs.items():
+        results[name] = {
+            "wall_s": statistics.median(walls),
+            "cpu_s": statistics.median(cpus),
+            "wall_min_s": min(walls),
+            "cpu_min_s": min(cpus),
+            "reps": reps,
+            "wall_runs": [round(w, 4) for w in walls],
+            "cpu_runs": [round(c, 4) for c in cpus],
+            **results[name],
+        }
+    return results
+
+
 def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> dict:
     """STREAM-style copy bandwidth with the current torch threads: (bytes read + bytes written) / time.
 
