@@ -24,7 +24,6 @@ eager Llama, on the process CPU clock by default.
 """
 
 import os
-import statistics
 import tempfile
 import time
 
@@ -55,7 +54,6 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args()
     shape = common.setup(args)
-    clock = 0 if args.clock == "wall" else 1
     machine = common.machine_description()
     print(f"machine: {machine}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
@@ -70,19 +68,20 @@ def main():
         compile_s[name] = time.perf_counter() - start
         forwards[f"{name}_eager"], forwards[f"{name}_compiled"] = (model, model), (model, compiled)
     # repetitions round-robin over the four variants, so that a drift of the machine's memory bandwidth falls on all
-    runs = {key: [] for key in forwards}
-    for round_index in range(args.reps + 1):  # round 0 is the warm-up
-        for key, (model, forward) in forwards.items():
-            timing = decode_steps(model, forward, prompt, args.new_tokens)
-            if round_index:
-                runs[key].append(timing)
+    timings = common.interleaved_medians(
+        {
+            key: (lambda m=model, f=forward: decode_steps(m, f, prompt, args.new_tokens))
+            for key, (model, forward) in forwards.items()
+        },
+        args.reps,
+    )
     results = {}
-    for key, timings in runs.items():
-        seconds = statistics.median(t[clock] for t in timings)
+    for key, timing in timings.items():
+        seconds = timing[f"{args.clock}_s"]
         results[key] = {
             "tok_s": (args.new_tokens - 1) / seconds,
             "seconds": seconds,
-            "runs_s": [round(t[clock], 5) for t in timings],
+            "runs_s": timing[f"{args.clock}_runs"],
         }
     for name in NAMES:
         results[f"{name}_compiled"]["compile_wall_s"] = compile_s[name]

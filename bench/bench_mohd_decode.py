@@ -28,7 +28,7 @@ at every step, so the decode time excludes the prefill: (N - 1) steps between th
 - speculative verification: one forward of 4, 6, 8 draft tokens on top of a 32-token cache (what assisted and
   prompt-lookup decoding run per step); time per verified token.
 Ratios are medians over `--reps` repetitions (4 x `--reps` for verification, one forward each) after one warm-up,
-on the process CPU clock by default (`--clock`); the models' repetitions run round-robin (`interleaved_medians`), and
+on the process CPU clock by default (`--clock`); the models' repetitions run round-robin (`common.interleaved_medians`), and
 every repetition is stored.
 Ceiling: weight bytes read per decoded token (activated decoder weights plus the LM head, fp32) from
 `model_accounting(...).decode_weight_bytes_per_token`; a model's fraction of its ceiling is its speedup over Llama
@@ -39,7 +39,6 @@ divided by its byte ratio to Llama.
 """
 
 import os
-import statistics
 import tempfile
 import time
 
@@ -123,33 +122,6 @@ def time_verification(model, prompt: torch.Tensor, draft: torch.Tensor) -> tuple
         return time.perf_counter() - w0, time.process_time() - c0
 
 
-def interleaved_medians(fns: dict, reps: int) -> dict:
-    """Times every model's `fn` `reps` times, round-robin (one repetition of each model per round, after one warm-up
-    each), so that a drift of the machine's memory bandwidth over seconds (seen on shared VMs: the same Llama step
-    took 45-60 ms within one minute) falls on all models alike instead of on whichever ran during it.
-
-    Args:
-        fns: name -> callable returning (wall, cpu) seconds of one repetition.
-    Returns:
-        name -> {"wall_s", "cpu_s": medians over the reps (seconds); "wall_runs", "cpu_runs": every repetition}.
-    """
-    for fn in fns.values():
-        fn()  # warm-up
-    runs = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            runs[name].append(fn())
-    return {
-        name: {
-            "wall_s": statistics.median(r[0] for r in rs),
-            "cpu_s": statistics.median(r[1] for r in rs),
-            "wall_runs": [round(r[0], 5) for r in rs],
-            "cpu_runs": [round(r[1], 5) for r in rs],
-        }
-        for name, rs in runs.items()
-    }
-
-
 def main():
     parser = common.base_arguments(__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per call (default 32)")
@@ -174,7 +146,7 @@ def main():
     for batch in BATCHES:
         prompt = torch.randint(3, vocab, (batch, args.prompt), generator=generator)
         fns = {name: (lambda m=models[name], p=prompt: time_generate(m, p, args.new_tokens)) for name in MODELS}
-        row = results["generate"][str(batch)] = interleaved_medians(fns, args.reps)
+        row = results["generate"][str(batch)] = common.interleaved_medians(fns, args.reps)
         for name in MODELS:
             row[name]["tok_s"] = batch * steps / row[name][clock]
             row[name]["speedup_vs_llama"] = row[name]["tok_s"] / row["llama"]["tok_s"]
@@ -185,7 +157,7 @@ def main():
     for tokens in DRAFT_TOKENS:
         draft = torch.randint(3, vocab, (1, tokens), generator=generator)
         fns = {name: (lambda m=models[name], d=draft: time_verification(m, prompt, d)) for name in MODELS}
-        row = results["verify"][str(tokens)] = interleaved_medians(fns, verify_reps)
+        row = results["verify"][str(tokens)] = common.interleaved_medians(fns, verify_reps)
         for name in MODELS:
             row[name]["tok_s"] = tokens / row[name][clock]
             row[name]["speedup_vs_llama"] = row[name]["tok_s"] / row["llama"]["tok_s"]

@@ -182,28 +182,60 @@ def measure(fn: Callable[[], object], reps: int = 3, warmup: int = 1) -> dict:
     }
 
 
+def interleaved_medians(fns: dict[str, Callable[[], tuple[float, float]]], reps: int, warmup: int = 1) -> dict:
+    """Runs every model's `fn` `reps` times, round-robin (one repetition of each model per round, after `warmup`
+    runs of each).
+
+    On a shared VM the machine's speed drifts over minutes (seen here: the same Llama prefill 3.9 s in one run and 5.0
+    s in the next, the same Llama decoding step 45-60 ms within one minute); timing each model's repetitions one
+    after the other lets the drift fall on whichever model ran during it, round-robin spreads it over all of them.
+
+    Args:
+        fns: name -> callable returning (wall, cpu) seconds of one repetition.
+    Returns:
+        name -> {"wall_s", "cpu_s": medians; "wall_min_s", "cpu_min_s": minima; "reps"; "wall_runs", "cpu_runs":
+        every repetition} (seconds).
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    runs = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            runs[name].append(fn())
+    results = {}
+    for name, timings in runs.items():
+        walls, cpus = [t[0] for t in timings], [t[1] for t in timings]
+        results[name] = {
+            "wall_s": statistics.median(walls),
+            "cpu_s": statistics.median(cpus),
+            "wall_min_s": min(walls),
+            "cpu_min_s": min(cpus),
+            "reps": reps,
+            "wall_runs": [round(w, 5) for w in walls],
+            "cpu_runs": [round(c, 5) for c in cpus],
+        }
+    return results
+
+
 def measure_interleaved(
     fns: dict[str, Callable[[], object]],
     reps: int = 3,
     warmup: int = 1,
     after: Callable[[str], None] | None = None,
 ) -> dict[str, dict]:
-    """`measure` for several models at once, with their timed repetitions run round-robin.
+    """`measure` for several models at once, their timed repetitions round-robin (`interleaved_medians`).
 
-    On a shared VM the machine's speed drifts over minutes (seen here: the same Llama prefill 3.9 s in one run and 5.0
-    s in the next, the same Llama decoding step 45-60 ms within one minute); timing each model's repetitions one
-    after the other lets the drift fall on whichever model ran during it, round-robin spreads it over all of them.
-    First each model runs its warm-ups and one run alone for its peak memory (the counter is reset just before
-    it, after `after(name)` freed what the warm-up left), then `reps` rounds time one repetition of every model.
+    First each model runs its warm-ups and one run alone for its peak memory (the counter is reset just before it,
+    after `after(name)` freed what the warm-up left), then `reps` rounds time one repetition of every model.
 
     Args:
         fns: name -> the callable to time.
         after: called with the name after each run of that model, outside the timing (e.g. to free gradients).
     Returns:
-        name -> the fields of `measure` (medians, minima, peak memory of the memory run), plus `wall_runs` /
-        `cpu_runs`, every timed repetition in seconds.
+        name -> the fields of `interleaved_medians` plus the peak memory fields of `measure` (from the memory run).
     """
-    results = {}
+    memory = {}
     for name, fn in fns.items():
         for _ in range(warmup):
             fn()
@@ -216,34 +248,27 @@ def measure_interleaved(
         hwm = _read_status_kib("VmHWM") if can_reset else None
         if after is not None:
             after(name)
-        results[name] = {
+        memory[name] = {
             "peak_rss_mib": None if hwm is None else round(hwm / 1024, 1),
             "rss_before_mib": None if rss_before is None else round(rss_before / 1024, 1),
             "peak_rss_above_start_mib": None
             if hwm is None or rss_before is None
             else round((hwm - rss_before) / 1024, 1),
         }
-    runs = {name: ([], []) for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+
+    def timed(name: str, fn: Callable[[], object]) -> Callable[[], tuple[float, float]]:
+        def run() -> tuple[float, float]:
             w0, c0 = time.perf_counter(), time.process_time()
             fn()
-            runs[name][1].append(time.process_time() - c0)
-            runs[name][0].append(time.perf_counter() - w0)
+            timing = time.perf_counter() - w0, time.process_time() - c0
             if after is not None:
                 after(name)
-    for name, (walls, cpus) in runs.items():
-        results[name] = {
-            "wall_s": statistics.median(walls),
-            "cpu_s": statistics.median(cpus),
-            "wall_min_s": min(walls),
-            "cpu_min_s": min(cpus),
-            "reps": reps,
-            "wall_runs": [round(w, 4) for w in walls],
-            "cpu_runs": [round(c, 4) for c in cpus],
-            **results[name],
-        }
-    return results
+            return timing
+
+        return run
+
+    timings = interleaved_medians({name: timed(name, fn) for name, fn in fns.items()}, reps, warmup=0)
+    return {name: {**timings[name], **memory[name]} for name in fns}
 
 
 def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> dict:
