@@ -48,3 +48,13 @@ def run_python_without_hf_mohd(code: str, cwd: str, env: dict | None = None, tim
         f"subprocess failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def reallocate_parameters(model) -> None:
+    """Gives every parameter of a `from_pretrained` model freshly allocated memory, in place.
+
+    Loaded tensors can be views of the safetensors file, 8-byte aligned; MKL's AVX2 kernels sum in another order on
+    such memory (1 ulp apart on an AMD EPYC), so a reloaded model's logits are compared bit for bit on copies.
+    """
+    for parameter in model.parameters():
+        parameter.data = parameter.data.clone()

@@ -28,6 +28,7 @@ from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCa
 from hf_mohd.models.modeling_common import ReLUSquared, TopKRouter, activation
 from hf_mohd.models.modeling_latent_moe import LatentMoEExpertsBase, LatentMoERouter
 from hf_mohd.models.modeling_mohd import MoHDGatherDispatch, MoHDRouter, _grouped_mm_aligned, grouped_matmul
+from tests.utils import reallocate_parameters
 
 
 VOCAB = 97
@@ -445,10 +446,7 @@ def test_save_and_reload_exact(family, tmp_path):
     for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
         assert a.stride() == b.stride(), name  # the same weight layout (block-major input side) after the reload
-    # Loaded tensors can be views of the safetensors file, 8-byte aligned; MKL's AVX2 kernels sum in another order on
-    # such memory (1 ulp apart on an AMD EPYC), so the logits are compared bit for bit on freshly allocated copies.
-    for parameter in reloaded.parameters():
-        parameter.data = parameter.data.clone()
+    reallocate_parameters(reloaded)  # the loaded views of the file may sum in another order (see its docstring)
     ids = input_ids()
     torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=0, rtol=0)
 
