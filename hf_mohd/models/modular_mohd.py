@@ -283,11 +283,17 @@ class MoHDGroupPart(NamedTuple):
     group: int | None
     offsets: torch.Tensor
 
-    def matmul(self, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """inputs (R', K), this part's rows; weight (G, K, O), one matrix per group -> (R', O)."""
+    def scratch(self, buffer: torch.Tensor | None) -> torch.Tensor | None:
+        """This part's leading rows of a `part_buffer` (to write its product or gathered rows into), or None for a
+        grouped call (which allocates its own result)."""
+        return None if buffer is None or self.group is None else buffer[: self.rows.stop - self.rows.start]
+
+    def matmul(self, inputs: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs (R', K), this part's rows; weight (G, K, O), one matrix per group -> (R', O), written into `out`
+        (R', O) when given (`scratch`; ignored by a grouped call)."""
         if self.group is None:
             return grouped_matmul(inputs, weight, self.offsets)
-        return torch.mm(inputs, weight[self.group])
+        return torch.mm(inputs, weight[self.group], out=out)
 
     def add_weight_gradient_(self, target: torch.Tensor, inputs: torch.Tensor, grad: torch.Tensor) -> None:
         """Adds this part's weight gradient of `matmul` to `target` (G, K, O) in place: inputs (R', K), grad (R', O)."""
@@ -295,6 +301,20 @@ class MoHDGroupPart(NamedTuple):
             target.add_(grouped_weight_gradient(inputs, grad, self.offsets))
         else:
             target[self.group].addmm_(inputs.t(), grad)
+
+
+def part_buffer(slot_parts: list[list[MoHDGroupPart]], like: torch.Tensor, width: int) -> torch.Tensor | None:
+    """One (R_max, width) scratch tensor of `like`'s dtype and device for the per-group products (or gathered rows)
+    of every part in `slot_parts` (one list of `grouped_parts` per routing slot), R_max the most rows of a part;
+    None when the parts are grouped calls.
+
+    Each per-group result is consumed at once (scattered by `index_add_` or multiplied), so one buffer serves them
+    all: one allocation instead of one per group, of a different size each time. At the bench shape those are 1-4
+    MB results, 20 per projection and layer, and the varying sizes keep glibc's heap growing and being trimmed
+    back, which page-faults fresh memory in on every forward (measured with `ru_minflt`).
+    """
+    sizes = [part.rows.stop - part.rows.start for parts in slot_parts for part in parts if part.group is not None]
+    return like.new_empty(max(sizes), width) if sizes else None
 
 
 def grouped_parts(offsets: torch.Tensor) -> list[MoHDGroupPart]:
@@ -417,10 +437,13 @@ class MoHDGatherLinearIn(torch.autograd.Function):
         ctx.has_bias, ctx.num_routed, ctx.block = bias is not None, num_routed, block
         out = F.linear(shared, weight[:, :shared_width], bias)
         routed_weight = weight[:, shared_width:].view(weight.shape[0], num_routed, block).permute(1, 2, 0)
-        for slot in range(routed.shape[0]):
-            for part in grouped_parts(offsets[slot]):
+        slot_parts = [grouped_parts(offsets[slot]) for slot in range(routed.shape[0])]
+        products = part_buffer(slot_parts, out, weight.shape[0])
+        for slot, parts in enumerate(slot_parts):
+            for part in parts:
                 rows = part.rows
-                out.index_add_(0, token_index[slot, rows], part.matmul(routed[slot, rows], routed_weight))
+                product = part.matmul(routed[slot, rows], routed_weight, out=part.scratch(products))
+                out.index_add_(0, token_index[slot, rows], product)
         return out
 
     @staticmethod
@@ -440,10 +463,13 @@ class MoHDGatherLinearIn(torch.autograd.Function):
             grad_routed = torch.empty_like(routed)
             # (N_r, out, s): the transpose of each routed block, for the input gradient
             routed_weight_t = weight[:, shared_width:].view(out_features, ctx.num_routed, ctx.block).transpose(0, 1)
-        for slot in range(routed.shape[0]):
-            for part in grouped_parts(offsets[slot]):
-                rows = part.rows
-                grad_rows = grad.index_select(0, token_index[slot, rows])  # (rows, out) in the slot's block order
+        slot_parts = [grouped_parts(offsets[slot]) for slot in range(routed.shape[0])]
+        gathered = part_buffer(slot_parts, grad, out_features)
+        for slot, parts in enumerate(slot_parts):
+            for part in parts:
+                rows, index = part.rows, token_index[slot, part.rows]
+                # (rows, out) in the slot's block order
+                grad_rows = torch.index_select(grad, 0, index, out=part.scratch(gathered))
                 if grad_weight is not None:
                     part.add_weight_gradient_(routed_grad_weight, routed[slot, rows], grad_rows)
                 if grad_routed is not None:
@@ -474,16 +500,24 @@ class MoHDGatherLinearOut(torch.autograd.Function):
         ctx.save_for_backward(hidden_states, token_index, block_index, offsets, weight)
         ctx.has_bias, ctx.num_shared, ctx.block = bias is not None, num_shared, block
         out = hidden_states.new_zeros(m, num_shared + num_routed, block)
-        shared_bias = None if bias is None else bias[:shared_width]
-        out[:, :num_shared] = F.linear(hidden_states, weight[:shared_width], shared_bias).view(m, num_shared, block)
+        # the shared rows' product written in place into its columns of out (BLAS with a leading dimension), no
+        # (M, D_s) temporary
+        shared_out, shared_weight = out.view(m, -1)[:, :shared_width], weight[:shared_width].t()
+        if bias is None:
+            torch.mm(hidden_states, shared_weight, out=shared_out)
+        else:
+            torch.addmm(bias[:shared_width], hidden_states, shared_weight, out=shared_out)
         routed_weight = weight[shared_width:].view(num_routed, block, weight.shape[1]).transpose(1, 2)
         routed_bias = None if bias is None else bias[shared_width:].view(num_routed, block)
         flat = out.view(-1, block)
-        for slot in range(token_index.shape[0]):
+        slot_parts = [grouped_parts(offsets[slot]) for slot in range(token_index.shape[0])]
+        gathered = part_buffer(slot_parts, hidden_states, hidden_states.shape[1])
+        for slot, parts in enumerate(slot_parts):
             positions = token_index[slot] * (num_shared + num_routed) + num_shared + block_index[slot]
-            for part in grouped_parts(offsets[slot]):
+            for part in parts:
                 rows = part.rows
-                routed = part.matmul(hidden_states.index_select(0, token_index[slot, rows]), routed_weight)
+                inputs = torch.index_select(hidden_states, 0, token_index[slot, rows], out=part.scratch(gathered))
+                routed = part.matmul(inputs, routed_weight)
                 if routed_bias is not None:
                     routed = routed + routed_bias[block_index[slot, rows]]
                 flat.index_add_(0, positions[rows], routed)
@@ -513,15 +547,21 @@ class MoHDGatherLinearOut(torch.autograd.Function):
             grad_bias[:shared_width] = grad_shared.sum(0)
             routed_grad_bias = grad_bias[shared_width:].view(num_routed, block)
         flat = grad.view(-1, block)
-        for slot in range(token_index.shape[0]):
+        slot_parts = [grouped_parts(offsets[slot]) for slot in range(token_index.shape[0])]
+        # (rows, in) scratch: the gathered inputs for the weight gradient, then the input gradient's rows
+        scratch = part_buffer(slot_parts, hidden_states, hidden_states.shape[1])
+        for slot, parts in enumerate(slot_parts):
             positions = token_index[slot] * (num_shared + num_routed) + num_shared + block_index[slot]
-            for part in grouped_parts(offsets[slot]):
+            for part in parts:
                 rows, tokens = part.rows, token_index[slot, part.rows]
                 grad_routed = flat.index_select(0, positions[rows])  # (rows, s) in the slot's block order
                 if grad_weight is not None:
-                    part.add_weight_gradient_(routed_grad_weight, hidden_states.index_select(0, tokens), grad_routed)
+                    inputs = torch.index_select(hidden_states, 0, tokens, out=part.scratch(scratch))
+                    part.add_weight_gradient_(routed_grad_weight, inputs, grad_routed)
                 if grad_input is not None:
-                    grad_input.index_add_(0, tokens, part.matmul(grad_routed, routed_weight))
+                    grad_input.index_add_(
+                        0, tokens, part.matmul(grad_routed, routed_weight, out=part.scratch(scratch))
+                    )
                 if wants_bias:
                     routed_grad_bias.index_add_(0, block_index[slot, rows], grad_routed)
         return grad_input, None, None, None, grad_weight, grad_bias, None, None
@@ -1111,6 +1151,8 @@ class MoHDAttention(Attention):
         attn_output, attn_weights = self.attend(
             query, key, value, position_embeddings, attention_mask, cache=cache, **kwargs
         )
+        # freed before the output side, as LLaMA's temporaries are: (tokens, heads * head_dim) each
+        del query, key, value
         return self.sub_dims.project_out(attn_output, plan, self.o_proj), attn_weights
 
 
@@ -1126,7 +1168,11 @@ class MoHDMLP(MLP):
             hidden_states, (self.gate_proj, self.up_proj, self.down_proj), cache=cache, **kwargs
         )
         gate, up = self.sub_dims.project_in(hidden_states, plan, (self.gate_proj, self.up_proj))
-        return self.sub_dims.project_out(self.activate(gate, up), plan, self.down_proj)
+        activated = self.activate(gate, up)
+        # freed before the output side, as in LLaMA's one-expression MLP: two (tokens, intermediate) tensors that
+        # would otherwise stay alive through down_proj and push the heap up, to be trimmed and faulted in again
+        del gate, up
+        return self.sub_dims.project_out(activated, plan, self.down_proj)
 
 
 class MoHDDecoderLayer(DecoderLayer):
