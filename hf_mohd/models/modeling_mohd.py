@@ -292,7 +292,7 @@ class MoHDGroupPart(NamedTuple):
     offsets: torch.Tensor
 
     def scratch(self, buffer: torch.Tensor | None) -> torch.Tensor | None:
-        """This part's leading rows of a `part_buffer` (to write its product or gathered rows into), or None for a
+        """This part's leading rows of a `slot_parts` scratch tensor (to write its product or gathered rows into), or None for a
         grouped call (which allocates its own result)."""
         return None if buffer is None or self.group is None else buffer[: self.rows.stop - self.rows.start]
 
@@ -311,18 +311,21 @@ class MoHDGroupPart(NamedTuple):
             target[self.group].addmm_(inputs.t(), grad)
 
 
-def part_buffer(slot_parts: list[list[MoHDGroupPart]], like: torch.Tensor, width: int) -> torch.Tensor | None:
-    """One (R_max, width) scratch tensor of `like`'s dtype and device for the per-group products (or gathered rows)
-    of every part in `slot_parts` (one list of `grouped_parts` per routing slot), R_max the most rows of a part;
-    None when the parts are grouped calls.
+def slot_parts(
+    offsets: torch.Tensor, like: torch.Tensor, width: int
+) -> tuple[list[list[MoHDGroupPart]], torch.Tensor | None]:
+    """The `grouped_parts` of every routing slot of the (k, G) int32 group ends `offsets`, and one (R_max, width)
+    scratch tensor of `like`'s dtype and device for their per-group products (or gathered rows), R_max the most rows
+    of a part (`MoHDGroupPart.scratch`); None instead of the tensor when the parts are grouped calls.
 
     Each per-group result is consumed at once (scattered by `index_add_` or multiplied), so one buffer serves them
     all: one allocation instead of one per group, of a different size each time. At the bench shape those are 1-4
     MB results, 20 per projection and layer, and the varying sizes keep glibc's heap growing and being trimmed
     back, which page-faults fresh memory in on every forward (measured with `ru_minflt`).
     """
-    sizes = [part.rows.stop - part.rows.start for parts in slot_parts for part in parts if part.group is not None]
-    return like.new_empty(max(sizes), width) if sizes else None
+    parts = [grouped_parts(slot_offsets) for slot_offsets in offsets]
+    sizes = [part.rows.stop - part.rows.start for slot in parts for part in slot if part.group is not None]
+    return parts, like.new_empty(max(sizes), width) if sizes else None
 
 
 def grouped_parts(offsets: torch.Tensor) -> list[MoHDGroupPart]:
@@ -445,9 +448,8 @@ class MoHDGatherLinearIn(torch.autograd.Function):
         ctx.has_bias, ctx.num_routed, ctx.block = bias is not None, num_routed, block
         out = F.linear(shared, weight[:, :shared_width], bias)
         routed_weight = weight[:, shared_width:].view(weight.shape[0], num_routed, block).permute(1, 2, 0)
-        slot_parts = [grouped_parts(offsets[slot]) for slot in range(routed.shape[0])]
-        products = part_buffer(slot_parts, out, weight.shape[0])
-        for slot, parts in enumerate(slot_parts):
+        all_parts, products = slot_parts(offsets, out, weight.shape[0])
+        for slot, parts in enumerate(all_parts):
             for part in parts:
                 rows = part.rows
                 product = part.matmul(routed[slot, rows], routed_weight, out=part.scratch(products))
@@ -471,9 +473,8 @@ class MoHDGatherLinearIn(torch.autograd.Function):
             grad_routed = torch.empty_like(routed)
             # (N_r, out, s): the transpose of each routed block, for the input gradient
             routed_weight_t = weight[:, shared_width:].view(out_features, ctx.num_routed, ctx.block).transpose(0, 1)
-        slot_parts = [grouped_parts(offsets[slot]) for slot in range(routed.shape[0])]
-        gathered = part_buffer(slot_parts, grad, out_features)
-        for slot, parts in enumerate(slot_parts):
+        all_parts, gathered = slot_parts(offsets, grad, out_features)
+        for slot, parts in enumerate(all_parts):
             for part in parts:
                 rows, index = part.rows, token_index[slot, part.rows]
                 # (rows, out) in the slot's block order
@@ -518,9 +519,8 @@ class MoHDGatherLinearOut(torch.autograd.Function):
         routed_weight = weight[shared_width:].view(num_routed, block, weight.shape[1]).transpose(1, 2)
         routed_bias = None if bias is None else bias[shared_width:].view(num_routed, block)
         flat = out.view(-1, block)
-        slot_parts = [grouped_parts(offsets[slot]) for slot in range(token_index.shape[0])]
-        gathered = part_buffer(slot_parts, hidden_states, hidden_states.shape[1])
-        for slot, parts in enumerate(slot_parts):
+        all_parts, gathered = slot_parts(offsets, hidden_states, hidden_states.shape[1])
+        for slot, parts in enumerate(all_parts):
             positions = token_index[slot] * (num_shared + num_routed) + num_shared + block_index[slot]
             for part in parts:
                 rows = part.rows
@@ -555,10 +555,9 @@ class MoHDGatherLinearOut(torch.autograd.Function):
             grad_bias[:shared_width] = grad_shared.sum(0)
             routed_grad_bias = grad_bias[shared_width:].view(num_routed, block)
         flat = grad.view(-1, block)
-        slot_parts = [grouped_parts(offsets[slot]) for slot in range(token_index.shape[0])]
         # (rows, in) scratch: the gathered inputs for the weight gradient, then the input gradient's rows
-        scratch = part_buffer(slot_parts, hidden_states, hidden_states.shape[1])
-        for slot, parts in enumerate(slot_parts):
+        all_parts, scratch = slot_parts(offsets, hidden_states, hidden_states.shape[1])
+        for slot, parts in enumerate(all_parts):
             positions = token_index[slot] * (num_shared + num_routed) + num_shared + block_index[slot]
             for part in parts:
                 rows, tokens = part.rows, token_index[slot, part.rows]
