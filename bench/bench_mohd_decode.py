@@ -18,6 +18,9 @@ Models (fixed bench shape of `common.BENCH_SHAPE`, MoHD `compression_50` preset,
 - `mohd`: `MoHDForCausalLM` as a user gets it from `from_pretrained` (gather path, block-major layout chosen at load).
 - `mohd_row_major`: the same checkpoint after `to_weight_layout("row_major")` (the plain `nn.Linear` layout), for
   reference.
+- `mohd_union`, `mohd_per_block`: the same checkpoint with `set_small_batch_plan("union")` / `("per_block")`, the
+  two forms `mohd`'s "auto" chooses between for 2-8 tokens (the same as `mohd` at batch 1); the choice this machine
+  made is stored as `small_batch_plan_auto`.
 - `llama_active`: `LlamaForCausalLM` at the activated width (hidden 512): what a dense model reading MoHD's active
   width achieves per byte on this machine.
 
@@ -50,9 +53,10 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, LogitsProcessor
 import hf_mohd  # noqa: F401  (registers "mohd" with the Auto classes)
 from hf_mohd import MoHDConfig, MoHDForCausalLM
 from hf_mohd.models.accounting import model_accounting
+from hf_mohd.models.modeling_mohd import small_gemms_compute_bound
 
 
-MODELS = ("llama", "mohd", "mohd_row_major", "llama_active")
+MODELS = ("llama", "mohd", "mohd_row_major", "mohd_union", "mohd_per_block", "llama_active")
 BATCHES = (1, 2, 4, 8)
 DRAFT_TOKENS = (4, 6, 8)
 TARGETS = {"batch1_goal": 1.37, "batch1_floor": 1.15, "fraction_vs_llama_active": 0.90, "small_batch_floor": 0.97}
@@ -93,6 +97,11 @@ def build_and_reload(shape: dict, folder: str) -> tuple[dict, dict]:
     ).eval()
     models["mohd_row_major"].to_weight_layout("row_major")
     configs["mohd_row_major"] = configs["mohd"]
+    for plan in ("union", "per_block"):
+        name = f"mohd_{plan}"
+        models[name] = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "mohd"), attn_implementation="sdpa")
+        models[name].eval().set_small_batch_plan(plan)
+        configs[name] = configs["mohd"]
     return models, configs
 
 
@@ -135,6 +144,9 @@ def main():
         models, configs = build_and_reload(shape, folder)
     layout = models["mohd"].model.layers[0].self_attn.q_proj.weight.stride()
     print(f"mohd q_proj stride after from_pretrained: {layout} (block-major: stride[0] == 1)", flush=True)
+    compute_bound = small_gemms_compute_bound(torch.float32, torch.get_num_threads())
+    auto_plan = "per_block" if compute_bound else "union"
+    print(f"small-batch plan chosen by 'auto' here: {auto_plan} (few-row products compute-bound: {compute_bound})")
     weight_bytes = {
         name: model_accounting(cfg, context_length=args.prompt).decode_weight_bytes_per_token(4)
         for name, cfg in configs.items()
@@ -179,6 +191,7 @@ def main():
         "machine": machine,
         "machine_end": {"load_average_1_5_15": [round(x, 2) for x in os.getloadavg()]},
         "decode_weight_bytes_per_token": weight_bytes,
+        "small_batch_plan_auto": auto_plan,
         "targets": TARGETS,
         "checks": checks,
         "results": results,

@@ -21,6 +21,7 @@ from hf_mohd.models.modeling_mohd import (
     MoHDGatherPlan,
     MoHDGroupPart,
     MoHDSparseBlockMix,
+    block_token_spans,
     contiguous_spans,
     grouped_parts,
     set_linear_layout_,
@@ -152,10 +153,12 @@ def test_few_tokens_path_equal_masked_with_gradients(tokens):
     assert_same_training_step(gather, masked, ids(1, tokens))
 
 
+@pytest.mark.parametrize("small_batch_plan", ["union", "per_block"])
 @pytest.mark.parametrize("batch", [1, 3, 9], ids=["batch1-few-tokens", "batch3-few-tokens", "batch9-grouped"])
-def test_cached_decoding_equals_masked_step_by_step(batch):
+def test_cached_decoding_equals_masked_step_by_step(batch, small_batch_plan):
     """Prefill then single-token steps with the routing cache: logits of every step agree, as do the routes."""
     gather, masked = pair()
+    gather.set_small_batch_plan(small_batch_plan)
     prompt = ids(batch, 7, seed=1)
     with torch.no_grad():
         out_g, out_m = gather(input_ids=prompt, use_cache=True), masked(input_ids=prompt, use_cache=True)
@@ -243,6 +246,69 @@ def test_few_tokens_reads_by_index_tensors_equal_masked(monkeypatch, tokens, lay
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert isinstance(dispatches(gather)[0].plan(torch.tensor([[3, 7]]), torch.rand(1, 2)), MoHDGatherFewTokensPlan)
     assert_same_training_step(gather, masked, ids(1, tokens))
+
+
+def test_block_token_spans_group_blocks_by_their_tokens():
+    """Hand-computed: block 2 is picked by all three tokens and joins the shared span; block 4 by tokens 0 and 2 (an
+    index), block 5 by token 1 (a slice); consecutive blocks with the same tokens merge, others do not."""
+    spans, rows = block_token_spans(2, [[2, 4], [2, 5], [4, 2]])
+    assert spans == ((0, 3), (4, 5), (5, 6))
+    assert rows[0] == slice(None) and rows[2] == slice(1, 2) and rows[1].tolist() == [0, 2]
+    spans, rows = block_token_spans(3, [[4, 5], [6, 4], [7, 6]])
+    assert spans == ((0, 3), (4, 5), (5, 6), (6, 7), (7, 8))  # 4: tokens 0-1, 5: 0, 6: 1-2, 7: 2
+    assert rows[1:] == (slice(0, 2), slice(0, 1), slice(1, 3), slice(2, 3))
+    assert block_token_spans(3, [[5, 6], [6, 5]]) == (((0, 3), (5, 7)), (slice(None), slice(None)))
+
+
+@pytest.mark.parametrize("layout", ["block_major", "row_major"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("tokens", [2, 3, 8])
+def test_per_block_small_batch_plan_equals_masked(tokens, bias, layout):
+    """Batched decoding and draft verification with each picked block multiplied only by its tokens: the masked
+    path's logits, as decoding sequences (B, 1) and as verified drafts (1, T); with autograd on, the union form."""
+    gather, masked = pair(attention_bias=bias, mlp_bias=bias)
+    gather.to_weight_layout(layout).eval(), masked.eval()
+    gather.set_small_batch_plan("per_block")
+    dispatch = dispatches(gather)[0]
+    indices, weights = torch.tensor([[3, 7], [5, 4], [7, 3]]), torch.rand(3, 2)
+    with torch.no_grad():
+        plan = dispatch.plan(indices, weights)
+        # block 3: tokens 0 and 2; blocks 4 and 5: token 1 (one span); block 7: tokens 0 and 2
+        assert plan.keep is None and plan.spans == ((0, 3), (3, 4), (4, 6), (7, 8))
+        assert plan.rows[2] == slice(1, 2) and plan.rows[1].tolist() == plan.rows[3].tolist() == [0, 2]
+        for shape in ((tokens, 1), (1, tokens)):
+            x = ids(*shape, seed=tokens)
+            torch.testing.assert_close(gather(input_ids=x).logits, masked(input_ids=x).logits, rtol=1e-10, atol=1e-10)
+    assert dispatch.plan(indices, weights).rows is None  # autograd on: the union form, whose backward is tested
+    gather.set_small_batch_plan("union")
+    with torch.no_grad():
+        assert dispatch.plan(indices, weights).rows is None
+
+
+def test_auto_small_batch_plan_follows_the_timing(monkeypatch):
+    """ "auto" takes "per_block" exactly where few-row products are compute-bound: the timing rule on a fake BLAS
+    whose cost grows with the rows (per block) and one whose cost does not (union); and the choice survives a switch
+    of strategy, and a bad name is refused."""
+    rule = modeling_mohd.small_gemms_compute_bound.__wrapped__
+    clock = [0.0]
+    monkeypatch.setattr(modeling_mohd.time, "perf_counter", lambda: clock[0])
+    for cost, expected in ((lambda rows: 1.0 * rows, True), (lambda rows: 1.0 + 0.1 * rows, False)):
+        monkeypatch.setattr(torch, "mm", lambda a, b, cost=cost: clock.__setitem__(0, clock[0] + cost(a.shape[0])))
+        assert rule(torch.float32, 1) is expected
+    monkeypatch.undo()
+    dispatch = MoHDGatherDispatch(config())
+    indices, weights = torch.tensor([[3, 7], [5, 4]]), torch.rand(2, 2)
+    for compute_bound in (True, False):
+        monkeypatch.setattr(modeling_mohd, "small_gemms_compute_bound", lambda dtype, threads, v=compute_bound: v)
+        with torch.no_grad():
+            assert (dispatch.plan(indices, weights).rows is not None) is compute_bound
+            assert dispatch.plan(indices[:1], weights[:1]).rows is None  # one token: a single form
+    gather, _ = pair()
+    gather.set_small_batch_plan("per_block")
+    gather.set_sparse_implementation("gather")
+    assert {d.small_batch_plan for d in dispatches(gather)} == {"per_block"}
+    with pytest.raises(ValueError, match="plan must be one of"):
+        gather.set_small_batch_plan("blocks")
 
 
 class WrappedLinear(nn.Linear):

@@ -23,6 +23,8 @@ Shapes: see the legend in `modeling_common.py`; here N = num_sub_dims, N_s share
 `modeling_mohd.py` is generated from `modular_mohd.py` (docs/design.md section 2).
 """
 
+import functools
+import time
 from typing import NamedTuple
 
 import torch
@@ -210,11 +212,75 @@ class MoHDGatherHostPlan(NamedTuple):
     [start, stop), the first always starting at block 0 with the shared blocks (a routed block N_s, N_s + 1, ...
     picked next to them joins that span). One GEMM per span, not per block: fewer and wider calls, what decoding at
     small widths is bound by.
+
+    Two forms, chosen by `MoHDGatherDispatch.small_batch_plan`: "union" (rows None) multiplies all M tokens by every
+    span of the union of their picked blocks, then `keep` zeroes what a token did not pick; "per_block" (inference
+    only, `block_token_spans`) multiplies each span only by the tokens that picked it, `rows[i]` (a slice, or an
+    int64 index of the tokens), with keep None: the same bytes read, fewer FLOPs, more and smaller calls.
     """
 
     gates: torch.Tensor
     keep: torch.Tensor | None
     spans: tuple[tuple[int, int], ...]
+    rows: tuple[slice | torch.Tensor, ...] | None = None
+
+
+SMALL_BATCH_PLANS = ("auto", "union", "per_block")
+
+
+@functools.cache
+def small_gemms_compute_bound(dtype: torch.dtype, threads: int) -> bool:
+    """Whether this CPU's BLAS is compute-bound on the few-row products of decoding: an (8, 64) x (64, 2048) `torch.mm`
+    (8 tokens by one sub-dimension block of a projection) taking more than 2.5x the time of a (1, 64) x (64, 2048)
+    one, medians of 12 interleaved timings of 4 calls each (about 10 ms, once per process, dtype and thread count).
+
+    A memory-bound BLAS reads the block once whatever the rows (an Intel Xeon with AVX-512: a dense batch-2 decoding
+    step costs 1.1x a batch-1 step); a compute-bound one pays per row (AMD EPYC Zen 3 with MKL 2024.2: 2.2x for that
+    step, 5.9x for 8 rows against 1 at out 2816), where "per_block" plans pay (bench/README.md, docs/design.md
+    section 3). Only the speed depends on the answer, never the result. Timings, not the CPU's name, decide:
+    what matters is the BLAS build and the CPU together. Uses constant inputs (the global RNG is untouched).
+    """
+    weight = torch.ones(64, 2048, dtype=dtype)
+    rows = torch.ones(8, 64, dtype=dtype)
+    times = {1: [], 8: []}
+    with torch.no_grad():
+        for _ in range(12):
+            for m in times:
+                start = time.perf_counter()
+                for _ in range(4):
+                    torch.mm(rows[:m], weight)
+                times[m].append(time.perf_counter() - start)
+    median = {m: sorted(t)[len(t) // 2] for m, t in times.items()}
+    return median[8] > 2.5 * median[1]
+
+
+def token_rows(tokens: tuple[int, ...], m: int) -> slice | torch.Tensor:
+    """Sorted distinct positions of some of a batch's `m` tokens -> a slice when they are one run (`slice(None)` for
+    all m), else an int64 index tensor."""
+    if tokens[-1] - tokens[0] == len(tokens) - 1:
+        return slice(None) if len(tokens) == m else slice(tokens[0], tokens[-1] + 1)
+    return torch.tensor(tokens)
+
+
+def block_token_spans(first: int, indices: list[list[int]]) -> tuple[tuple[tuple[int, int], ...], tuple]:
+    """Per-block form of `contiguous_spans`: the (M, k) picked block ids (each >= first) -> spans of consecutive blocks
+    picked by the same tokens, and those tokens per span (`token_rows`). The first span [0, first) holds the shared
+    blocks, used by all M tokens; a routed block picked by every token right after it joins it. Example: first 2,
+    indices [[2, 4], [2, 5], [4, 2]] -> spans ((0, 3), (4, 5), (5, 6)), rows (all, tokens 0 and 2, token 1)."""
+    m = len(indices)
+    picked: dict[int, list[int]] = {}
+    for token, blocks in enumerate(indices):
+        for block in blocks:
+            picked.setdefault(block, []).append(token)
+    spans, tokens = [[0, first]], [tuple(range(m))]
+    for block in sorted(picked):
+        users = tuple(picked[block])
+        if block == spans[-1][1] and users == tokens[-1]:
+            spans[-1][1] += 1
+        else:
+            spans.append([block, block + 1])
+            tokens.append(users)
+    return tuple((start, stop) for start, stop in spans), tuple(token_rows(users, m) for users in tokens)
 
 
 def contiguous_spans(first: int, blocks) -> tuple[tuple[int, int], ...]:
@@ -626,7 +692,9 @@ class MoHDGatherDispatch:
     the active blocks are read directly, with no sort and no per-group calls, the memory-bound case (Deja Vu,
     PowerInfer). On an eager CPU run (`MoHDGatherHostPlan`, up to `host_tokens` tokens) the picked block ids are read to
     the host and merged into spans of consecutive blocks, each span one GEMM on contiguous weight rows (input side:
-    rows of the block-major `weight.T`; output side: rows of `weight`), read in place once for all tokens. Under
+    rows of the block-major `weight.T`; output side: rows of `weight`), read in place once for all tokens, either
+    multiplied by all of them ("union") or, where the BLAS is compute-bound on few rows, each span only by the tokens
+    that picked it ("per_block", `small_batch_plan`; inference only). Under
     `torch.compile` or on an accelerator (`MoHDGatherFewTokensPlan`, up to `few_tokens` tokens), where reading the ids to
     the host would break the graph or synchronise: input side `embedding_bag` over the active columns, output side
     one `index_select` of the k * s active rows and a batched matmul.
@@ -660,13 +728,22 @@ class MoHDGatherDispatch:
         # With host ids each picked block is read once for all tokens, so the direct read stays ahead of the grouped
         # path (which reads a block once per routing slot) over the small batches of decoding and draft verification.
         self.host_tokens = max(self.few_tokens, 8)
+        # "auto": "per_block" where the BLAS is compute-bound on few rows (`small_gemms_compute_bound`), else "union"
+        self.small_batch_plan = "auto"
+
+    def per_block(self, m: int, dtype: torch.dtype) -> bool:
+        """Whether a host-ids plan of `m` tokens multiplies each picked block only by its tokens ("per_block"): with
+        several tokens, autograd off (decoding, draft verification), by `small_batch_plan`."""
+        if m == 1 or torch.is_grad_enabled() or self.small_batch_plan == "union":
+            return False
+        return self.small_batch_plan == "per_block" or small_gemms_compute_bound(dtype, torch.get_num_threads())
 
     def plan(
         self, indices: torch.Tensor, weights: torch.Tensor
     ) -> MoHDGatherPlan | MoHDGatherFewTokensPlan | MoHDGatherHostPlan:
         """(M, k) absolute block ids and gates -> per-slot pairs sorted by routed block (many tokens), or a direct
-        read of each token's blocks (at most `few_tokens` tokens: by host ids on an eager CPU run, else by index
-        tensors)."""
+        read of each token's blocks (by host ids on an eager CPU run, at most `host_tokens` tokens, in the form
+        `per_block` chooses; else by index tensors, at most `few_tokens` tokens)."""
         m = indices.shape[0]
         if m <= self.host_tokens and indices.device.type == "cpu" and not torch.compiler.is_compiling():
             ids = indices.view(-1).tolist()
@@ -677,6 +754,9 @@ class MoHDGatherDispatch:
                     values[block] = gate
                 return MoHDGatherHostPlan(weights.new_tensor(values)[None], None, spans)
             shared = F.pad(weights.new_ones(m, self.num_shared), (0, self.num_routed))  # 1 on the shared blocks
+            if self.per_block(m, weights.dtype):
+                spans, rows = block_token_spans(self.num_shared, indices.tolist())
+                return MoHDGatherHostPlan(shared.scatter(1, indices, weights), None, spans, rows)
             keep = None if m == 1 else shared.scatter(1, indices, 1.0)
             return MoHDGatherHostPlan(shared.scatter(1, indices, weights), keep, spans)
         if m <= self.few_tokens:
@@ -847,6 +927,14 @@ class MoHDGatherDispatch:
             if is_block_major(weight) and weight.dtype == hidden_states.dtype:
                 weight_t = weight.t()  # (D, out), rows contiguous: block g is rows g s .. (g + 1) s - 1
                 out = F.linear(gated[:, columns[0]], weight[:, columns[0]], linear.bias)
+                if plan.rows is not None:
+                    for span, rows in zip(columns[1:], plan.rows[1:], strict=True):
+                        if isinstance(rows, slice):
+                            torch.addmm(out[rows], gated[rows, span], weight_t[span], out=out[rows])
+                        else:
+                            out.index_add_(0, rows, gated[:, span].index_select(0, rows) @ weight_t[span])
+                    outputs.append(out)
+                    continue
                 for span in columns[1:]:
                     out = torch.addmm(out, gated[:, span], weight_t[span], out=out if in_place else None)
                 outputs.append(out)
@@ -863,6 +951,19 @@ class MoHDGatherDispatch:
         weight, bias = linear.weight, linear.bias
         out = hidden_states.new_zeros(m, self.hidden_size)
         direct = bias is None and not torch.is_grad_enabled()
+        if plan.rows is not None:
+            for (start, stop), tokens in zip(plan.spans, plan.rows, strict=True):
+                rows = slice(start * self.block, stop * self.block)
+                span_bias = None if bias is None else bias[rows]
+                if isinstance(tokens, slice):
+                    if direct:
+                        torch.mm(hidden_states[tokens], weight[rows].t(), out=out[tokens, rows])
+                    else:
+                        out[tokens, rows] = F.linear(hidden_states[tokens], weight[rows], span_bias)
+                else:
+                    product = F.linear(hidden_states.index_select(0, tokens), weight[rows], span_bias)
+                    out[:, rows].index_copy_(0, tokens, product)
+            return out.view(m, self.num_sub_dims, self.block)
         for start, stop in plan.spans:
             rows = slice(start * self.block, stop * self.block)
             if direct:
@@ -1265,9 +1366,31 @@ class MoHDPreTrainedModel(PreTrainedModel):
             raise ValueError(f"`implementation` must be one of {list(MOHD_DISPATCH)}, got {implementation!r}.")
         for module in self.modules():
             if isinstance(module, MoHDSubDimensions):
+                small_batch_plan = getattr(module.dispatch, "small_batch_plan", None)
                 module.dispatch = MOHD_DISPATCH[implementation](self.config)
+                if small_batch_plan is not None and isinstance(module.dispatch, MoHDGatherDispatch):
+                    module.dispatch.small_batch_plan = small_batch_plan
         if implementation == "gather":
             self.to_weight_layout("block_major")
+
+    def set_small_batch_plan(self, plan: str = "auto") -> None:  # trf-ignore: TRF033 (execution choice)
+        """How the gather path multiplies the picked blocks of 2 to `host_tokens` tokens on an eager CPU run without
+        autograd (batched decoding, draft verification; `MoHDGatherHostPlan`): an execution choice like
+        `to_weight_layout`, with results equal up to BLAS summation order, and not saved.
+
+        "union": all tokens by every picked block, each block read once (the fastest where BLAS reads a block in
+        the same time for 1 or 8 rows). "per_block": each block by the tokens that picked it only, the same bytes and
+        fewer FLOPs in more calls (faster where few-row products are compute-bound). "auto" (default): "per_block"
+        where a one-time timing finds them compute-bound (`small_gemms_compute_bound`), else "union".
+
+        Raises:
+            ValueError: `plan` is not one of `SMALL_BATCH_PLANS`.
+        """
+        if plan not in SMALL_BATCH_PLANS:
+            raise ValueError(f"set_small_batch_plan: plan must be one of {SMALL_BATCH_PLANS}, got {plan!r}")
+        for module in self.modules():
+            if isinstance(module, MoHDSubDimensions) and isinstance(module.dispatch, MoHDGatherDispatch):
+                module.dispatch.small_batch_plan = plan
 
     def _init_weights(self, module):
         super()._init_weights(module)
