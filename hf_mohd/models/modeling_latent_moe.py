@@ -467,8 +467,8 @@ class LatentMoEForCausalLM(LatentMoEPreTrainedModel, GenerationMixin):
         For every sigmoid router, with load_i the tokens routed to expert i since the last call (summed over the
         gradient-accumulation window by the training forwards and all-reduced over ranks when `torch.distributed`
         is initialised): b_i <- b_i + gamma * sign(mean_i load_i - load_i), gamma = `router_bias_update_rate`
-        (DeepSeek-V3, arXiv 2412.19437 section 2.1.2; docs/design.md section 4, step 5). Counters are then reset. The sign
-        makes the step independent of the load's scale (e.g. forwards recomputed by gradient checkpointing).
+        (DeepSeek-V3, arXiv 2412.19437 section 2.1.2; docs/design.md section 4, step 5). Counters are then reset. The
+        sign makes the step independent of the load's scale (e.g. forwards recomputed by gradient checkpointing).
 
         Returns:
             {layer index: (E,) fp32 loads used for the update}; empty for softmax routing or before any training

@@ -107,7 +107,8 @@ def mix_blocks(fusion: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 class MoHDGroupFusion(nn.Module):
-    """Group fusion (docs/design.md section 3, step 5): y_i <- sum_j F_ij y_j over the N output blocks, F identity-initialised.
+    """Group fusion (docs/design.md section 3, step 5): y_i <- sum_j F_ij y_j over the N output blocks, F
+    identity-initialised.
 
     Input and output (M, N, s); N^2 parameters, N * D multiply-adds per token.
     """
@@ -358,8 +359,8 @@ class MoHDGroupPart(NamedTuple):
     offsets: torch.Tensor
 
     def scratch(self, buffer: torch.Tensor | None) -> torch.Tensor | None:
-        """This part's leading rows of a `slot_parts` scratch tensor (to write its product or gathered rows into), or None for a
-        grouped call (which allocates its own result)."""
+        """This part's leading rows of a `slot_parts` scratch tensor (to write its product or gathered rows into), or
+        None for a grouped call (which allocates its own result)."""
         return None if buffer is None or self.group is None else buffer[: self.rows.stop - self.rows.start]
 
     def matmul(self, inputs: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -442,7 +443,8 @@ class MoHDGatheredGroupedMatmul(torch.autograd.Function):
     The backward gathers again and recomputes the grouped product with autograd (one extra output-side routed GEMM
     per slot, a few percent of a training step) to get both gradients.
     Shapes: inputs (M, in), index (R,), weight (G, in, s), offsets (G,) int32 group ends -> (R, s).
-    Used where `MoHDGatherLinearOut` does not apply (autocast, `torch.compile`), with `MoHDRowIndexAdd` on the input side.
+    Used where `MoHDGatherLinearOut` does not apply (autocast, `torch.compile`), with `MoHDRowIndexAdd` on the input
+    side.
     """
 
     @staticmethod
@@ -500,8 +502,8 @@ class MoHDGatherLinearIn(torch.autograd.Function):
     (so that `AccumulateGrad` takes it as `.grad` without a copy): the shared columns by one GEMM into their slice,
     the routed column blocks by one weight-gradient GEMM per group (or one grouped call per slot) into theirs.
     Autograd on the views (a column slice and a grouped routed view of `weight`) would materialise a zero-filled
-    full-size gradient for each view, then sum them, and copy the sum into the block-major layout. It keeps only its inputs and the index
-    (as `MoHDRowIndexAdd` does, not each slot's (M, out) output).
+    full-size gradient for each view, then sum them, and copy the sum into the block-major layout. It keeps only its
+    inputs and the index (as `MoHDRowIndexAdd` does, not each slot's (M, out) output).
     Shapes: shared (M, D_s) (a view of the input), routed (k, M, s) gated routed inputs in the plan's order,
     token_index (k, M), offsets (k, N_r) int32 group ends, weight (out, D), bias (out,) or None -> (M, out).
     Same dtype for inputs, weight and bias, no autocast (`MoHDGatherDispatch` sends other cases to autograd).
@@ -652,7 +654,8 @@ def is_block_major(weight: torch.Tensor) -> bool:
 
 
 class MoHDMaskedDispatch:
-    """Reference path: dense matmuls on the gated input, binary mask on the output (`sparse_implementation="masked"`)."""
+    """Reference path (`sparse_implementation="masked"`): dense matmuls on the gated input, binary mask on the
+    output."""
 
     def __init__(self, config: MoHDConfig):
         self.num_sub_dims = config.num_sub_dims
@@ -694,10 +697,10 @@ class MoHDGatherDispatch:
     the host and merged into spans of consecutive blocks, each span one GEMM on contiguous weight rows (input side:
     rows of the block-major `weight.T`; output side: rows of `weight`), read in place once for all tokens, either
     multiplied by all of them ("union") or, where the BLAS is compute-bound on few rows, each span only by the tokens
-    that picked it ("per_block", `small_batch_plan`; inference only). Under
-    `torch.compile` or on an accelerator (`MoHDGatherFewTokensPlan`, up to `few_tokens` tokens), where reading the ids to
-    the host would break the graph or synchronise: input side `embedding_bag` over the active columns, output side
-    one `index_select` of the k * s active rows and a batched matmul.
+    that picked it ("per_block", `small_batch_plan`; inference only). Under `torch.compile` or on an accelerator
+    (`MoHDGatherFewTokensPlan`, up to `few_tokens` tokens), where reading the ids to the host would break the graph or
+    synchronise: input side `embedding_bag` over the active columns, output side one `index_select` of the k * s
+    active rows and a batched matmul.
 
     Only plain `nn.Linear` projections come here: `MoHDSubDimensions.route` sends a sublayer with any other
     projection (a PEFT LoRA layer, a quantised linear: it computes something other than its `.weight`) to the
@@ -857,9 +860,9 @@ class MoHDGatherDispatch:
 
     @staticmethod
     def _fused(*tensors_and_linear) -> bool:
-        """Whether the grouped path runs as one autograd Function per linear (`MoHDGatherLinearIn`, `MoHDGatherLinearOut`):
-        activations, weight and bias of one dtype, eager, no autocast. Otherwise (autocast's casts, `torch.compile`'s
-        tracing) autograd composes the same computation from its views of the weight."""
+        """Whether the grouped path runs as one autograd Function per linear (`MoHDGatherLinearIn`,
+        `MoHDGatherLinearOut`): activations, weight and bias of one dtype, eager, no autocast. Otherwise (autocast's
+        casts, `torch.compile`'s tracing) autograd composes the same computation from its views of the weight."""
         *tensors, linear = tensors_and_linear
         dtype = linear.weight.dtype
         if torch.compiler.is_compiling() or torch.is_autocast_enabled(linear.weight.device.type):
@@ -1493,7 +1496,8 @@ class MoHDForCausalLM(MoHDPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def load_balancing_loss(self, router_logits, attention_mask=None) -> torch.Tensor | None:
-        """Sub-dimension load-balance loss (docs/design.md section 3, step 7): Switch form per router, mean over routers.
+        """Sub-dimension load-balance loss (docs/design.md section 3, step 7): Switch form per router, mean over
+        routers.
 
         Args:
             router_logits: one (B*T, N_r) tensor per router ("attn" then "mlp" of each layer), as recorded.

@@ -39,7 +39,8 @@ class RoutingGenerationMixin:
     """Makes `generate` use a `RoutingCache` (key/value cache plus routing record) by default.
 
     `GenerationMixin._prepare_cache_for_generation` builds a plain `DynamicCache`; this swaps it for a
-    `RoutingCache` with the same layer structure (docs/design.md section 5). A static cache keeps working, without a record.
+    `RoutingCache` with the same layer structure (docs/design.md section 5). A static cache keeps working, without a
+    record.
     """
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
