@@ -223,17 +223,17 @@ SMALL_BATCH_PLANS = ("auto", "union", "per_block")
 
 @functools.cache
 def small_gemms_compute_bound(dtype: torch.dtype, threads: int) -> bool:
-    """Whether this CPU's BLAS is compute-bound on the few-row products of decoding: an (8, 64) x (64, 2048) `torch.mm`
-    (8 tokens by one sub-dimension block of a projection) taking more than 2.5x the time of a (1, 64) x (64, 2048)
+    """Whether this CPU's BLAS is compute-bound on the few-row products of decoding: an (8, 64) x (64, 4096) `torch.mm`
+    (8 tokens by one sub-dimension block of a projection) taking more than twice the time of a (1, 64) x (64, 4096)
     one, medians of 12 interleaved timings of 4 calls each (about 10 ms, once per process, dtype and thread count).
 
     A memory-bound BLAS reads the block once whatever the rows (an Intel Xeon with AVX-512: a dense batch-2 decoding
     step costs 1.1x a batch-1 step); a compute-bound one pays per row (AMD EPYC Zen 3 with MKL 2024.2: 2.2x for that
-    step, 5.9x for 8 rows against 1 at out 2816), where "per_block" plans pay (bench/README.md, docs/design.md
-    section 3). Only the speed depends on the answer, never the result. Timings, not the CPU's name, decide:
-    what matters is the BLAS build and the CPU together. Uses constant inputs (the global RNG is untouched).
+    step, 4.0x for this probe, 3.3-3.7x at out 2048 or 2816), where "per_block" plans pay (bench/README.md,
+    docs/design.md section 3). Only the speed depends on the answer, never the result. Timings, not the CPU's name,
+    decide: what matters is the BLAS build and the CPU together. Uses constant inputs (the global RNG is untouched).
     """
-    weight = torch.ones(64, 2048, dtype=dtype)
+    weight = torch.ones(64, 4096, dtype=dtype)
     rows = torch.ones(8, 64, dtype=dtype)
     times = {1: [], 8: []}
     with torch.no_grad():
@@ -244,7 +244,7 @@ def small_gemms_compute_bound(dtype: torch.dtype, threads: int) -> bool:
                     torch.mm(rows[:m], weight)
                 times[m].append(time.perf_counter() - start)
     median = {m: sorted(t)[len(t) // 2] for m, t in times.items()}
-    return median[8] > 2.5 * median[1]
+    return median[8] > 2.0 * median[1]
 
 
 def token_rows(tokens: tuple[int, ...], m: int) -> slice | torch.Tensor:
