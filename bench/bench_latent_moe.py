@@ -19,6 +19,8 @@
 2. Model: `LatentMoEForCausalLM` with latent experts (alpha = 4 transform of the standard MoE: l = D / 4, N and K
    times 4, m lowered so that the activated FLOPs match) against the standard MoE (`moe_latent_size=None`), prefill
    and training step, with the all-to-all payload per token (2 K l scalars per MoE layer, arXiv 2610.14644 B.2).
+Medians of `--reps` repetitions after one warm-up (the `eager` layer reference: one), the two contenders'
+repetitions round-robin (`common.measure_interleaved`), every repetition stored.
 
 MoE style in both: Nemotron 3 (non-gated relu2 experts, sigmoid routing with correction bias, shared expert).
 
@@ -91,6 +93,7 @@ def layer_benchmark(shape: dict, args) -> dict:
     theirs.load_state_dict(ours.state_dict(), strict=True)
     x = torch.randn(shape["batch"], shape["seq"], shape["hidden_size"])
     results = {}
+    blocks = {"latent_moe": ours, "nemotron_h": theirs}
     for implementation in EXPERTS_IMPLEMENTATIONS:
         config._experts_implementation = implementation
         nemotron_config._experts_implementation = implementation
@@ -100,10 +103,17 @@ def layer_benchmark(shape: dict, args) -> dict:
         )
         # the eager experts loop is the reference, not a contender: one timed repetition keeps the run short
         reps = 1 if implementation == "eager" else args.reps
-        for label, block in (("latent_moe", ours), ("nemotron_h", theirs)):
-            fwd = common.measure(forward_fn(block, x), reps=reps)
-            train = common.measure(train_fn(block, x), reps=reps)
-            block.zero_grad(set_to_none=True)
+        # the two blocks' repetitions round-robin (`common.measure_interleaved`)
+        timings = {
+            mode: common.measure_interleaved(
+                {label: make(block, x) for label, block in blocks.items()},
+                reps=reps,
+                after=lambda label: blocks[label].zero_grad(set_to_none=True),
+            )
+            for mode, make in (("forward", forward_fn), ("train", train_fn))
+        }
+        for label in blocks:
+            fwd, train = timings["forward"][label], timings["train"][label]
             results[f"{label}/{implementation}"] = {"forward": fwd, "train": train, **check}
             print(
                 f"layer {label:10s} {implementation:10s} forward {fwd[args.clock + '_s']:.4f} s, train "
@@ -188,11 +198,16 @@ def model_benchmark(shape: dict, args) -> dict:
             "moe": {k: v for k, v in moe.items()},
         }
     for mode, make in (("prefill", prefill_fn), ("train", train_model_fn)):
-        results[mode] = {}
-        for label, model in models.items():
+        for model in models.values():
             model.train(mode == "train")
-            results[mode][label] = common.measure(make(model, ids), reps=args.reps)
-            model.eval().zero_grad(set_to_none=True)
+        # the two models' repetitions round-robin (`common.measure_interleaved`)
+        results[mode] = common.measure_interleaved(
+            {label: make(model, ids) for label, model in models.items()},
+            reps=args.reps,
+            after=lambda label: models[label].zero_grad(set_to_none=True),
+        )
+        for label, model in models.items():
+            model.eval()
             print(f"model {mode:8s} {label:12s} {results[mode][label][args.clock + '_s']:.3f} s", flush=True)
         base = results[mode]["standard_moe"][args.clock + "_s"]
         for res in results[mode].values():
@@ -295,7 +310,8 @@ def plot(payload: dict, path: Path) -> None:
     ax.set_xlabel("sequence length")
     ax.set_ylabel(f"prefill time, s ({clock} clock)")
     ax.set_title(f"prefill vs sequence length (batch {payload['shape']['batch']})")
-    ax.legend(fontsize=8)
+    if model["sweep"]:  # empty with --no-sweep
+        ax.legend(fontsize=8)
     m = payload["machine"]
     fig.suptitle(
         f"LatentMoE, {'quick' if payload['quick'] else 'fixed'} shape, {m['cpu_model']}, "

