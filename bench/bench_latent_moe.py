@@ -310,8 +310,10 @@ def plot(payload: dict, path: Path) -> None:
     ax.set_xlabel("sequence length")
     ax.set_ylabel(f"prefill time, s ({clock} clock)")
     ax.set_title(f"prefill vs sequence length (batch {payload['shape']['batch']})")
-    if model["sweep"]:  # empty with --no-sweep
+    if model["sweep"]:
         ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "not run (--no-sweep)", ha="center", va="center", transform=ax.transAxes)
     m = payload["machine"]
     fig.suptitle(
         f"LatentMoE, {'quick' if payload['quick'] else 'fixed'} shape, {m['cpu_model']}, "
