@@ -279,6 +279,9 @@ def plot(payload: dict, path: Path) -> None:
             ax.set_ylabel(f"prefill time, s ({clock} clock)")
             ax.set_title(f"prefill vs {label} ({fixed[0]} {fixed[1]})")
             ax.legend(fontsize=8)
+    else:
+        for ax in axes[1:]:
+            ax.text(0.5, 0.5, "prefill sweep not run (--no-sweep)", ha="center", va="center", transform=ax.transAxes)
     m = payload["machine"]
     fig.suptitle(
         f"MoHD {payload['preset']} vs Llama, {'quick' if payload['quick'] else 'fixed'} shape, "
