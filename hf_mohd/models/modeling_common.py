@@ -346,18 +346,22 @@ class MLP(nn.Module):
         # silu gates (LLaMA's SwiGLU) run as one autograd node under autograd (`SiLUGatedProductFunction`)
         self.fused_silu_product = self.gate_proj is not None and type(self.act_fn) in (SiLUActivation, nn.SiLU)
 
+    def _act_fn_hooked(self, pre: bool = False) -> bool:
+        """Whether a forward hook of `act_fn` (its own or a global one; with `pre`, a pre-forward hook too) could see
+        it run."""
+        act_fn = self.act_fn
+        if act_fn._forward_hooks or _global_forward_hooks:
+            return True
+        return pre and bool(act_fn._forward_pre_hooks or _global_forward_pre_hooks)
+
     def _fusable(self, gate: torch.Tensor, up: torch.Tensor) -> bool:
         """Whether `SiLUGatedProductFunction` may stand in for `act_fn(gate) * up`: no hook of any kind can expect to
         see `act_fn` run (its module hooks, the global ones, a forward set on the instance), not while compiling (the
         compiler fuses the composition itself), and operands of one dtype and shape (the composition would promote
         or broadcast)."""
-        act_fn = self.act_fn
         return not (
-            act_fn._forward_hooks
-            or act_fn._forward_pre_hooks
-            or _global_forward_hooks
-            or _global_forward_pre_hooks
-            or "forward" in vars(act_fn)
+            self._act_fn_hooked(pre=True)
+            or "forward" in vars(self.act_fn)
             or torch.compiler.is_compiling()
             or gate.dtype != up.dtype
             or gate.shape != up.shape
@@ -370,8 +374,7 @@ class MLP(nn.Module):
         if self.fused_silu_product and torch.is_grad_enabled() and self._fusable(gate, up):
             return SiLUGatedProductFunction.apply(gate, up)
         activated = self.act_fn(gate)
-        hooked = self.act_fn._forward_hooks or _global_forward_hooks
-        if not torch.is_grad_enabled() and not hooked and activated is not gate:
+        if not torch.is_grad_enabled() and not self._act_fn_hooked() and activated is not gate:
             # outside autograd, and no forward hook can hold act(gate) (a fresh tensor, not gate itself): the product
             # overwrites it, one (tokens, intermediate) temporary fewer; past glibc's mmap threshold a fresh one is
             # page-faulted in on every call

@@ -655,8 +655,11 @@ def test_fast_path_equals_reference_at_unaligned_widths(family, dtype, decode):
         unit = eps * true.abs().max().item()
         fast_units[name] = (got - true).abs().max().item() / unit
         reference_units[name] = (want - true).abs().max().item() / unit
+    worst_reference = {}  # role -> the reference's largest error over that role's tensors
+    for name, units in reference_units.items():
+        worst_reference[role(name)] = max(worst_reference.get(role(name), 0.0), units)
     for name, units in fast_units.items():
-        reference = max(value for other, value in reference_units.items() if role(other) == role(name))
+        reference = worst_reference[role(name)]
         assert units <= 8 * reference + 4, (name, units, reference_units[name], reference)
 
 
