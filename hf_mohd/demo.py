@@ -12,7 +12,8 @@ Steps, each a small function below:
    `AutoModelForCausalLM` (logits checked against the trained model), evaluated (held-out perplexity and a limited
    lm-eval run on the offline suite) and asked for a greedy sample.
 5. Report folder: `report.md` (table, provenance, timings, machine load), `results.json`, `loss_curves.png`,
-   `routing_load.png`.
+   `routing_load.png`, written into a staging sibling and renamed into place when complete (an interrupted run leaves
+   no report folder, or the previous complete one).
 """
 
 import bz2
@@ -24,9 +25,11 @@ import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
+from .atomic_folder import staged_folder
 from .training import TrainConfig, train, train_config_from_dict
 from .training.data import load_documents, pack, split_documents, train_bpe_tokenizer
 
@@ -434,7 +437,6 @@ def run_demo(demo: DemoConfig) -> str:
     started, cpu_total = time.perf_counter(), time.process_time()
     load_start = os.getloadavg()
     report_dir = os.path.join(demo.output_dir, "report")
-    os.makedirs(report_dir, exist_ok=True)
     corpus, provenance = wikipedia_corpus(os.path.join(demo.output_dir, "data"))
 
     # One tokenizer for the three models, trained on the training split the trainer will cut (same seed).
@@ -491,15 +493,18 @@ def run_demo(demo: DemoConfig) -> str:
             flush=True,
         )
 
-    plot_losses(results, os.path.join(report_dir, "loss_curves.png"))
-    plot_routing(results, os.path.join(report_dir, "routing_load.png"))
     timing["total, wall s (CPU s)"] = f"{time.perf_counter() - started:.0f} ({time.process_time() - cpu_total:.0f})"
     timing["CPU cores"] = os.cpu_count()
     timing["load average (1 min) at start / end"] = f"{load_start[0]:.1f} / {os.getloadavg()[0]:.1f}"
     timing["torch threads"] = torch.get_num_threads()
-    with open(os.path.join(report_dir, "results.json"), "w", encoding="utf-8") as handle:
-        json.dump({"config": asdict(demo), "provenance": provenance, "timing": timing, "results": results}, handle)
-    path = write_report(demo, results, provenance, timing, report_dir)
+    # written into a staging sibling renamed into place: an interrupted run leaves no partial report folder
+    with staged_folder(Path(report_dir)) as staging:
+        plot_losses(results, os.path.join(staging, "loss_curves.png"))
+        plot_routing(results, os.path.join(staging, "routing_load.png"))
+        with open(os.path.join(staging, "results.json"), "w", encoding="utf-8") as handle:
+            json.dump({"config": asdict(demo), "provenance": provenance, "timing": timing, "results": results}, handle)
+        write_report(demo, results, provenance, timing, staging)
+    path = os.path.join(report_dir, "report.md")
     if not all(math.isfinite(r["eval_perplexity"]) for r in results.values()):
         print("warning: a held-out perplexity is not finite", flush=True)
     return path
