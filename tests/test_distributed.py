@@ -76,7 +76,7 @@ from transformers import AutoTokenizer
 
 from hf_mohd.training import load_train_config, train
 from hf_mohd.training.data import load_documents, pack, split_documents
-from hf_mohd.training.trainer import evaluate_perplexity
+from hf_mohd.training.trainer import evaluate_perplexity, exit_process
 
 Accelerator.end_training = lambda self: None  # keeps the process group for the check below
 config = load_train_config(sys.argv[1])
@@ -88,9 +88,9 @@ accelerator = Accelerator()  # the run's state (FSDP over gloo) is shared by eve
 loss = evaluate_perplexity(model, blocks, 2, accelerator)[0]
 if accelerator.is_main_process:
     json.dump({"units": units, "five_block_loss": loss}, open(sys.argv[2], "w"))
-# every rank's collectives finished before either tears gloo down (one CI run saw rank 1 abort in teardown under load)
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
+exit_process(0)  # as `hf-mohd train` ends a multi-process run: past gloo's teardown race (see its docstring)
 """
 
 

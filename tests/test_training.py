@@ -116,6 +116,25 @@ def test_resume_after_interruption_reproduces_the_uninterrupted_run(tmp_path, mo
     assert [json.loads(line) for line in open(tmp_path / "resumed" / "log.jsonl")] == logged
 
 
+def test_exit_process_flushes_output_and_logging_and_exits_with_the_status():
+    """`exit_process` skips the interpreter's finalization (`os._exit`), which would drop buffered output: what was
+    printed (to a pipe, block-buffered, no newline) and logged must still arrive, with the given exit status."""
+    script = (
+        "import logging, sys\n"
+        "from hf_mohd.training import exit_process\n"
+        "logging.basicConfig(stream=sys.stderr)\n"
+        "print('printed', end='')\n"
+        "logging.getLogger('hf_mohd.test').warning('logged')\n"
+        "exit_process(3)\n"
+        "print('not reached')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout block-buffered, as by default
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert done.stdout == "printed"
+    assert "logged" in done.stderr
+
+
 def test_config_errors_name_field_and_file(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("max_steps: 10\noptim:\n  lr: 1e-3\n  warmup: 5\ndata: {path: x.txt}\n")

@@ -39,6 +39,8 @@ def run(args) -> int:
     an invalid field (or --set), a data path that matches no file, an architecture field its config class does not
     have, or a run folder whose checkpoints were trained with another model prints `error: <config>: <what was
     expected>` (exit status 1) before training starts. A finished run is not trained or evaluated again.
+    A process of a multi-process run (`WORLD_SIZE` > 1) ends through `exit_process` once training is done, which skips
+    the interpreter's finalization (see there: a gloo teardown race otherwise aborts it now and then).
     """
     import json
     import os
@@ -47,6 +49,7 @@ def run(args) -> int:
 
     from hf_mohd.training import TrainConfigError, train, train_config_from_dict
     from hf_mohd.training.config import load_train_config
+    from hf_mohd.training.trainer import exit_process
 
     try:
         config = load_train_config(args.config)
@@ -70,4 +73,7 @@ def run(args) -> int:
     }
     if int(os.environ.get("RANK", "0")) == 0:  # once, under `accelerate launch` too
         print(json.dumps(summary, indent=2))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # past gloo's teardown race: a worker thread freeing tensors during finalization aborts the process
+        exit_process(0)
     return 0

@@ -11,7 +11,7 @@ from .config import (
     train_config_from_dict,
 )
 from .distill import distillation_loss, select_trainable
-from .trainer import TrainResult, evaluate_perplexity, latest_checkpoint, train
+from .trainer import TrainResult, evaluate_perplexity, exit_process, latest_checkpoint, train
 
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "TrainConfigError",
     "TrainResult",
     "evaluate_perplexity",
+    "exit_process",
     "latest_checkpoint",
     "load_train_config",
     "train",
