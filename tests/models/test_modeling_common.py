@@ -847,6 +847,11 @@ def _tensor_parallel_rank(rank: int, family_name: str, folder: str, init_file: s
         results[name] = _tensor_parallel_outputs(family.prepare(model), ids)
     torch.save(results, f"{folder}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
+    # the TP models still hold their gloo groups (7-10 per process, their worker threads alive after the destroy):
+    # ended as a multi-process training run is, past gloo's teardown race (`exit_process`)
+    from hf_mohd.training import exit_process
+
+    exit_process(0)
 
 
 def _expected_placements(family_name: str, run: str, parameter: str):
