@@ -47,9 +47,8 @@ def run(args) -> int:
 
     import yaml
 
-    from hf_mohd.training import TrainConfigError, train, train_config_from_dict
+    from hf_mohd.training import TrainConfigError, exit_process, train, train_config_from_dict
     from hf_mohd.training.config import load_train_config
-    from hf_mohd.training.trainer import exit_process
 
     try:
         config = load_train_config(args.config)
