@@ -41,7 +41,7 @@ DEMO_MODELS = ("llama-dense", "mohd", "latent-moe")
 
 @dataclass
 class DemoConfig:
-    """Knobs of the main job. Defaults: training plus evaluation in about 7 minutes on 2 idle CPU cores.
+    """Knobs of the main job. Defaults: training plus evaluation in about 9 minutes on 2 idle CPU cores.
 
     Attributes:
         output_dir: where runs, corpus and `report/` go.
