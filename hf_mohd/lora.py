@@ -4,6 +4,12 @@ Custom model types need explicit `target_modules` in PEFT (docs/design.md sectio
 `*.gate`) and MoHD group fusion stay frozen by default: adapting them changes which sub-dimensions or experts a
 token uses, which the adapter's low rank cannot represent well and which breaks routing replay. LatentMoE's fused
 3-D expert weights are `nn.Parameter`s, reached with PEFT's `target_parameters`.
+
+Layout of a LoRA on a fused expert weight W of shape (E, out, in) with rank r (PEFT 0.21's `ParamWrapper`):
+`lora_A` is (E r, in), expert-major: expert e's rows are `lora_A[e*r:(e+1)*r]`; `lora_B` is (out, E r),
+expert-minor: expert e's columns are `lora_B[:, e::E]`. Expert e's merged weight is
+`W[e] + (lora_alpha / r) * lora_B[:, e::E] @ lora_A[e*r:(e+1)*r]`; a per-expert merge, export or surgery by hand equals
+PEFT's `merge_and_unload` only with this layout (`tests/test_peft.py` pins it).
 """
 
 ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]

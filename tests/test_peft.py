@@ -165,3 +165,39 @@ def test_latent_moe_lora_targets_follow_the_config(overrides):
     merged = peft_model.merge_and_unload()
     with torch.no_grad():
         torch.testing.assert_close(merged(INPUT_IDS).logits, expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("parameter", ["experts.gate_up_proj", "experts.down_proj"])
+def test_lora_on_3d_experts_is_expert_major_in_a_and_expert_minor_in_b(parameter):
+    """PEFT's layout of a LoRA on a fused (E, out, in) expert weight, as the README documents it: lora_A is
+    (E r, in) with expert e's rows at [e r:(e + 1) r], lora_B is (out, E r) with expert e's columns at [:, e::E], and
+    the merged weight of expert e is W_e + (alpha / r) B[:, e::E] A[e r:(e + 1) r]. A hand merge with expert-major
+    columns of B instead differs, so the layout is pinned by the value."""
+    model = tiny_latent_moe()
+    experts = model.model.layers[1].mlp.experts
+    name = parameter.split(".")[1]
+    before = getattr(experts, name).detach().clone()
+    num_experts, rank, alpha = before.shape[0], 4, 8
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=[], target_parameters=[parameter], init_lora_weights=False
+    )
+    peft_model = get_peft_model(model, config)
+    lora_a = next(p for n, p in peft_model.named_parameters() if "layers.1" in n and "lora_A" in n).detach()
+    lora_b = next(p for n, p in peft_model.named_parameters() if "layers.1" in n and "lora_B" in n).detach()
+    assert lora_a.shape == (num_experts * rank, before.shape[2]) and lora_b.shape == (
+        before.shape[1],
+        num_experts * rank,
+    )
+    merged = getattr(peft_model.merge_and_unload().model.layers[1].mlp.experts, name).detach()
+    scale = alpha / rank
+    by_hand = torch.stack(
+        [before[e] + scale * lora_b[:, e::num_experts] @ lora_a[e * rank : (e + 1) * rank] for e in range(num_experts)]
+    )
+    torch.testing.assert_close(merged, by_hand, rtol=0, atol=1e-12)
+    expert_major_b = torch.stack(
+        [
+            before[e] + scale * lora_b[:, e * rank : (e + 1) * rank] @ lora_a[e * rank : (e + 1) * rank]
+            for e in range(num_experts)
+        ]
+    )
+    assert (merged - expert_major_b).abs().max() > 1e-3

@@ -20,7 +20,8 @@ A pretrained residual stream spreads its features over all hidden channels, so n
 1. Fold every RMSNorm weight into the linears that read it (SliceGPT section 3.2): RMSNorm(h) = h / rms(h) * gamma,
    so a reader W (out x D) of the normed stream becomes W diag(gamma) and the norm weight becomes 1. The LM head
    reads the final norm, so its fold gives W_head diag(gamma_final): with tied embeddings the head is **untied**
-   (one more vocab_size x D matrix) unless gamma_final is all ones.
+   (one more vocab_size x D matrix). `rotate_llama` unties it always, even when gamma_final is all ones (then the
+   rotated head equals the rotated embedding, stored twice).
 2. Rotate the stream by one orthogonal Q (D x D): h -> h Q (row vectors). h / rms(h) commutes with Q because
    rms(h Q) = rms(h) (SliceGPT section 3.1), so: embedding E -> E Q; every reader (q, k, v, gate, up, LM head)
    W -> W Q; every writer (o, down) W -> Q^T W and its bias b -> b Q. Attention, RoPE and the SwiGLU act on head and
