@@ -283,6 +283,7 @@ raise_value_errors(LatentMoEConfig)
 
 __all__ = ["LatentMoEConfig"]
 
+
 def _built_module_kinds(config: "LatentMoEConfig") -> set[str]:
     """The kinds of module (keys of `TP_PLAN_RULES` / `EP_PLAN_RULES`) that a model of `config` builds."""
     layers = [config.per_layer_config[layer_idx] for layer_idx in range(config.num_hidden_layers)]
