@@ -327,6 +327,83 @@ def test_non_plain_linear_fallback_equals_masked():
         assert_same_training_step(gather, masked, ids(1, length))
 
 
+# bf16 keeps 8 significant bits: eps = 2^-8, its relative spacing at 1 (one rounding moves a value by <= eps / 2).
+BF16_EPS = 2.0**-8
+
+# Gather plans under autocast: the dispatch settings that force each one (thresholds and the small-batch form are
+# execution choices, results do not depend on them) and the plan type it must then build.
+AUTOCAST_PLANS = {
+    "host-union": ({"small_batch_plan": "union"}, MoHDGatherHostPlan),
+    "host-per-block": ({"small_batch_plan": "per_block"}, MoHDGatherHostPlan),
+    "few-tokens": ({"host_tokens": 0, "few_tokens": 8}, MoHDGatherFewTokensPlan),
+    "grouped": ({"host_tokens": 0, "few_tokens": 0}, MoHDGatherPlan),
+}
+
+
+@pytest.mark.parametrize("layout", ["block_major", "row_major"])
+@pytest.mark.parametrize("plan", list(AUTOCAST_PLANS))
+def test_gather_plans_under_bf16_autocast_follow_masked(monkeypatch, plan, layout):
+    """On a float32 model under CPU bf16 autocast, every gather plan runs a forward (8 tokens, 1 token), `generate`
+    and a training step, in bf16 as autocast runs `nn.Linear`, and agrees with the masked path under the same
+    autocast: the same greedy tokens, logits, loss and gradients equal up to bf16 rounding.
+
+    Tolerance: 4 bf16 eps of the reference's scale (max |logit|, the loss, the gradients' norm). Both paths round the
+    products' operands and results to bf16 (eps = 2^-8), at different places (the gather path per span or group of
+    blocks, the masked path once per dense GEMM), so they differ by a few roundings: measured up to 2 eps of max
+    |logit| (the masked path itself is 1.4 eps from a float64 run) and 1.6 eps of the gradients' norm; 4 eps leaves
+    room for BLAS kernels that round otherwise, while a wrong block, gate or scale moves them by a sizeable fraction
+    of their scale. The greedy tokens are compared where the masked path's top-2 logit margin exceeds twice the
+    tolerance at every step (checked: 0.06 of max |logit| for this seed), so equal tokens are not luck.
+    """
+    settings, plan_type = AUTOCAST_PLANS[plan]
+    # the FFN with biases, attention without: both forms of each side (o_proj's products written in place)
+    gather, masked = pair(seed=9, mlp_bias=True)
+    gather, masked = gather.float().eval(), masked.float().eval()
+    gather.to_weight_layout(layout)
+    for dispatch in dispatches(gather):
+        for name, value in settings.items():
+            setattr(dispatch, name, value)
+    plans = []
+    build = MoHDGatherDispatch.plan
+    monkeypatch.setattr(MoHDGatherDispatch, "plan", lambda self, *args: plans.append(build(self, *args)) or plans[-1])
+    prompt = ids(2, 4, seed=9)  # 8 tokens, then 2 per decoding step
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+
+    with torch.no_grad(), autocast:
+        for x in (prompt, prompt[:1, :1]):
+            logits_g, logits_m = gather(input_ids=x).logits, masked(input_ids=x).logits
+            assert logits_g.dtype == logits_m.dtype == torch.bfloat16
+            atol = 4 * BF16_EPS * logits_m.abs().max().item()
+            torch.testing.assert_close(logits_g.float(), logits_m.float(), rtol=0, atol=atol)
+        options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True)
+        out_g = gather.generate(prompt, return_dict_in_generate=True, **options)
+        out_m = masked.generate(prompt, return_dict_in_generate=True, **options)
+    steps_g, steps_m = torch.stack(out_g.logits, 1).float(), torch.stack(out_m.logits, 1).float()  # (B, 6, vocab)
+    atol = 4 * BF16_EPS * steps_m.abs().max().item()
+    top = steps_m.topk(2, dim=-1).values
+    assert (top[..., 0] - top[..., 1]).min() > 2 * atol, "the masked path's greedy tokens must be well separated"
+    assert torch.equal(out_g.sequences, out_m.sequences)
+    torch.testing.assert_close(steps_g, steps_m, rtol=0, atol=atol)
+
+    results = []
+    for model in (gather, masked):
+        model.train()
+        with autocast:
+            out = model(input_ids=prompt, labels=prompt, output_router_logits=True, use_cache=False)
+        out.loss.backward()
+        results.append((out.loss, grads(model)))
+    (loss_g, grads_g), (loss_m, grads_m) = results
+    torch.testing.assert_close(loss_g, loss_m, rtol=4 * BF16_EPS, atol=0)
+    assert grads_g.keys() == grads_m.keys()
+    flat_g, flat_m = (torch.cat([g[name].flatten() for name in sorted(g)]) for g in (grads_g, grads_m))
+    assert torch.isfinite(flat_g).all()
+    assert (flat_g - flat_m).norm() <= 4 * BF16_EPS * flat_m.norm()
+
+    assert {type(built) for built in plans} == {plan_type}
+    if plan_type is MoHDGatherHostPlan:  # the per-block form where autograd is off, the union form otherwise
+        assert any(built.rows is not None for built in plans) == (plan == "host-per-block")
+
+
 def linear_pair(out_features: int, in_features: int, bias: bool, layout: str, dtype) -> tuple[nn.Linear, nn.Linear]:
     """(linear in `dtype` and `layout`, its float64 row-major copy): random weights and bias."""
     reference = nn.Linear(in_features, out_features, bias=bias, dtype=torch.float64)

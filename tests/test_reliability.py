@@ -119,6 +119,7 @@ LATENT_MOE_BAD = {
     "moe_latent_size": [0, -1, 16.0, "16"],
     "moe_shared_expert_intermediate_size": [-1, 16.0],
     "router_score_func": ["relu"],
+    "router_gate": ["ones", None],
     "norm_topk_prob": ["yes"],
     "routed_scaling_factor": [0, -1.0, NAN, INF, "1.0"],
     "router_bias_update_rate": [-1e-3, NAN, "0.001"],

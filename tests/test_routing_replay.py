@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_mohd  # noqa: F401  (registers the Auto classes)
-from hf_mohd import RoutingCache
+from hf_mohd import RoutingCache, RoutingRecord
 from hf_mohd.routing_replay import routed_experts_from_record, router_layout, routing_replay_from_engine
 from tests.models import test_modeling_latent_moe as latent_tests
 from tests.models import test_modeling_mohd as mohd_tests
@@ -145,6 +145,79 @@ def test_padding_positions_get_valid_dummy_routes():
     # Forward on the padded batch runs with these routes (no index error at padding positions).
     ids = torch.tensor([[0, 5, 6], [7, 0, 0]])
     assert torch.isfinite(model(ids, attention_mask=mask, routing_replay=replay).logits).all()
+
+
+def one_layer_latent_moe():
+    return latent_tests.make_model(num_hidden_layers=1, per_layer_config={})
+
+
+@pytest.mark.parametrize("family", ["latent_moe", "mohd"])
+def test_replayed_ids_out_of_range_ignored_in_padding_rows_refused_in_real_rows(family):
+    """A record in batch layout may mark padding rows with -1 (engines, RL frameworks) or any other id out of range:
+    the forward ignores them (logits, loss and aux loss of the real tokens equal those of a record with a valid dummy
+    route there). An out-of-range id in a real row raises a ValueError naming the record key, the row and the range."""
+    model, kinds, low, high = (
+        (one_layer_latent_moe(), ("moe",), 0, 8) if family == "latent_moe" else (mohd_model(), ("attn", "mlp"), 3, 8)
+    )
+    layers = range(model.config.num_hidden_layers)
+    ids = torch.cat([torch.zeros(1, 4, dtype=torch.long), latent_tests.input_ids(batch=1, length=5)], dim=1)
+    mask = (ids != 0).long()  # left padding: the first 4 positions
+    real = torch.tensor([[low + 1, low + 2], [low + 3, low], [high - 1, low + 2], [low, high - 1], [low + 4, low + 1]])
+
+    def record(padding_rows: torch.Tensor, real_rows: torch.Tensor = real) -> dict:
+        indices = torch.cat([padding_rows, real_rows])[None]  # (1, 9, 2)
+        return {(layer, kind): RoutingRecord(indices, None) for layer in layers for kind in kinds}
+
+    dummy = torch.tensor([[low, low + 1]] * 4)
+    marked = torch.tensor([[-1, -1], [-1, -1], [high, -1], [low, 10**6]])  # -1, past the range, partly valid
+    outputs = []
+    for replay in (record(dummy), record(marked)):
+        cache = RoutingCache(config=model.config)
+        out = model(
+            ids,
+            attention_mask=mask,
+            labels=ids.masked_fill(mask == 0, -100),
+            output_router_logits=True,
+            routing_replay=replay,
+            cache=cache,
+            use_cache=True,
+        )
+        for key in replay:
+            assert torch.equal(cache.routing_record[key].indices[0, 4:], real), key  # real rows use the record
+        outputs.append(out)
+    torch.testing.assert_close(outputs[1].logits[:, 4:], outputs[0].logits[:, 4:], atol=0, rtol=0)
+    torch.testing.assert_close(outputs[1].loss, outputs[0].loss, atol=0, rtol=0)
+    torch.testing.assert_close(outputs[1].aux_loss, outputs[0].aux_loss, atol=0, rtol=0)
+    # By hand: every router replays `real`, so f = the share of each choice in it; P = mean softmax of real tokens.
+    fraction = torch.bincount((real - low).view(-1), minlength=high - low).double() / real.numel()
+    by_router = [
+        (high - low) * (fraction * torch.softmax(logits[4:], -1).mean(0)).sum() for logits in outputs[1].router_logits
+    ]
+    torch.testing.assert_close(outputs[1].aux_loss, torch.stack(by_router).mean(), atol=1e-12, rtol=0)
+
+    # The same ids in a real row: refused, naming the record, the row and the valid range.
+    layer, kind = max(layers), kinds[-1]
+    for bad in (-1, high):
+        wrong = record(dummy)
+        indices = wrong[(layer, kind)].indices.clone()
+        indices[0, 6, 1] = bad
+        wrong[(layer, kind)] = RoutingRecord(indices, None)
+        message = (
+            rf"Routing record \({layer}, '{kind}'\): id {bad} at row \(batch 0, position 6\) is out of range; "
+            rf"valid ids are {low} \.\. {high - 1}"
+        )
+        with pytest.raises(ValueError, match=message):
+            model(ids, attention_mask=mask, routing_replay=wrong)
+    # Without an attention mask every row is real: the -1 rows are refused too.
+    with pytest.raises(ValueError, match=r"id -1 at row \(batch 0, position 0\)"):
+        model(ids, routing_replay=record(marked))
+
+
+def test_replayed_record_of_another_shape_is_refused():
+    model = one_layer_latent_moe()
+    indices = torch.tensor([[[1, 2]] * 5])
+    with pytest.raises(ValueError, match=r"Routing record \(0, 'moe'\): indices of shape \(1, 5, 2\), expected "):
+        model(latent_tests.input_ids(batch=1, length=6), routing_replay={(0, "moe"): RoutingRecord(indices, None)})
 
 
 def test_mohd_dummy_routes_are_routed_block_ids():

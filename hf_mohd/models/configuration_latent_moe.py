@@ -64,6 +64,7 @@ EP_PLAN_RULES = {
     "experts": {"layers.*.mlp.experts.down_proj": "grouped_gemm", "layers.*.mlp.experts": "ep_dispatch_experts"},
 }
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
+ROUTER_GATES = ("weighted", "unit")
 POSITION_EMBEDDING_TYPES = ("rope", "none")
 
 
@@ -112,6 +113,13 @@ class LatentMoEConfig(AccountingMixin, PreTrainedConfig):
         Renormalise the K selected scores to sum to 1 before `routed_scaling_factor`.
     routed_scaling_factor (`float`, *optional*, defaults to 1.0):
         Multiplier of the routed gates (after any renormalisation).
+    router_gate (`str`, *optional*, defaults to `"weighted"`):
+        What multiplies each selected routed expert's output. "weighted": its router score (renormalised when
+        `norm_topk_prob`, times `routed_scaling_factor`), the usual MoE gate. "unit": exactly 1 for every selected
+        expert (`norm_topk_prob` and `routed_scaling_factor` do not apply), so the routed output is the plain sum of
+        the K chosen experts, as in MoEfication (arXiv 2110.01786, section 3) and CMoE (arXiv 2502.04416): a dense
+        FFN carved into experts (`hf_mohd.conversion.carve`) is then the source FFN at K = N. The gradient reaches the
+        router through a straight-through estimator (gate = s - stop_gradient(s) + 1 for the selected score s).
     router_aux_loss_coef (`float`, *optional*, defaults to 0.01):
         Weight of the load-balance loss added to the LM loss when `output_router_logits` (softmax routing only).
     output_router_logits (`bool`, *optional*, defaults to `False`):
@@ -156,6 +164,8 @@ class LatentMoEConfig(AccountingMixin, PreTrainedConfig):
         take precedence over the TP rules. Empty for a config without MoE layers."""
         return _rules_for_modules(EP_PLAN_RULES, _built_module_kinds(self))
 
+    base_model_pp_plan = dict(LLAMA_PP_PLAN)
+
     vocab_size: int = 32000
     hidden_size: int = 2048
     intermediate_size: int = 5632
@@ -187,6 +197,7 @@ class LatentMoEConfig(AccountingMixin, PreTrainedConfig):
     router_score_func: str = "softmax"
     norm_topk_prob: bool = True
     routed_scaling_factor: float | int = 1.0
+    router_gate: str = "weighted"
     router_aux_loss_coef: float = 0.01
     output_router_logits: bool = False
     router_bias_update_rate: float = 1e-3
@@ -223,6 +234,7 @@ class LatentMoEConfig(AccountingMixin, PreTrainedConfig):
             )
         for name, allowed in (
             ("router_score_func", ROUTER_SCORE_FUNCS),
+            ("router_gate", ROUTER_GATES),
             ("position_embedding_type", POSITION_EMBEDDING_TYPES),
         ):
             if getattr(self, name) not in allowed:

@@ -431,13 +431,17 @@ class TopKRouter(nn.Module):
     logits = W_r x (W_r: C x D, no bias) in fp32 with autocast off, also under bf16 autocast: top-k selection is
     sensitive to rounding (docs/design.md sections 3 and 4, step 1). scores = `score(logits)`; the chosen
     ids are `topk_lower_index(selection_scores(scores), top_k)` (ties to the lower index), or, with
-    `routing_replay`, the record of (`layer_idx`, `router_name`) minus `index_offset` (the gates are then still
-    recomputed from the current scores, so the router keeps its gradient). gates = `gates(scores of the chosen ids,
-    input dtype)`; ids returned are the chosen ones plus `index_offset`. With a `RoutingCache` the ids and gates of
-    these tokens are appended to its record.
+    `routing_replay`, the record of (`layer_idx`, `router_name`) minus `index_offset` (`replayed_choices`; the gates
+    are then still recomputed from the current scores, so the router keeps its gradient). gates = `gates(scores of
+    the chosen ids, input dtype)`; ids returned are the chosen ones plus `index_offset`. With a `RoutingCache` the ids
+    and gates of these tokens are appended to its record.
+
+    `token_mask` (B, T), 1 at the real tokens of this forward (the base model passes the last T columns of its 2-D
+    `attention_mask`; None: all real), tells padding apart: a replayed record may mark padding rows with any id (the
+    engines' -1), and `observe` sees it to count real tokens only.
 
     A family overrides `score` (default softmax), `selection_scores` (default the scores), `gates` (default the
-    scores as they are) and `observe` (a hook seeing the returned ids; default nothing).
+    scores as they are) and `observe` (a hook seeing the returned ids and `token_mask`; default nothing).
 
     Args:
         num_choices: C, the routed choices (MoHD: routed sub-dimensions N_r; LatentMoE: experts E).
@@ -469,10 +473,55 @@ class TopKRouter(nn.Module):
     def gates(self, chosen_scores: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
         return chosen_scores
 
-    def observe(self, indices: torch.Tensor) -> None:
+    def observe(self, indices: torch.Tensor, token_mask: torch.Tensor | None = None) -> None:
         pass
 
-    def forward(self, hidden_states: torch.Tensor, cache=None, routing_replay=None, **kwargs):
+    def replayed_choices(
+        self,
+        routing_replay,
+        token_mask: torch.Tensor | None = None,
+        tokens_shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
+        """The choices this router replays: the ids of `routing_replay[(layer_idx, router_name)]` minus `index_offset`.
+
+        Engines and RL frameworks mark padding rows with -1: an id outside the record's range [index_offset,
+        index_offset + C) in a row that `token_mask` marks as padding is ignored, and that row gets the valid dummy
+        route 0 .. k-1 (as `routing_replay_from_engine` gives padding; the outputs of padding rows do not matter).
+
+        Args:
+            routing_replay: {(layer_idx, router name): `RoutingRecord`} with indices (B, T, k) of any integer dtype.
+            token_mask: (B, T), nonzero at real tokens; None: every row is a real token.
+            tokens_shape: (B, T) of the forward, checked against the record when given.
+
+        Returns:
+            (B, T, k) int64 choice ids 0 .. C-1 on the router's device.
+
+        Raises:
+            ValueError: the record's shape is not (B, T, k), or an id is out of range in a real-token row (the message
+                names the record key (layer, kind), the row (batch, position) and the allowed range).
+        """
+        key = (self.layer_idx, self.router_name)
+        record = routing_replay[key].indices
+        num_choices, low = self.weight.shape[0], self.index_offset
+        if tokens_shape is not None and tuple(record.shape) != (*tokens_shape, self.top_k):
+            raise ValueError(
+                f"Routing record {key}: indices of shape {tuple(record.shape)}, expected (batch, tokens, top_k) = "
+                f"{(*tokens_shape, self.top_k)} for this forward."
+            )
+        chosen = record.to(device=self.weight.device, dtype=torch.long) - low
+        invalid = (chosen < 0) | (chosen >= num_choices)  # (B, T, k)
+        real = invalid if token_mask is None else invalid & token_mask.to(chosen.device).bool()[..., None]
+        if real.any():
+            batch, position, slot = torch.nonzero(real)[0].tolist()
+            raise ValueError(
+                f"Routing record {key}: id {int(chosen[batch, position, slot]) + low} at row (batch {batch}, "
+                f"position {position}) is out of range; valid ids are {low} .. {low + num_choices - 1}. Ids outside "
+                "that range (such as the engines' -1) are allowed only in padding rows (attention_mask 0)."
+            )
+        padding = invalid.any(-1, keepdim=True)
+        return torch.where(padding, torch.arange(self.top_k, device=chosen.device), chosen)
+
+    def forward(self, hidden_states: torch.Tensor, cache=None, routing_replay=None, token_mask=None, **kwargs):
         compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
         device_type = hidden_states.device.type
         # switched off only when on: entering torch.autocast costs more than this GEMV in decoding
@@ -483,35 +532,52 @@ class TopKRouter(nn.Module):
             logits = F.linear(hidden_states.to(compute_dtype), self.weight.to(compute_dtype))
         scores = self.score(logits)
         if routing_replay is not None:
-            record = routing_replay[(self.layer_idx, self.router_name)]
-            chosen = record.indices.to(scores.device) - self.index_offset
+            chosen = self.replayed_choices(routing_replay, token_mask, hidden_states.shape[:-1])
         else:
             chosen = topk_lower_index(self.selection_scores(scores), self.top_k)
         weights = self.gates(scores.gather(-1, chosen), hidden_states.dtype)
         # contiguous either way: the plans flatten the ids with `view`
         indices = chosen + self.index_offset if self.index_offset else chosen.contiguous()
-        self.observe(indices)
+        self.observe(indices, token_mask)
         if isinstance(cache, RoutingCache):
             cache.update_routing(self.layer_idx, self.router_name, indices, weights)
         return logits.reshape(-1, logits.shape[-1]), weights, indices
+
+
+def replayed_routes(routers, routing_replay, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+    """The choices each of `routers` (in their order) replays from `routing_replay`, as `TopKRouter.replayed_choices`
+    gives them to the forward: (B, T, k) ids 0 .. C-1, padding rows (0 in the last T columns of the (B, S)
+    `attention_mask`) with a dummy route. None when `routing_replay` is None (the routers chose their own top-k)."""
+    if routing_replay is None:
+        return None
+    routes = []
+    for router in routers:
+        tokens = routing_replay[(router.layer_idx, router.router_name)].indices.shape[1]
+        token_mask = None if attention_mask is None else attention_mask[:, -tokens:]
+        routes.append(router.replayed_choices(routing_replay, token_mask))
+    return routes
 
 
 def load_balancing_loss(
     router_logits: tuple[torch.Tensor, ...] | None,
     top_k: int,
     attention_mask: torch.Tensor | None = None,
+    routes: list[torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     r"""Switch-Transformer load-balance loss, computed per router and averaged over routers.
 
     For one router with E choices and top-k selection over the counted (non-padding) tokens:
     f_j = (tokens selecting j) / (tokens * k), P_j = mean_t softmax(logits_t)_j, L = E * sum_j f_j P_j,
     which is 1.0 under perfect balance (Fedus et al. 2021, eqs. 4-6; docs/design.md section 3, step 7). Selection uses
-    `topk_lower_index`, the routers' own tie rule.
+    `topk_lower_index`, the routers' own tie rule, or, under routing replay, the replayed `routes`: f counts the
+    routes the forward actually used.
 
     Args:
         router_logits: one (B*T, E) tensor per router, as recorded by `OutputRecorder`.
         top_k: routed picks per token (k).
         attention_mask: (B, S) with 1 for real tokens; its last T columns select the counted tokens.
+        routes: one (B, T, k) tensor of choice ids 0 .. E-1 per router (`replayed_routes`), or None for the top-k of
+            the logits.
 
     Returns:
         A scalar tensor (fp32 or wider), or None when no router was recorded.
@@ -519,7 +585,7 @@ def load_balancing_loss(
     if not router_logits:
         return None
     losses = []
-    for logits in router_logits:
+    for number, logits in enumerate(router_logits):
         probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         num_choices = probs.shape[-1]
         if attention_mask is None:
@@ -527,7 +593,10 @@ def load_balancing_loss(
         else:
             tokens = probs.shape[0] // attention_mask.shape[0]
             token_weight = attention_mask[:, -tokens:].reshape(-1).to(device=probs.device, dtype=probs.dtype)
-        selected = topk_lower_index(probs, top_k)
+        if routes is None:
+            selected = topk_lower_index(probs, top_k)
+        else:
+            selected = routes[number].to(probs.device)
         counts = torch.zeros(num_choices, dtype=probs.dtype, device=probs.device).scatter_add_(
             0, selected.reshape(-1), token_weight.repeat_interleave(top_k)
         )

@@ -54,6 +54,7 @@ from .modeling_common import (
     deprecate_past_key_values,
     load_balancing_loss,
     logger,
+    replayed_routes,
 )
 from .routing_cache import RoutingCache
 
@@ -653,6 +654,20 @@ def is_block_major(weight: torch.Tensor) -> bool:
     return weight.stride(0) == 1
 
 
+def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes a matmul on `tensor` in (`nn.Linear`, `torch.addmm`, `torch.mm`): its lower-precision
+    dtype where autocast is on for the tensor's device and the tensor is floating point other than float64 (which
+    autocast leaves as it is), else None.
+
+    The host-ids plan reads it because the `out=` forms of its products are not autocast ops (autocast neither casts
+    their operands nor their result): where autocast would cast them it takes the functional forms, which it casts.
+    """
+    device_type = tensor.device.type
+    if not torch.is_autocast_enabled(device_type) or not tensor.is_floating_point() or tensor.dtype == torch.float64:
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 class MoHDMaskedDispatch:
     """Reference path (`sparse_implementation="masked"`): dense matmuls on the gated input, binary mask on the
     output."""
@@ -919,11 +934,13 @@ class MoHDGatherDispatch:
         """Host-ids input side: (M, D) -> one (M, out) per linear. In the block-major layout each block is s
         contiguous rows of `weight.T`: the first span (the shared blocks) is one GEMM, each further span of picked
         blocks one accumulating GEMM (`addmm`) on the gated input, whose rows are 0 for the tokens that did not pick
-        a block; in place when autograd is off."""
+        a block; in place when autograd and autocast are off. Under autocast the products are its ops, as
+        `nn.Linear`'s: it casts the gated input and the weight blocks read to its dtype, the outputs are in it."""
         m = hidden_states.shape[0]
         gated = (hidden_states.view(m, self.num_sub_dims, self.block) * plan.gates[..., None]).view(m, -1)
         columns = [slice(start * self.block, stop * self.block) for start, stop in plan.spans]
-        in_place = not torch.is_grad_enabled()
+        # `out=` forms are not autocast ops: the functional forms where autocast would cast the operands
+        in_place = not torch.is_grad_enabled() and autocast_dtype(gated) in (None, gated.dtype)
         outputs = []
         for linear in linears:
             weight = linear.weight
@@ -932,8 +949,10 @@ class MoHDGatherDispatch:
                 out = F.linear(gated[:, columns[0]], weight[:, columns[0]], linear.bias)
                 if plan.rows is not None:
                     for span, rows in zip(columns[1:], plan.rows[1:], strict=True):
-                        if isinstance(rows, slice):
+                        if isinstance(rows, slice) and in_place:
                             torch.addmm(out[rows], gated[rows, span], weight_t[span], out=out[rows])
+                        elif isinstance(rows, slice):
+                            out[rows] = torch.addmm(out[rows], gated[rows, span], weight_t[span])
                         else:
                             out.index_add_(0, rows, gated[:, span].index_select(0, rows) @ weight_t[span])
                     outputs.append(out)
@@ -948,12 +967,15 @@ class MoHDGatherDispatch:
     def _project_out_host(self, hidden_states: torch.Tensor, plan: MoHDGatherHostPlan, linear) -> torch.Tensor:
         """Host-ids output side: (M, in) -> (M, N, s); each span of picked blocks is contiguous rows of the row-major
         weight, read in place once for all M tokens and kept for the tokens that picked each block; other blocks 0.
-        With autograd off and no bias, each product is written straight into its span of the output. With several
-        tokens, the blocks a token did not pick are zeroed by one mask over all spans at the end."""
+        With autograd and autocast off and no bias, each product is written straight into its span of the output.
+        With several tokens, the blocks a token did not pick are zeroed by one mask over all spans at the end. Under
+        autocast the products are its ops (as `nn.Linear`'s) and the output is in its dtype."""
         m = hidden_states.shape[0]
         weight, bias = linear.weight, linear.bias
-        out = hidden_states.new_zeros(m, self.hidden_size)
-        direct = bias is None and not torch.is_grad_enabled()
+        compute_dtype = autocast_dtype(hidden_states) or hidden_states.dtype
+        out = hidden_states.new_zeros(m, self.hidden_size, dtype=compute_dtype)
+        # `torch.mm(out=)` is not an autocast op: products written by copy where autocast would cast the operands
+        direct = bias is None and not torch.is_grad_enabled() and hidden_states.dtype == weight.dtype == compute_dtype
         if plan.rows is not None:
             for (start, stop), tokens in zip(plan.spans, plan.rows, strict=True):
                 rows = slice(start * self.block, stop * self.block)
@@ -1426,7 +1448,8 @@ class MoHDModel(MoHDPreTrainedModel):
         The decoder stack. Besides the arguments below, takes `routing_replay`
         (`dict[tuple[int, str], RoutingRecord]`, *optional*): a routing record (e.g. `RoutingCache.routing_record` of a
         generation) whose indices, (B, T, k) per (layer, router), replace the routers' own top-k; the gates are
-        recomputed by the current routers, so the routers keep their gradient (docs/design.md section 3).
+        recomputed by the current routers, so the routers keep their gradient (docs/design.md section 3). Ids out of
+        a router's range (the engines' -1) are allowed in padding rows (`attention_mask` 0) only, and ignored there.
         """
     )
     def forward(
@@ -1465,6 +1488,10 @@ class MoHDModel(MoHDPreTrainedModel):
             cache=cache,
             position_ids=position_ids,
         )
+        # (B, T): 1 at the real tokens of this forward, for the routers (replayed padding rows, expert loads)
+        token_mask = None
+        if attention_mask is not None and attention_mask.ndim == 2:
+            token_mask = attention_mask[:, -inputs_embeds.shape[1] :]
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
@@ -1475,6 +1502,7 @@ class MoHDModel(MoHDPreTrainedModel):
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
+                token_mask=token_mask,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
@@ -1495,15 +1523,22 @@ class MoHDForCausalLM(MoHDPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def load_balancing_loss(self, router_logits, attention_mask=None) -> torch.Tensor | None:
+    def load_balancing_loss(self, router_logits, attention_mask=None, routing_replay=None) -> torch.Tensor | None:
         """Sub-dimension load-balance loss (docs/design.md section 3, step 7): Switch form per router, mean over
         routers.
 
         Args:
             router_logits: one (B*T, N_r) tensor per router ("attn" then "mlp" of each layer), as recorded.
             attention_mask: (B, S), 1 for the tokens that count.
+            routing_replay: the forward's `routing_replay`, if any: f_j then counts the replayed routes (the ones the
+                forward used), not the top-k of the logits.
         """
-        return load_balancing_loss(router_logits, self.config.num_routed_sub_dims_per_tok, attention_mask)
+        routes = None
+        if routing_replay is not None and router_logits:
+            # the routers in call order, the order of `router_logits`: each layer's attention, then its FFN
+            routers = [module for module in self.modules() if isinstance(module, MoHDRouter)]
+            routes = replayed_routes(routers, routing_replay, attention_mask)
+        return load_balancing_loss(router_logits, self.config.num_routed_sub_dims_per_tok, attention_mask, routes)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, with `auto_map.AutoModel` naming the base model class too.
@@ -1525,7 +1560,7 @@ class MoHDForCausalLM(MoHDPreTrainedModel, GenerationMixin):
         custom_intro="""
         The causal LM: LM head on the kept positions, LM loss, and the load-balance loss when `output_router_logits`.
         Besides the arguments below, takes `routing_replay` (a routing record whose indices replace the routers' own
-        top-k, as in the base model's forward).
+        top-k, as in the base model's forward; the load-balance loss then counts the replayed routes).
         """
     )
     def forward(
@@ -1577,7 +1612,7 @@ class MoHDForCausalLM(MoHDPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
         aux_loss = None
         if output_router_logits:
-            aux_loss = self.load_balancing_loss(outputs.router_logits, attention_mask)
+            aux_loss = self.load_balancing_loss(outputs.router_logits, attention_mask, kwargs.get("routing_replay"))
             if labels is not None and aux_loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device, loss.dtype)
         return MoeCausalLMOutputWithPast(

@@ -72,7 +72,8 @@ class RoutedDecoderMixin:
         The decoder stack. Besides the arguments below, takes `routing_replay`
         (`dict[tuple[int, str], RoutingRecord]`, *optional*): a routing record (e.g. `RoutingCache.routing_record` of a
         generation) whose indices, (B, T, k) per (layer, router), replace the routers' own top-k; the gates are
-        recomputed by the current routers, so the routers keep their gradient (docs/design.md section 3).
+        recomputed by the current routers, so the routers keep their gradient (docs/design.md section 3). Ids out of
+        a router's range (the engines' -1) are allowed in padding rows (`attention_mask` 0) only, and ignored there.
         """
     )
     def forward(
@@ -111,6 +112,10 @@ class RoutedDecoderMixin:
             cache=cache,
             position_ids=position_ids,
         )
+        # (B, T): 1 at the real tokens of this forward, for the routers (replayed padding rows, expert loads)
+        token_mask = None
+        if attention_mask is not None and attention_mask.ndim == 2:
+            token_mask = attention_mask[:, -inputs_embeds.shape[1] :]
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
@@ -121,6 +126,7 @@ class RoutedDecoderMixin:
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
+                token_mask=token_mask,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
@@ -129,8 +135,8 @@ class RoutedDecoderMixin:
 
 class RoutedCausalLMMixin(RoutingGenerationMixin):
     """`forward` of both families' causal LMs (the `MixtralForCausalLM` flow): LM head on the kept positions, LM
-    loss, and `router_aux_loss_coef` times the family's `load_balancing_loss(router_logits, attention_mask)` when
-    `output_router_logits` (the family returns None where routing is balanced otherwise).
+    loss, and `router_aux_loss_coef` times the family's `load_balancing_loss(router_logits, attention_mask,
+    routing_replay)` when `output_router_logits` (the family returns None where routing is balanced otherwise).
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -158,7 +164,7 @@ class RoutedCausalLMMixin(RoutingGenerationMixin):
         custom_intro="""
         The causal LM: LM head on the kept positions, LM loss, and the load-balance loss when `output_router_logits`.
         Besides the arguments below, takes `routing_replay` (a routing record whose indices replace the routers' own
-        top-k, as in the base model's forward).
+        top-k, as in the base model's forward; the load-balance loss then counts the replayed routes).
         """
     )
     def forward(
@@ -210,7 +216,7 @@ class RoutedCausalLMMixin(RoutingGenerationMixin):
             loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
         aux_loss = None
         if output_router_logits:
-            aux_loss = self.load_balancing_loss(outputs.router_logits, attention_mask)
+            aux_loss = self.load_balancing_loss(outputs.router_logits, attention_mask, kwargs.get("routing_replay"))
             if labels is not None and aux_loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device, loss.dtype)
         return MoeCausalLMOutputWithPast(

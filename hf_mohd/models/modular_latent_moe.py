@@ -47,6 +47,7 @@ from .modeling_common import (
     TopKRouter,
     activation,
     load_balancing_loss,
+    replayed_routes,
 )
 from .modular_common import RoutedCausalLMMixin, RoutedDecoderMixin
 
@@ -64,8 +65,9 @@ class LatentMoERouter(TopKRouter):
     sigmoid(logits); the K experts are the top-K of the scores (sigmoid: of scores + `e_score_correction_bias`, an
     fp32 buffer used only for selection, DeepSeek-V3 arXiv 2412.19437 section 2.1.2, as `NemotronHTopkRouter`),
     ties to the lower index. Gates = the unbiased scores of the selected experts, renormalised to sum to 1 when
-    `norm_topk_prob`, times `routed_scaling_factor`, in fp32. In training, sigmoid routers add the number of tokens
-    each expert received to `expert_load` for `LatentMoEForCausalLM.update_router_biases`.
+    `norm_topk_prob`, times `routed_scaling_factor`, in fp32; with `router_gate="unit"` exactly 1 instead. In
+    training, sigmoid routers add the number of real tokens (`token_mask`; padding is not counted) each expert received
+    to `expert_load` for `LatentMoEForCausalLM.update_router_biases`.
 
     Returns:
         logits (B*T, E) fp32, weights (B, T, K) fp32, indices (B, T, K) int64 expert ids.
@@ -78,6 +80,7 @@ class LatentMoERouter(TopKRouter):
         self.num_experts = layer_config.num_experts
         self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = layer_config.routed_scaling_factor
+        self.unit_gates = config.router_gate == "unit"
         self.uses_bias_correction = config.router_score_func == "sigmoid"
         self.score_fn = ROUTER_SCORE_FUNCTIONS[config.router_score_func]
         # CODEPATH: sigmoid routing (DeepSeek-V3 / Nemotron-H) keeps a selection bias; softmax routing has none.
@@ -98,14 +101,17 @@ class LatentMoERouter(TopKRouter):
         return scores + self.e_score_correction_bias.to(scores.dtype)
 
     def gates(self, chosen_scores: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
+        # CODEPATH: router_gate="unit" (a carved dense FFN): gate exactly 1, gradient straight through to the scores.
+        if self.unit_gates:
+            return chosen_scores - chosen_scores.detach() + 1.0
         # CODEPATH: norm_topk_prob=True (Mixtral, DeepSeek-V3, Nemotron-H) renormalises the K selected scores.
         if self.norm_topk_prob:
             chosen_scores = chosen_scores / (chosen_scores.sum(-1, keepdim=True) + 1e-20)
         return chosen_scores * self.routed_scaling_factor
 
-    def observe(self, indices: torch.Tensor) -> None:
+    def observe(self, indices: torch.Tensor, token_mask: torch.Tensor | None = None) -> None:
         if self.training and self.uses_bias_correction:
-            self._count_load(indices)
+            self._count_load(indices, token_mask)
 
     def _apply(self, fn, recurse=True):
         """Keeps `e_score_correction_bias` in fp32 through dtype casts (`.to(torch.bfloat16)`, `.double()`): steps
@@ -118,9 +124,16 @@ class LatentMoERouter(TopKRouter):
         return self
 
     @torch.no_grad()
-    def _count_load(self, indices: torch.Tensor) -> None:
-        """Adds the (B, T, K) routed picks to `expert_load` (E,), fp32 token counts per expert."""
-        counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts).to(torch.float32)
+    def _count_load(self, indices: torch.Tensor, token_mask: torch.Tensor | None = None) -> None:
+        """Adds the (B, T, K) routed picks of the real tokens (`token_mask` (B, T) nonzero; None: all) to
+        `expert_load` (E,), fp32 token counts per expert."""
+        if token_mask is None:
+            counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts).to(torch.float32)
+        else:
+            real = token_mask.to(device=indices.device, dtype=torch.bool)[..., None].expand(indices.shape)
+            counts = torch.bincount(
+                indices.reshape(-1), weights=real.reshape(-1).to(torch.float32), minlength=self.num_experts
+            )
         self.expert_load = counts if self.expert_load is None else self.expert_load + counts.to(self.expert_load)
 
 
@@ -183,10 +196,19 @@ def aligned_grouped_mm_experts_forward(
     return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
-# transformers' experts implementations, with "grouped_mm" falling back where the kernel cannot run (a local override
-# of `ExpertsInterface`, as its docstring intends; the other implementations are transformers' own)
-LATENT_MOE_EXPERTS_FUNCTIONS = ExpertsInterface()
-LATENT_MOE_EXPERTS_FUNCTIONS["grouped_mm"] = aligned_grouped_mm_experts_forward
+class LatentMoEExpertsInterface(ExpertsInterface):
+    """transformers' experts registry (`ExpertsInterface`'s global mapping, read at every call, so that a kernel
+    registered with `ExpertsInterface.register(name, fn)` after import is used as by Mixtral), except that
+    transformers' own `grouped_mm_experts_forward` runs as `aligned_grouped_mm_experts_forward`, which falls back to
+    the eager loop where the expert widths do not suit the kernel. A kernel registered under "grouped_mm" replaces
+    both."""
+
+    def get_interface(self, experts_implementation: str, default):
+        forward = super().get_interface(experts_implementation, default)
+        return aligned_grouped_mm_experts_forward if forward is grouped_mm_experts_forward else forward
+
+
+LATENT_MOE_EXPERTS_FUNCTIONS = LatentMoEExpertsInterface()
 
 
 @use_experts_implementation(experts_interface=LATENT_MOE_EXPERTS_FUNCTIONS)
@@ -365,13 +387,18 @@ class LatentMoEForCausalLM(RoutedCausalLMMixin, LatentMoEPreTrainedModel, Genera
         return [module for module in self.modules() if isinstance(module, LatentMoERouter)]
 
     def load_balancing_loss(
-        self, router_logits: tuple[torch.Tensor, ...] | None, attention_mask: torch.Tensor | None = None
+        self,
+        router_logits: tuple[torch.Tensor, ...] | None,
+        attention_mask: torch.Tensor | None = None,
+        routing_replay: dict | None = None,
     ) -> torch.Tensor | None:
         """Switch load-balance loss of each router (E_t * sum_j f_j P_j with that layer's K_t), averaged over routers.
 
         Args:
             router_logits: one (B*T, E_t) tensor per MoE layer, in layer order (as recorded).
             attention_mask: (B, S), 1 for the tokens that count.
+            routing_replay: the forward's `routing_replay`, if any: f_j then counts the replayed routes (the ones the
+                forward used), not the top-k of the logits.
 
         Returns:
             A scalar (1.0 under perfect balance), or None when no router was recorded or routing is sigmoid.
@@ -379,9 +406,11 @@ class LatentMoEForCausalLM(RoutedCausalLMMixin, LatentMoEPreTrainedModel, Genera
         # CODEPATH: the Switch aux loss balances softmax routers; sigmoid routers use `update_router_biases` instead.
         if not router_logits or self.config.router_score_func != "softmax":
             return None
-        top_ks = [router.top_k for router in self.routers()]
+        routers = self.routers()
+        routes = replayed_routes(routers, routing_replay, attention_mask) or [None] * len(routers)
         losses = [
-            load_balancing_loss((logits,), k, attention_mask) for logits, k in zip(router_logits, top_ks, strict=True)
+            load_balancing_loss((logits,), router.top_k, attention_mask, None if chosen is None else [chosen])
+            for logits, router, chosen in zip(router_logits, routers, routes, strict=True)
         ]
         return torch.stack(losses).mean()
 

@@ -12,7 +12,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
 
 import hf_mohd  # noqa: F401  (registers the Auto classes)
-from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM
+from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, RoutingRecord
 from hf_mohd.models.modeling_common import MLP
 from hf_mohd.models.modeling_latent_moe import (
     LatentMoEBlock,
@@ -107,6 +107,34 @@ def test_experts_implementations_agree_in_logits_and_gradients(mlp_gated, router
         torch.testing.assert_close(logits, reference_logits, atol=1e-5, rtol=1e-4)
         for name, grad in reference_grads.items():
             torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-4, msg=f"{implementation} {name}")
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_experts_honour_a_kernel_registered_globally(implementation):
+    """A kernel registered with `ExpertsInterface.register` after import (as transformers' kernels integration does)
+    runs LatentMoE's experts, as it runs Mixtral's: the registered function is called with the experts module and its
+    result is the layer's output; unregistering restores transformers' own kernel (same logits as before)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    model = make_model(dtype=torch.float32, experts_implementation=implementation, mlp_bias=False)
+    ids = input_ids()
+    before = model(ids).logits
+    original = ExpertsInterface._global_mapping[implementation]
+    calls = []
+
+    def kernel(module, hidden_states, top_k_index, top_k_weights):
+        calls.append(type(module).__name__)
+        return 2 * original(module, hidden_states, top_k_index, top_k_weights)
+
+    ExpertsInterface.register(implementation, kernel)
+    try:
+        doubled = model(ids).logits
+    finally:
+        ExpertsInterface.register(implementation, original)
+    moe_layers = sum(layer.mixer_type == "moe" for layer in model.config.per_layer_config)
+    assert calls == ["LatentMoEExperts"] * moe_layers
+    assert (doubled - before).abs().max() > 1e-3  # the kernel's output reached the logits
+    torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
 
 
 def _nemotron_pair(latent_size):
@@ -333,6 +361,52 @@ def test_sigmoid_bias_update_moves_bias_against_load():
     assert torch.equal(indices.sort(-1).values, torch.tensor([2, 3]).expand(1, 4, 2))
     scores = torch.sigmoid(x @ router.weight.T).gather(-1, indices)
     torch.testing.assert_close(weights, scores / scores.sum(-1, keepdim=True))
+
+
+def padded(ids: torch.Tensor, pad: int, side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, T) ids -> (1, T + pad) ids padded with 0 on `side`, and their attention mask (0 on the padding)."""
+    zeros = torch.zeros(1, pad, dtype=ids.dtype)
+    padded_ids = torch.cat([zeros, ids] if side == "left" else [ids, zeros], dim=1)
+    mask = torch.cat([zeros, torch.ones_like(ids)] if side == "left" else [torch.ones_like(ids), zeros], dim=1)
+    return padded_ids, mask
+
+
+def test_sigmoid_expert_loads_count_real_tokens_only():
+    """Aux-loss-free balancing sees the same loads for the same tokens, padded or not: 5 real tokens count 5 (times
+    K) also when left- or right-padded to 9, in `expert_load` and in the loads `update_router_biases` uses."""
+    model = make_model(router_score_func="sigmoid", num_hidden_layers=1, per_layer_config={}).train()
+    router = model.model.layers[0].mlp.gate
+    ids = input_ids(batch=1, length=5)
+    model(ids)
+    alone = router.expert_load.clone()
+    assert alone.sum() == 5 * 2
+    for side in ("left", "right"):
+        router.expert_load = None
+        model(*padded(ids, 4, side))
+        torch.testing.assert_close(router.expert_load, alone, atol=0, rtol=0, msg=side)
+    torch.testing.assert_close(model.update_router_biases()[0], alone, atol=0, rtol=0)
+
+
+def test_replay_loss_and_loads_count_the_replayed_routes():
+    """Under routing replay the forward uses the record's routes: the Switch aux loss (softmax routing) and the
+    sigmoid expert loads count those, not the live top-k, and only on real tokens (padding rows hold -1)."""
+    ids, mask = padded(input_ids(batch=1, length=5), 4)
+    routes = torch.tensor([[[0, 1], [0, 1], [2, 3], [0, 3], [6, 7]]])  # (1, 5, 2): far from the live top-k
+    record = torch.cat([torch.full((1, 4, 2), -1), routes], dim=1)
+    replay = {(0, "moe"): RoutingRecord(record, None)}
+
+    softmax = make_model(num_hidden_layers=1, per_layer_config={})
+    out = softmax(ids, attention_mask=mask, labels=ids, output_router_logits=True, routing_replay=replay)
+    probs = torch.softmax(out.router_logits[0][4:], dim=-1)  # (5, 8) of the real tokens
+    fraction = torch.bincount(routes.view(-1), minlength=8).double() / (5 * 2)
+    torch.testing.assert_close(out.aux_loss, 8 * (fraction * probs.mean(0)).sum(), atol=1e-12, rtol=0)
+    live = softmax(ids, attention_mask=mask, output_router_logits=True).aux_loss
+    assert (live - out.aux_loss).abs() > 1e-3, "the replayed routes must give another loss than the live top-k"
+
+    sigmoid = make_model(router_score_func="sigmoid", num_hidden_layers=1, per_layer_config={}).train()
+    sigmoid(ids, attention_mask=mask, routing_replay=replay)
+    expected = torch.bincount(routes.view(-1), minlength=8).float()
+    torch.testing.assert_close(sigmoid.model.layers[0].mlp.gate.expert_load, expected, atol=0, rtol=0)
 
 
 def _bias_update_rank(rank: int, init_file: str, out_dir: str) -> None:
