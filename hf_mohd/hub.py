@@ -98,7 +98,7 @@ def prepare_files(
     Raises:
         FileNotFoundError: no `config.json`, or no `*.safetensors` weights (pickled `*.bin` weights are not uploaded).
         ValueError: `config.json` is not valid JSON, is not of an hf-mohd family, or has a bad field (the message
-            names the file and the field).
+            names the file and the field); a safetensors file is truncated or garbage (`ConversionError`, naming it).
     """
     from transformers import GenerationConfig
 
@@ -137,6 +137,11 @@ def prepare_files(
         config = _families()[config_dict["model_type"]][0].from_dict(config_dict)
     except ValueError as err:
         raise ValueError(f"{config_path}: not a valid {config_dict['model_type']} config ({err}).") from err
+    from .conversion.source import check_safetensors
+
+    for name, path in files.items():  # a truncated or garbage file fails here, before anything is uploaded
+        if name.endswith(".safetensors"):
+            check_safetensors(path)
     if "generation_config.json" not in files:
         files["generation_config.json"] = GenerationConfig.from_model_config(config).to_json_string().encode()
     if not any(name in files for name in TOKENIZER_FILES):

@@ -486,7 +486,7 @@ def test_cli_rotates_and_fits_routers(tmp_path, input_ids):
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(exact).eval()(input_ids).logits
         torch.testing.assert_close(logits, oracle(input_ids).logits, rtol=0, atol=1e-4)
-    assert cli_main(["convert", "mohd", src, str(tmp_path / "x"), "--rotate", "pca"]) == 1
+    assert cli_main(["convert", "mohd", src, str(tmp_path / "x"), "--rotate", "pca"]) == 2  # needs calibration text
 
 
 @pytest.mark.parametrize("expert_init", ["slices", "random"])
@@ -578,7 +578,7 @@ def test_failed_save_leaves_nothing(one_llama, tmp_path, monkeypatch):
     assert list((tmp_path / "out").iterdir()) == []
 
 
-def test_cli_converts_both_ways_and_reports_errors(tmp_path, input_ids, caplog):
+def test_cli_converts_both_ways_and_reports_errors(tmp_path, input_ids, capsys):
     save_tiny_llama(tmp_path / "llama", tied=True, sharded=True)
     oracle = LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval()
     src, mohd_out, moe_out = str(tmp_path / "llama"), str(tmp_path / "mohd"), str(tmp_path / "moe")
@@ -605,11 +605,12 @@ def test_cli_converts_both_ways_and_reports_errors(tmp_path, input_ids, caplog):
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(moe_out).eval()(input_ids).logits
         torch.testing.assert_close(logits, oracle(input_ids).logits, rtol=0, atol=1e-5)
-    assert cli_main(["convert", "mohd", src, mohd_out]) == 1
-    assert "already exists" in caplog.text
+    capsys.readouterr()
+    assert cli_main(["convert", "mohd", src, mohd_out]) == 8  # the output exists
+    assert "already exists" in capsys.readouterr().err
     torch.save({}, tmp_path / "weights.bin")
-    assert cli_main(["convert", "mohd", str(tmp_path / "weights.bin"), str(tmp_path / "x")]) == 1
-    assert "never loads pickled" in caplog.text
+    assert cli_main(["convert", "mohd", str(tmp_path / "weights.bin"), str(tmp_path / "x")]) == 4  # not safetensors
+    assert "never loads pickled" in capsys.readouterr().err
 
 
 def _folder_files(folder: Path) -> dict[str, bytes]:
@@ -696,7 +697,7 @@ def test_convert_latent_moe_from_python_writes_the_cli_folder(tmp_path):
     assert result.max_logit_difference == expected == 0.0  # fc2_latent_proj is zero: the routed path adds exactly 0
 
 
-def test_convert_checks_options_first_and_fails_verify_without_writing(tmp_path, caplog):
+def test_convert_checks_options_first_and_fails_verify_without_writing(tmp_path, capsys):
     """Option rules are checked before the source is read (the source here does not exist), with one message for
     Python and the CLI; a failed verify writes nothing."""
     missing, out = tmp_path / "no-such-llama", tmp_path / "out"
@@ -704,9 +705,10 @@ def test_convert_checks_options_first_and_fails_verify_without_writing(tmp_path,
         convert_mohd(missing, out, rotation="pca")
     with pytest.raises(ConversionError, match=r"`channel_order` must be 'original' with rotation='pca'.*'importance'"):
         convert_mohd(missing, out, rotation="pca", channel_order="importance", calibration_text="c.txt")
-    assert cli_main(["convert", "mohd", str(missing), str(out), "--routers", "fitted"]) == 1
-    assert "need calibration text: give `calibration_text` (a UTF-8 file, --calibration-text)" in caplog.text
-    assert "does not exist" not in caplog.text
+    assert cli_main(["convert", "mohd", str(missing), str(out), "--routers", "fitted"]) == 2  # a bad option
+    err = capsys.readouterr().err
+    assert "need calibration text: give `calibration_text` (a UTF-8 file, --calibration-text)" in err
+    assert "does not exist" not in err
     save_tiny_llama(tmp_path / "llama", tied=False, sharded=False)
     with pytest.raises(ConversionError, match=r"verify=True \(--verify\) failed: logits differ .* > atol=-1\.0\."):
         convert_mohd(tmp_path / "llama", out, "compression_50", verify=True, atol=-1.0)

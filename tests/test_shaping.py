@@ -566,8 +566,10 @@ def test_cli_commands(tmp_path, capsys, tiny_llama):
     assert cli_main(["alpha-transform", str(standard), "--alpha", "4", "--output", str(tmp_path / "latent")]) == 0
     written = json.loads((tmp_path / "latent" / "config.json").read_text())
     assert written == alpha_transform(STANDARD, 4)
-    assert cli_main(["alpha-transform", str(standard), "--alpha", "3"]) == 2
-    assert "error: global config: `hidden_size` (512) must be divisible by alpha (3)" in capsys.readouterr().err
+    assert cli_main(["alpha-transform", str(standard), "--alpha", "3"]) == 6  # a config field the option cannot use
+    assert f"error: {standard}: global config: `hidden_size` (512) must be divisible by alpha (3)" in (
+        capsys.readouterr().err
+    )
 
     assert cli_main(["propose-shape", "--product", "393216", "--top", "1"]) == 0
     assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["512", "768"]
@@ -596,8 +598,8 @@ def test_cli_commands(tmp_path, capsys, tiny_llama):
     assert cli_main(args + ["--multiple", "16"]) == 0
     assert (tmp_path / "out" / "id_profile.png").is_file() and (tmp_path / "out" / "config.json").is_file()
     capsys.readouterr()
-    assert cli_main(args) == 2
-    assert "hf-mohd allocate: error: No narrow shape" in capsys.readouterr().err
+    assert cli_main(args) == 6
+    assert f"error: {uniform}: No narrow shape" in capsys.readouterr().err
 
 
 def test_cli_accounting_of_a_latent_moe_and_a_mohd_folder(tmp_path, capsys):
@@ -649,7 +651,8 @@ def test_cli_help(command, expected, capsys):
 
 def test_cli_accounting_bad_inputs_name_the_path(tmp_path, capsys):
     """`hf-mohd accounting` on a missing path, a config of the wrong type, a `--preset` on a config that is not LLaMA
-    or an unknown preset: one line `error: <path>: ...` saying what was expected, exit status 1 (no traceback)."""
+    or an unknown preset: one line `error: <path>: ...` saying what was expected, with the exit status of its kind
+    (3 missing, 2 bad option, 4 wrong model type, 6 bad field; no traceback)."""
     from transformers import LlamaConfig
 
     from hf_mohd.models.configuration_latent_moe import LatentMoEConfig
@@ -663,13 +666,13 @@ def test_cli_accounting_bad_inputs_name_the_path(tmp_path, capsys):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text(json.dumps(broken))
     cases = {
-        str(tmp_path / "missing" / "config.json"): ([], "expected a config.json file or a model folder"),
-        str(tmp_path / "llama"): (["--preset", "compresion_50"], "`preset` must be one of"),
-        str(tmp_path / "latent"): (["--preset", "compression_50"], "has model_type 'latent_moe'"),
-        str(tmp_path / "broken"): ([], r"not a loadable config \(.*hidden_size"),
+        str(tmp_path / "missing" / "config.json"): ([], "expected a config.json file or a model folder", 3),
+        str(tmp_path / "llama"): (["--preset", "compresion_50"], "`preset` must be one of", 2),
+        str(tmp_path / "latent"): (["--preset", "compression_50"], "has model_type 'latent_moe'", 4),
+        str(tmp_path / "broken"): ([], r"not a loadable config \(.*hidden_size", 6),
     }
-    for path, (options, expected) in cases.items():
-        assert cli_main(["accounting", path, *options]) == 1
+    for path, (options, expected, status) in cases.items():
+        assert cli_main(["accounting", path, *options]) == status
         captured = capsys.readouterr()
         assert captured.out == ""
         assert re.match(rf"error: {re.escape(path)}: .*{expected}", captured.err, re.S), captured.err
@@ -678,7 +681,7 @@ def test_cli_accounting_bad_inputs_name_the_path(tmp_path, capsys):
 def test_cli_eval_and_train_bad_inputs_name_the_file_or_option(tmp_path, capsys):
     """`hf-mohd eval` on a missing folder, a file, a folder without tokenizer files or an unknown task, and `hf-mohd
     train` on a missing, unparsable or invalid config or a malformed --set: one line `error: ...` naming the file or
-    option and what was expected, exit status 1, before any model is loaded (no traceback)."""
+    option and what was expected, with the exit status of its kind, before any model is loaded (no traceback)."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "file.txt").write_text("x")
     (tmp_path / "bad.yaml").write_text("max_steps: [1\n")
@@ -686,20 +689,21 @@ def test_cli_eval_and_train_bad_inputs_name_the_file_or_option(tmp_path, capsys)
     shipped = str(Path(__file__).resolve().parents[1] / "configs" / "train" / "mohd_wiki.yaml")
     missing = str(tmp_path / "missing")
     cases = [
-        (["eval", missing, "--tasks", "arc_easy"], rf"error: model folder {re.escape(missing)} does not exist"),
-        (["eval", str(tmp_path / "file.txt")], r"error: model folder .*file\.txt is a file, not a model folder"),
-        (["eval", str(tmp_path / "empty")], rf"error: {re.escape(str(tmp_path / 'empty'))} has no tokenizer files"),
+        (["eval", missing, "--tasks", "arc_easy"], rf"error: model folder {re.escape(missing)} does not exist", 3),
+        (["eval", str(tmp_path / "file.txt")], r"error: .*file\.txt: is a file, not a model folder", 4),
+        (["eval", str(tmp_path / "empty")], rf"error: {re.escape(str(tmp_path / 'empty'))}: has no config\.json", 4),
         (
             ["eval", missing, "--tasks", "arc_easy,nope"],
             r"error: --tasks: Unknown task 'nope'; known: \['arc_challenge'",
+            2,
         ),
-        (["train", str(tmp_path / "none.yaml")], r"error: Training config '.*none\.yaml' does not exist"),
-        (["train", str(tmp_path / "bad.yaml")], r"error: .*bad\.yaml: cannot parse"),
-        (["train", str(tmp_path / "typo.yaml")], r"error: .*typo\.yaml: unknown field\(s\) \['max_stepz'\]"),
-        (["train", shipped, "--set", "max_steps"], r"error: .*mohd_wiki\.yaml: --set expects FIELD=VALUE"),
+        (["train", str(tmp_path / "none.yaml")], r"error: Training config '.*none\.yaml' does not exist", 3),
+        (["train", str(tmp_path / "bad.yaml")], r"error: .*bad\.yaml: cannot parse", 5),
+        (["train", str(tmp_path / "typo.yaml")], r"error: .*typo\.yaml: unknown field\(s\) \['max_stepz'\]", 6),
+        (["train", shipped, "--set", "max_steps"], r"error: .*mohd_wiki\.yaml: --set expects FIELD=VALUE", 2),
     ]
-    for argv, expected in cases:
-        assert cli_main(argv) == 1, argv
+    for argv, expected, status in cases:
+        assert cli_main(argv) == status, argv
         captured = capsys.readouterr()
         assert captured.out == "" and re.match(expected, captured.err), (argv, captured.err)
         assert "Traceback" not in captured.err and captured.err.count("\n") <= 8
@@ -715,7 +719,7 @@ def test_cli_eval_offline_name_that_is_no_folder_nor_cached_hub_model(name, tmp_
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    assert cli_main(["eval", name, "--tasks", "arc_easy", "--limit", "5"]) == 1
+    assert cli_main(["eval", name, "--tasks", "arc_easy", "--limit", "5"]) == 3
     captured = capsys.readouterr()
     assert captured.err == (
         f"error: {name} is neither a local model folder nor a Hub model in the local cache (HF_HUB_OFFLINE is set, so "

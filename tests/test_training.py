@@ -279,7 +279,7 @@ def test_demo_rejects_unknown_models_and_tasks_before_training(tmp_path, capsys,
     (the output folder stays empty)."""
     from hf_mohd.cli import main
 
-    assert main(["demo", "--output-dir", str(tmp_path / "out"), option, value]) == 1
+    assert main(["demo", "--output-dir", str(tmp_path / "out"), option, value]) == 2  # a bad option value
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {option}: ") and message in err and "\n" not in err
     assert not (tmp_path / "out").exists()
@@ -322,7 +322,7 @@ def test_train_cli_names_a_bad_architecture_or_data_field_in_one_line(tmp_path, 
             target = target[part]
         target[leaf] = value
     config = _write_yaml(tmp_path / "run.yaml", values)
-    assert main(["train", config]) == 1
+    assert main(["train", config]) == (3 if "data.path" in change else 6)  # a missing path, or a bad field
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # past datasets' progress bars
     assert len(err) == 1 and err[0].startswith(f"error: {config}: ") and message in err[0], err
     assert not os.path.exists(os.path.join(values["output_dir"], "checkpoints"))
@@ -335,7 +335,7 @@ def test_train_cli_refuses_other_model_in_a_run_folder_and_leaves_a_finished_run
 
     values = _tiny_values(tmp_path, write_corpus(tmp_path / "corpus.jsonl"))
     config = _write_yaml(tmp_path / "run.yaml", values)
-    assert main(["train", config, "--set", "optim.lrr=1"]) == 1
+    assert main(["train", config, "--set", "optim.lrr=1"]) == 6
     assert f"error: {config} with --set: unknown field(s) ['optim.lrr']" in capsys.readouterr().err
     assert main(["train", config]) == 0
     final = os.path.join(values["output_dir"], "final")
@@ -344,7 +344,7 @@ def test_train_cli_refuses_other_model_in_a_run_folder_and_leaves_a_finished_run
     checkpoints = sorted(os.listdir(os.path.join(values["output_dir"], "checkpoints")))
     capsys.readouterr()
 
-    assert main(["train", config, "--set", "model.architecture.hidden_size=64"]) == 1
+    assert main(["train", config, "--set", "model.architecture.hidden_size=64"]) == 6
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(err) == 1 and "`model.architecture.hidden_size` is 64, but the checkpoints in" in err[0], err
     assert "trained with 32" in err[0]

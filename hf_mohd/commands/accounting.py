@@ -3,7 +3,7 @@ LLaMA), or of a MoHD preset of a LLaMA config (`hf_mohd.models.accounting.model_
 
 import json
 
-from . import add_command, fail
+from . import CommandError, add_command, read_config_json
 
 
 def register(subparsers) -> None:
@@ -18,11 +18,10 @@ def register(subparsers) -> None:
 def run(args) -> int:
     """Parameter and FLOP accounting of a config.json (MoHD, LatentMoE, LLaMA) or a MoHD preset of a LLaMA one.
 
-    A path that is neither a config.json nor a folder holding one, a config that does not load, a `--preset` on a
-    config that is not LLaMA, or an unknown preset prints `error: <path>: <what was expected>` (exit status 1).
+    Bad input prints `error: <path>: <what was expected>`: a path that does not exist (exit status 3), a folder
+    without config.json or a `--preset` on a config that is not LLaMA (4), a config.json that is not a JSON object
+    (5), a config that does not load (6), an unknown preset (2).
     """
-    import os
-
     from huggingface_hub.errors import StrictDataclassFieldValidationError
     from transformers import AutoConfig
 
@@ -31,22 +30,25 @@ def run(args) -> int:
     from hf_mohd.models.configuration_mohd import MoHDConfig
 
     path = args.config
-    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    read_config_json(path)
     try:
-        if not os.path.isfile(config_file) or not config_file.endswith(".json"):
-            raise ValueError("expected a config.json file or a model folder holding one (nothing is downloaded)")
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, TypeError, StrictDataclassFieldValidationError) as error:
+        raise CommandError("config", path, f"not a loadable config ({error})") from error
+    if args.preset:
+        if config.model_type != "llama":
+            raise CommandError(
+                "wrong_type",
+                path,
+                f"--preset applies to a LLaMA config; this config has model_type {config.model_type!r}",
+            )
         try:
-            config = AutoConfig.from_pretrained(path)
-        except (OSError, ValueError, TypeError, StrictDataclassFieldValidationError) as error:
-            raise ValueError(f"not a loadable config ({error})") from error
-        if args.preset:
-            if config.model_type != "llama":
-                raise ValueError(
-                    f"--preset applies to a LLaMA config; this config has model_type {config.model_type!r}"
-                )
             config = MoHDConfig.from_llama_config(config, args.preset)
+        except ValueError as error:
+            raise CommandError("usage", path, str(error)) from error
+    try:
         accounting = model_accounting(config, args.context_length)
     except ValueError as error:
-        return fail(path, error)
+        raise CommandError("config", path, str(error)) from error
     print(json.dumps(accounting.as_dict(), indent=2))
     return 0

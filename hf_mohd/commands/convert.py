@@ -1,9 +1,12 @@
 """`hf-mohd convert`: turn a dense LLaMA checkpoint (safetensors folder or GGUF file) into MoHD or LatentMoE.
 
-`hf-mohd convert mohd SOURCE OUTPUT --preset compression_50` and `hf-mohd convert latent-moe SOURCE OUTPUT ...`;
+`hf-mohd convert mohd SOURCE OUTPUT --preset compression_50` and `hf-mohd convert latent-moe SOURCE OUTPUT ...`
+(`--carve` splits the dense FFNs into experts instead of upcycling them);
 `conversion/llama_to_mohd.py` and `conversion/llama_to_latent_moe.py` in the repository call the same functions.
 The commands only parse arguments: the work, every check included, is `hf_mohd.conversion.convert_mohd` /
-`convert_latent_moe` (docs/design.md section 6); a `ConversionError` is logged and exits with 1.
+`convert_latent_moe` (docs/design.md section 6); a `ConversionError` is raised as a `CommandError` of its `kind`
+(one line `error: ...`, exit status 2 bad options, 3 missing source, 4 not a LLaMA checkpoint, 5 damaged file,
+6 bad config.json field, 8 existing output, 1 failed --verify; see `hf_mohd.commands.EXIT_STATUS`).
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify",
         action="store_true",
-        help="Before writing, check the exact model (MoHD at full activation, LatentMoE as converted) against the "
-        "source LLaMA's logits on random tokens; fail if they differ by more than --atol. With `mohd --rotate` the "
+        help="Before writing, check the exact model (MoHD at full activation, LatentMoE as converted, a carved "
+        "LatentMoE with every expert active) against the source LLaMA's logits on random tokens; fail if they differ by more than --atol. With `mohd --rotate` the "
         "check runs in float64 (the same rotation applied to a float64 copy of the source).",
     )
     parser.add_argument("--atol", type=float, default=1e-4, help="Tolerance of --verify (default 1e-4).")
@@ -120,9 +123,8 @@ def add_latent_moe_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     parser.add_argument(
         "--expert-init",
         choices=("slices", "random"),
-        default="slices",
-        help="slices: routed experts start from slices of the dense FFN, projected to the latent width; random: "
-        "N(0, initializer_range^2). Either way fc2_latent_proj is zero, so the output equals the source's.",
+        help="slices (default): routed experts start from slices of the dense FFN, projected to the latent width; "
+        "random: N(0, initializer_range^2). Either way fc2_latent_proj is zero, so the output equals the source's.",
     )
     parser.add_argument(
         "--router-score-func",
@@ -134,6 +136,29 @@ def add_latent_moe_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     parser.add_argument(
         "--dense-layers", type=int, nargs="+", default=[], help="Layer indices kept dense (their FFN copied as is)."
     )
+    carving = parser.add_argument_group(
+        "carving (--carve)",
+        "Split each dense FFN, weights unchanged, into a shared expert (the neurons of highest mean |act(gate x) * "
+        "up x| on calibration text) and --num-experts routed experts of equal width (balanced spherical k-means of "
+        "the other neurons' activation patterns), full width, unit gates (router_gate='unit'), routers fitted by "
+        "least squares on the calibration text (MoEfication arXiv 2110.01786, CMoE arXiv 2502.04416). Exact at "
+        "--num-experts-per-tok = --num-experts. Not combinable with --moe-intermediate-size, --moe-latent-size, "
+        "--expert-init, --dense-layers.",
+    )
+    carving.add_argument("--carve", action="store_true", help="Carve the dense FFNs instead of upcycling them.")
+    carving.add_argument(
+        "--shared-fraction",
+        type=float,
+        help="Share of the FFN neurons in the shared expert, in [0, 1) (default 0.25); the rest must split into "
+        "--num-experts equal experts.",
+    )
+    carving.add_argument(
+        "--calibration-text",
+        help="UTF-8 text file for the partition and the router fit (keep it disjoint from evaluation text; default: "
+        "the first 8 articles of the gensim Wikipedia sample, whose last 8 are the evaluations' held-out text).",
+    )
+    carving.add_argument("--calibration-tokens", type=int, help="Calibration tokens used at most (default 8192).")
+    carving.add_argument("--calibration-window", type=int, help="Tokens per calibration row (default 256).")
     parser.set_defaults(func=run_latent_moe)
     return parser
 
@@ -194,6 +219,18 @@ LATENT_MOE_OPTIONS = (
     "router_score_func",
     "dense_layers",
 )
+# `latent-moe --carve`: arguments of `convert_carved_latent_moe`, and those that only one of the two ways takes.
+CARVE_OPTIONS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "router_score_func",
+    "shared_fraction",
+    "calibration_text",
+    "calibration_tokens",
+    "calibration_window",
+)
+CARVE_ONLY = ("shared_fraction", "calibration_text", "calibration_tokens", "calibration_window")
+UPCYCLE_ONLY = ("moe_intermediate_size", "moe_latent_size", "expert_init", "dense_layers")
 
 
 def _options(args, names) -> dict:
@@ -207,18 +244,19 @@ def _options(args, names) -> dict:
 
 def _conversion_command(run):
     """Wraps a `run_*(args)`: progress logging set up first (`configure_logging`); a `ConversionError` (bad input, a
-    failed --verify) is logged and exits with 1."""
+    failed --verify) is raised as a `CommandError` of the same `kind` (its message names the file or option)."""
 
     @functools.wraps(run)
     def wrapped(args) -> int:
         configure_logging(args.quiet)
         from hf_mohd.conversion import ConversionError
 
+        from . import CommandError
+
         try:
             return run(args)
         except ConversionError as err:
-            logging.getLogger("hf_mohd.conversion").error("%s", err)
-            return 1
+            raise CommandError(getattr(err, "kind", "usage"), None, str(err)) from err
 
     return wrapped
 
@@ -235,7 +273,22 @@ def run_mohd(args) -> int:
 
 @_conversion_command
 def run_latent_moe(args) -> int:
-    from hf_mohd.conversion import convert_latent_moe
+    from hf_mohd.conversion import ConversionError, convert_carved_latent_moe, convert_latent_moe
 
-    convert_latent_moe(args.source, args.output, **_options(args, LATENT_MOE_OPTIONS))
+    def given(names):
+        return ["--" + name.replace("_", "-") for name in names if getattr(args, name) not in (None, [])]
+
+    if args.carve:
+        if given(UPCYCLE_ONLY):
+            raise ConversionError(
+                f"{given(UPCYCLE_ONLY)} do not apply to --carve (full-width experts cut from the FFN)."
+            )
+        options = {name: value for name, value in _options(args, CARVE_OPTIONS).items() if value is not None}
+        convert_carved_latent_moe(args.source, args.output, **options)
+        return 0
+    if given(CARVE_ONLY):
+        raise ConversionError(f"{given(CARVE_ONLY)} apply only with --carve.")
+    options = _options(args, LATENT_MOE_OPTIONS)
+    options["expert_init"] = options["expert_init"] or "slices"
+    convert_latent_moe(args.source, args.output, **options)
     return 0

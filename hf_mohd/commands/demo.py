@@ -22,12 +22,16 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    """Train, evaluate, reload and compare a dense Llama, a MoHD and a LatentMoE model (~7 min on 2 idle cores)."""
+    """Train, evaluate, reload and compare a dense Llama, a MoHD and a LatentMoE model (~7 min on 2 idle cores).
+
+    An unknown model or lm-eval task prints `error: --models: ...` / `error: --eval-tasks: ...` (exit status 2)
+    before anything is trained.
+    """
     import os
 
     from hf_mohd.demo import DemoConfig, run_demo
 
-    from . import fail
+    from . import CommandError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
@@ -40,7 +44,7 @@ def run(args) -> int:
             progress_bar=not args.no_progress,
         )
     except ValueError as error:  # names the option: --models or --eval-tasks
-        return fail(str(error).split(":", 1)[0], error)
+        raise CommandError("usage", str(error).split(":", 1)[0], str(error)) from error
     if args.quick:
         demo = demo.quick()
     path = run_demo(demo)

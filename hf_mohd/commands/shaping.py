@@ -1,7 +1,10 @@
 """Shaping and allocation commands of arXiv 2610.14644 (docs/design.md section 4): `hf-mohd latent-accounting`,
 `alpha-transform`, `propose-shape`, `intrinsic-dim` and `allocate`.
 
-Every command reads local files only; a bad input prints `hf-mohd <command>: error: ...` and exits with 2.
+Every command reads local files only. Bad input raises `CommandError` (one line `error: <path or option>: ...`,
+see `hf_mohd.commands`): a missing file exits with 3, a file of the wrong kind with 4, an unreadable one with 5; a
+config whose fields the command cannot use (e.g. `hidden_size` not divisible by --alpha) with 6, and option values
+that cannot be met without a config (propose-shape --product) with 2.
 """
 
 import argparse
@@ -10,7 +13,7 @@ import json
 import os
 import sys
 
-from . import add_command
+from . import CommandError, add_command, check_model_folder, read_config_json, read_json_file, read_text_file
 
 
 def register(subparsers) -> None:
@@ -86,18 +89,21 @@ class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _command(subparsers, name: str, run) -> argparse.ArgumentParser:
-    """`add_command` with option defaults shown in `--help` and `run`'s `ValueError`s turned into exit status 2."""
-    return add_command(subparsers, name, _guard(run, name), formatter_class=_DefaultsHelpFormatter)
+    """`add_command` with option defaults shown in `--help` and `run`'s `ValueError`s turned into `CommandError`s."""
+    return add_command(subparsers, name, _guard(run), formatter_class=_DefaultsHelpFormatter)
 
 
-def _guard(func, name):
+def _guard(func):
+    """`func(args)`, a `ValueError` of the shaping functions raised as a `CommandError`: "config" naming
+    `args.config` (its fields do not allow what the options ask), or "usage" when the command has no config."""
+
     @functools.wraps(func)
     def wrapped(args) -> int:
         try:
             return func(args)
         except ValueError as error:
-            print(f"hf-mohd {name}: error: {error}", file=sys.stderr)
-            return 2
+            config = getattr(args, "config", None)
+            raise CommandError("config" if config else "usage", config, str(error)) from error
 
     return wrapped
 
@@ -119,9 +125,9 @@ def run_accounting(args) -> int:
     all-to-all 2 K l scalars per token (2 K D without a latent).
     """
     from hf_mohd.models.accounting import model_accounting
-    from hf_mohd.shaping.config_io import format_accounting, load_config
+    from hf_mohd.shaping.config_io import format_accounting
 
-    accounting = model_accounting(load_config(args.config), args.context_length)
+    accounting = model_accounting(read_config_json(args.config), args.context_length)
     print(json.dumps(accounting.as_dict(), indent=2) if args.json else format_accounting(accounting))
     return 0
 
@@ -132,11 +138,11 @@ def run_alpha_transform(args) -> int:
     The alpha-transform of arXiv 2610.14644 section 2: at fixed expert width m, l = D / alpha, N' = alpha N,
     K' = alpha K keep the routed path's parameters, compute and all-to-all payload.
     """
-    from hf_mohd.shaping.config_io import alpha_transform_summary, load_config
+    from hf_mohd.shaping.config_io import alpha_transform_summary
     from hf_mohd.shaping.shapes import alpha_transform
 
     alpha = int(args.alpha) if float(args.alpha).is_integer() else args.alpha
-    before = load_config(args.config)
+    before = read_config_json(args.config)
     after = alpha_transform(before, alpha)
     if args.output:
         path = _write_json(after, args.output, "config.json")
@@ -155,12 +161,11 @@ def run_propose_shape(args) -> int:
     local-rank ceiling is q = min(l, m)).
     """
     from hf_mohd.models.accounting import layer_fields
-    from hf_mohd.shaping.config_io import load_config
     from hf_mohd.shaping.shapes import propose_shapes
 
     max_latent = args.max_latent_size
     if args.config:
-        fields = layer_fields(load_config(args.config), args.layer)
+        fields = layer_fields(read_config_json(args.config), args.layer)
         width = fields["moe_latent_size"] or fields["hidden_size"]
         if not fields["moe_intermediate_size"]:
             raise ValueError(f"layer {args.layer}: `moe_intermediate_size` is not set in {args.config}.")
@@ -208,23 +213,33 @@ def run_intrinsic_dim(args) -> int:
         tokenize_texts,
     )
 
-    if not os.path.isdir(args.model):
-        raise ValueError(f"model: expected a local model folder, got {args.model!r}.")
+    check_model_folder(args.model, label="a local model folder (AutoModelForCausalLM)", gguf_file=args.gguf_file)
     if args.input_ids:
-        with open(args.input_ids, encoding="utf-8") as handle:
-            sequences = json.load(handle)
+        sequences = read_json_file(args.input_ids, "--input-ids", "a JSON list of token-id lists")
         if not isinstance(sequences, list) or not all(isinstance(s, list) for s in sequences):
-            raise ValueError(f"--input-ids: {args.input_ids} must hold a JSON list of token-id lists.")
+            raise CommandError("damaged", args.input_ids, "expected a JSON list of token-id lists (--input-ids).")
     else:
         from transformers import AutoTokenizer
 
+        from hf_mohd.evaluation.harness import TOKENIZER_FILES
+
+        texts = [chunk.strip() for chunk in read_text_file(args.text_file, "--text-file").split("\n\n")]
         gguf = {"gguf_file": args.gguf_file} if args.gguf_file and not args.tokenizer else {}
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, **gguf)
-        with open(args.text_file, encoding="utf-8") as handle:
-            texts = [chunk.strip() for chunk in handle.read().split("\n\n") if chunk.strip()]
-        if not texts:
-            raise ValueError(f"--text-file: {args.text_file} holds no text.")
-        sequences = tokenize_texts(tokenizer, texts, args.max_length)
+        source = args.tokenizer or args.model
+        if args.tokenizer and not os.path.exists(args.tokenizer):
+            raise CommandError("missing", args.tokenizer, "does not exist; expected a folder with tokenizer files.")
+        if (
+            not gguf
+            and os.path.isdir(source)
+            and not any(os.path.isfile(os.path.join(source, n)) for n in TOKENIZER_FILES)
+        ):
+            raise CommandError(
+                "wrong_type",
+                source,
+                f"has no tokenizer files (expected one of {list(TOKENIZER_FILES)}); pass --tokenizer.",
+            )
+        tokenizer = AutoTokenizer.from_pretrained(source, **gguf)
+        sequences = tokenize_texts(tokenizer, [text for text in texts if text], args.max_length)
     gguf = {"gguf_file": args.gguf_file} if args.gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(
         args.model, trust_remote_code=args.trust_remote_code, dtype=torch.float32, **gguf
@@ -267,14 +282,15 @@ def run_allocate(args) -> int:
     """
     from hf_mohd.shaping.allocation import allocate_two_regime, write_allocation
 
-    with open(args.profile, encoding="utf-8") as handle:
-        profile = json.load(handle)
+    expected = "a JSON list of IDs or an object with an `intrinsic_dimension` list"
+    config = read_config_json(args.config)
+    profile = read_json_file(args.profile, "--profile", expected)
     if isinstance(profile, dict):
         profile = profile.get("intrinsic_dimension")
     if not isinstance(profile, list):
-        raise ValueError(f"--profile: {args.profile} must hold a list of IDs or an `intrinsic_dimension` list.")
+        raise CommandError("damaged", args.profile, f"expected {expected} (--profile).")
     allocation = allocate_two_regime(
-        args.config,
+        config,
         profile,
         split=args.split,
         tolerance=args.tolerance,

@@ -1,10 +1,21 @@
-"""Conversion of dense LLaMA checkpoints into MoHD and LatentMoE models (docs/design.md section 6).
+"""Conversion of dense LLaMA checkpoints into MoHD and LatentMoE models (docs/design.md section 6), including the
+carving of dense FFNs into experts (`carve`).
 
 The functions live in the package, so an installed `hf-mohd` converts without the repository; `conversion/*.py`
 and `hf-mohd convert` are thin command-line wrappers around `convert_mohd` and `convert_latent_moe`.
 """
 
-from .convert import ConversionResult, convert_latent_moe, convert_mohd
+from .carve import (
+    CarveReport,
+    carve_llama,
+    carved_routing_recall,
+    describe_carving,
+    every_expert_active,
+    fit_carved_routers,
+    oracle_routing,
+    partition_neurons,
+)
+from .convert import ConversionResult, convert_carved_latent_moe, convert_latent_moe, convert_mohd
 from .latent_moe import (
     EXPERT_INITS,
     describe_latent_moe_conversion,
@@ -38,6 +49,15 @@ from .verify import max_logit_difference, verify_logits
 
 
 __all__ = [
+    "CarveReport",
+    "carve_llama",
+    "carved_routing_recall",
+    "convert_carved_latent_moe",
+    "describe_carving",
+    "every_expert_active",
+    "fit_carved_routers",
+    "oracle_routing",
+    "partition_neurons",
     "ROTATIONS",
     "ROUTER_INITS",
     "calibration_token_ids",

@@ -11,8 +11,9 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Source checkpoint -> converted model folder in one call (docs/design.md section 6): `convert_mohd` and
-`convert_latent_moe` are what `hf-mohd convert mohd` / `hf-mohd convert latent-moe` (and `conversion/*.py`) run.
+"""Source checkpoint -> converted model folder in one call (docs/design.md section 6): `convert_mohd`,
+`convert_latent_moe` and `convert_carved_latent_moe` are what `hf-mohd convert mohd` / `hf-mohd convert latent-moe`
+(`--carve`) (and `conversion/*.py`) run.
 
 Each checks its options and the destination before reading any weight, loads the source (`load_dense_llama`),
 converts it, optionally checks the exact model against the source's logits (`verify_logits`), and writes the folder
@@ -28,11 +29,12 @@ from pathlib import Path
 
 import torch
 
+from .carve import carve_llama, check_carve_options, describe_carving, every_expert_active
 from .latent_moe import describe_latent_moe_conversion, llama_to_latent_moe
 from .mohd import check_mohd_options, describe_mohd_conversion, llama_to_mohd
 from .output import card_perplexities, check_destination, save_converted
 from .rotation import calibration_token_ids, rotate_llama
-from .source import DenseLlamaSource, load_dense_llama
+from .source import ConversionError, DenseLlamaSource, load_dense_llama
 from .verify import verify_logits
 
 
@@ -226,4 +228,75 @@ def convert_latent_moe(
     return ConversionResult(path, model, difference)
 
 
-__all__ = ["ConversionResult", "convert_latent_moe", "convert_mohd"]
+def convert_carved_latent_moe(
+    source: str | Path | DenseLlamaSource,
+    output_dir: str | Path,
+    *,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    shared_fraction: float = 0.25,
+    calibration_text: str | Path | None = None,
+    calibration_tokens: int = 8192,
+    calibration_window: int = 256,
+    router_score_func: str = "softmax",
+    seed: int = 0,
+    verify: bool = False,
+    atol: float = 1e-4,
+    dtype: torch.dtype | None = None,
+    gguf_file: str | None = None,
+    **save_options,
+) -> ConversionResult:
+    """Carve a dense LLaMA checkpoint into a LatentMoE model folder (`hf-mohd convert latent-moe --carve`).
+
+    Each dense FFN is split, weights unchanged, into a shared expert and `num_experts` equal routed experts with
+    routers fitted on calibration text (`carve.carve_llama`; MoEfication arXiv 2110.01786, CMoE arXiv 2502.04416).
+
+    Args:
+        source, output_dir: as in `convert_mohd`.
+        num_experts, num_experts_per_tok, shared_fraction: N, K and the share of the FFN in the shared expert.
+        calibration_text: UTF-8 text file; None: the first Wikipedia articles of the gensim sample
+            (`carve.carving_calibration_ids`), disjoint from the articles evaluations hold out.
+        calibration_tokens, calibration_window: at most this many calibration tokens, in rows of this many.
+        router_score_func: "softmax" or "sigmoid".
+        seed: seed of the balanced k-means seeding and of `verify`'s tokens.
+        verify: before writing, check the carved model with every expert active (K = N, unit gates) against the
+            source's logits (`verify_logits`).
+        atol, dtype, gguf_file: as in `convert_mohd`.
+        save_options: `base_model`, `perplexity_json`, `overwrite`, `max_shard_size` as in `convert_mohd`.
+
+    Returns:
+        `ConversionResult` (the folder's contents as in `convert_mohd`; `calibration_tokens` set).
+
+    Raises:
+        ConversionError: options out of range (`carve.check_carve_options`: K > N, a shared fraction outside
+            [0, 1), ...), an unknown save option, a perplexity JSON that cannot be read, an existing destination
+            without `overwrite`, a source that cannot be loaded or is not LLaMA-style, an intermediate_size that
+            does not split into N equal experts, calibration text that is unreadable or too short, or a failed
+            `verify`.
+    """
+    unknown = sorted(set(save_options) - set(SAVE_OPTIONS))
+    if unknown:
+        raise ConversionError(f"Unknown option(s) {unknown} of convert_carved_latent_moe; see its docstring.")
+    check_carve_options(num_experts, num_experts_per_tok, shared_fraction)
+    source, save_options = _load_checked(source, output_dir, gguf_file, dtype, **save_options)
+    model, report = carve_llama(
+        source,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        shared_fraction=shared_fraction,
+        router_score_func=router_score_func,
+        seed=seed,
+        calibration_text=calibration_text,
+        calibration_tokens=calibration_tokens,
+        calibration_window=calibration_window,
+    )
+    difference = None
+    if verify:
+        with every_expert_active(model):
+            difference = verify_logits(model, source, atol, seed=seed)
+    changes = describe_carving(model.config, report, seed)
+    path = save_converted(model, output_dir, source, changes, **save_options)
+    return ConversionResult(path, model, difference, report.calibration_tokens)
+
+
+__all__ = ["ConversionResult", "convert_carved_latent_moe", "convert_latent_moe", "convert_mohd"]

@@ -43,9 +43,9 @@ def check_destination(output_dir: str | Path, overwrite: bool = False) -> Path:
     """
     output = Path(output_dir).expanduser().resolve()
     if output.is_file():
-        raise ConversionError(f"{output} is a file; the output must be a folder.")
+        raise ConversionError(f"{output} is a file; the output must be a folder.", "exists")
     if output.exists() and not overwrite:
-        raise ConversionError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it.")
+        raise ConversionError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it.", "exists")
     return output
 
 
@@ -182,7 +182,10 @@ def card_perplexities(paths: list[str] | None) -> dict:
             for name, value in report["perplexity"].items():
                 perplexities.setdefault(str(name), float(value))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise ConversionError(f"{path}: expected the JSON of conversion/evaluate_perplexity.py ({err}).") from err
+            kind = "missing" if isinstance(err, FileNotFoundError) else "damaged"
+            raise ConversionError(
+                f"{path}: expected the JSON of conversion/evaluate_perplexity.py ({err}).", kind
+            ) from err
         text, calibration = report.get("text", {}), report.get("calibration")
         notes.append(
             f"Measured on {text.get('tokens', '?')} tokens of held-out text ({text.get('corpus', 'not recorded')}; "

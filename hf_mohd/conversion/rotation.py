@@ -220,13 +220,16 @@ def calibration_token_ids(
     """
     path = Path(text_file)
     if source.tokenizer is None:
-        raise ConversionError(f"{source.path} has no tokenizer, so calibration text {path} cannot be tokenized.")
+        raise ConversionError(
+            f"{source.path} has no tokenizer, so calibration text {path} cannot be tokenized.", "wrong_type"
+        )
     if window < 1:
         raise ConversionError(f"The calibration window must be >= 1 token, got {window}.")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise ConversionError(f"Calibration text {path}: cannot read it as UTF-8 ({err}).") from err
+        kind = "missing" if isinstance(err, FileNotFoundError) else "damaged"
+        raise ConversionError(f"Calibration text {path}: cannot read it as UTF-8 ({err}).", kind) from err
     ids = source.tokenizer(text, add_special_tokens=False)["input_ids"]
     needed = max(source.config.hidden_size, window)
     rows = min(len(ids), max_tokens) // window
@@ -234,7 +237,8 @@ def calibration_token_ids(
         raise ConversionError(
             f"Calibration text {path} holds {len(ids)} tokens ({rows} rows of {window} within max_tokens={max_tokens}); "
             f"the PCA rotation and the router fit need at least hidden_size = {source.config.hidden_size} tokens "
-            "(thousands are better)."
+            "(thousands are better).",
+            "damaged",
         )
     return torch.tensor(ids[: rows * window]).view(rows, window)
 

@@ -46,7 +46,18 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class ConversionError(ValueError):
-    """A source that cannot be converted, or conversion settings that do not fit it; the message says why."""
+    """A source that cannot be converted, or conversion settings that do not fit it; the message says why.
+
+    `kind` says which (a key of `hf_mohd.commands.EXIT_STATUS`, the exit status of `hf-mohd convert`): "missing"
+    (no such source or file), "wrong_type" (not a LLaMA checkpoint, pickled weights only, no weights), "damaged"
+    (unreadable JSON, truncated or garbage safetensors / GGUF, unreadable calibration text), "config" (a config.json
+    field), "exists" (the output exists), "failed" (--verify failed), "usage" (the default: settings that do not go
+    together or do not fit the source).
+    """
+
+    def __init__(self, message: str, kind: str = "usage"):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass
@@ -89,22 +100,28 @@ def _refuse_pickles(folder: Path, found: list[Path]) -> None:
     raise ConversionError(
         f"{folder} holds only pickled weights ({names}). hf-mohd never loads pickled checkpoints, since unpickling "
         "can run arbitrary code. Convert them to safetensors first in an environment you trust (e.g. "
-        "`LlamaForCausalLM.from_pretrained(folder).save_pretrained(new_folder)`, which writes safetensors)."
+        "`LlamaForCausalLM.from_pretrained(folder).save_pretrained(new_folder)`, which writes safetensors).",
+        kind="wrong_type",
     )
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of `folder`, from the shard index when there is one."""
+def safetensors_files(folder: Path) -> list[Path]:
+    """The safetensors files of `folder`, from the shard index when there is one.
+
+    Raises:
+        ConversionError: the shard index is not JSON with a `weight_map` or names absent shards ("damaged"); the
+            folder holds only pickled weights, or no weights ("wrong_type").
+    """
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as err:
-            raise ConversionError(f"{index}: expected JSON with a 'weight_map' object ({err}).") from err
+            raise ConversionError(f"{index}: expected JSON with a 'weight_map' object ({err}).", "damaged") from err
         files = [folder / name for name in dict.fromkeys(weight_map.values())]
         missing = [p.name for p in files if not p.is_file()]
         if missing:
-            raise ConversionError(f"{index} lists shards that are not in {folder}: {missing[:5]}.")
+            raise ConversionError(f"{index} lists shards that are not in {folder}: {missing[:5]}.", "damaged")
         return files
     if (folder / "model.safetensors").is_file():
         return [folder / "model.safetensors"]
@@ -114,31 +131,39 @@ def _weight_files(folder: Path) -> list[Path]:
     pickles = [p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES]
     if pickles:
         _refuse_pickles(folder, pickles)
-    raise ConversionError(f"{folder}: no weights found (expected model.safetensors or model.safetensors.index.json).")
+    raise ConversionError(
+        f"{folder}: no weights found (expected model.safetensors or model.safetensors.index.json).", "wrong_type"
+    )
 
 
 def _check_llama_config(config_dict: dict, where: str) -> None:
     if not isinstance(config_dict, dict):
         raise ConversionError(
-            f"{where}: expected a JSON object of LlamaConfig fields, got {type(config_dict).__name__}."
+            f"{where}: expected a JSON object of LlamaConfig fields, got {type(config_dict).__name__}.", "damaged"
         )
     model_type = config_dict.get("model_type")
     architectures = config_dict.get("architectures") or ["LlamaForCausalLM"]
     if model_type != "llama":
         raise ConversionError(
             f"{where}: model_type is {model_type!r}; only dense LLaMA checkpoints (model_type 'llama') can be "
-            "converted to MoHD or LatentMoE."
+            "converted to MoHD or LatentMoE.",
+            "wrong_type",
         )
     if architectures != ["LlamaForCausalLM"]:
-        raise ConversionError(f"{where}: architectures is {architectures}; expected ['LlamaForCausalLM'].")
+        raise ConversionError(
+            f"{where}: architectures is {architectures}; expected ['LlamaForCausalLM'].", "wrong_type"
+        )
     missing = [name for name in SHAPE_FIELDS if name not in config_dict]
     if missing:  # LlamaConfig would fill in its 7B defaults, and every tensor would then look misshapen
-        raise ConversionError(f"{where}: missing field(s) {missing}; a LLaMA config.json states {list(SHAPE_FIELDS)}.")
+        raise ConversionError(
+            f"{where}: missing field(s) {missing}; a LLaMA config.json states {list(SHAPE_FIELDS)}.", "config"
+        )
     if config_dict.get("quantization_config"):
         method = config_dict["quantization_config"].get("quant_method", "unknown")
         raise ConversionError(
             f"{where}: the checkpoint is quantised (quantization_config.quant_method={method!r}); dequantise it to a "
-            "floating dtype first."
+            "floating dtype first.",
+            "wrong_type",
         )
 
 
@@ -150,8 +175,33 @@ def _expected_shapes(config) -> dict[str, torch.Size]:
     return {name: tensor.shape for name, tensor in model.state_dict().items()}
 
 
+def _incomplete_safetensors(path: Path, err: Exception) -> ConversionError:
+    return ConversionError(
+        f"{path}: not a complete safetensors file ({err}); expected a JSON header and every tensor's bytes "
+        "(a truncated download or a damaged copy: fetch the file again).",
+        "damaged",
+    )
+
+
+def check_safetensors(path: Path) -> None:
+    """Checks that `path` is a complete safetensors file without reading its tensors: a JSON header whose tensors'
+    byte ranges the file covers exactly (what `safe_open` validates).
+
+    Raises:
+        ConversionError ("damaged"): a truncated or garbage file; the message names it.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except SafetensorError as err:
+        raise _incomplete_safetensors(path, err) from err
+
+
 def _read_safetensors(files: list[Path], expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """Read and check every tensor: name known, shape as expected, floating dtype, no name twice."""
+    """Read and check every tensor (the files passed `check_safetensors`): name known, shape as expected, floating
+    dtype, no name twice."""
     from safetensors import SafetensorError
 
     state_dict, origin = {}, {}
@@ -159,10 +209,7 @@ def _read_safetensors(files: list[Path], expected: dict[str, torch.Size]) -> dic
         try:
             _read_one_safetensors(path, expected, state_dict, origin)
         except SafetensorError as err:
-            raise ConversionError(
-                f"{path}: not a complete safetensors file ({err}); expected a JSON header and every tensor's bytes "
-                "(a truncated download or a damaged copy: fetch the file again)."
-            ) from err
+            raise _incomplete_safetensors(path, err) from err
     return state_dict
 
 
@@ -177,20 +224,23 @@ def _read_one_safetensors(path: Path, expected: dict, state_dict: dict, origin: 
             if name not in expected:
                 raise ConversionError(
                     f"{path.name}: tensor {name!r} is not a parameter of LlamaForCausalLM for this config.json "
-                    "(wrong architecture, or a checkpoint of a different model class)."
+                    "(wrong architecture, or a checkpoint of a different model class).",
+                    "wrong_type",
                 )
             if name in state_dict:
-                raise ConversionError(f"{path.name}: tensor {name!r} is also in {origin[name]}.")
+                raise ConversionError(f"{path.name}: tensor {name!r} is also in {origin[name]}.", "damaged")
             tensor = handle.get_tensor(name)
             if tensor.dtype not in FLOAT_DTYPES:
                 raise ConversionError(
                     f"{path.name}: tensor {name!r} has dtype {tensor.dtype}; expected one of "
-                    f"{[str(d) for d in FLOAT_DTYPES]} (quantised weights must be dequantised first)."
+                    f"{[str(d) for d in FLOAT_DTYPES]} (quantised weights must be dequantised first).",
+                    "wrong_type",
                 )
             if tensor.shape != expected[name]:
                 raise ConversionError(
                     f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}; config.json implies "
-                    f"{tuple(expected[name])}."
+                    f"{tuple(expected[name])}.",
+                    "damaged",
                 )
             state_dict[name], origin[name] = tensor, path.name
 
@@ -206,7 +256,7 @@ def _complete(state_dict: dict, expected: dict, config, where: str) -> dict[str,
     missing = [name for name in expected if name not in state_dict]
     if missing:
         hint = " (tie_word_embeddings is false, so lm_head.weight is needed)" if "lm_head.weight" in missing else ""
-        raise ConversionError(f"{where}: missing tensors {missing[:5]}{hint}.")
+        raise ConversionError(f"{where}: missing tensors {missing[:5]}{hint}.", "damaged")
     return state_dict
 
 
@@ -229,17 +279,22 @@ def _load_folder(folder: Path, dtype: torch.dtype | None) -> DenseLlamaSource:
 
     config_path = folder / "config.json"
     if not config_path.is_file():
-        raise ConversionError(f"{folder}: no config.json; expected a Hugging Face model folder or a .gguf file.")
+        raise ConversionError(
+            f"{folder}: no config.json; expected a Hugging Face model folder or a .gguf file.", "wrong_type"
+        )
     try:
         config_dict = json.loads(config_path.read_text())
     except json.JSONDecodeError as err:
-        raise ConversionError(f"{config_path}: not valid JSON ({err}).") from err
+        raise ConversionError(f"{config_path}: not valid JSON ({err}).", "damaged") from err
     _check_llama_config(config_dict, str(config_path))
-    files = _weight_files(folder)
+    files = safetensors_files(folder)
+    for path in files:  # complete headers, before any tensor is read
+        check_safetensors(path)
     try:
         config = LlamaConfig.from_pretrained(folder)
     except (ValueError, TypeError, StrictDataclassError) as err:  # a field of the wrong type or out of range
-        raise ConversionError(f"{config_path}: not a valid LlamaConfig ({' '.join(str(err).split())}).") from err
+        message = " ".join(str(err).split())
+        raise ConversionError(f"{config_path}: not a valid LlamaConfig ({message}).", "config") from err
     expected = _expected_shapes(config)
     logger.info("Reading %d safetensors file(s) from %s", len(files), folder)
     state_dict = _complete(_read_safetensors(files, expected), expected, config, str(folder))
@@ -272,7 +327,8 @@ def _gguf_metadata(path: Path) -> dict[str, object]:
     except Exception as err:  # the reader raises ValueError, IndexError, struct errors, ... on damaged files
         raise ConversionError(
             f"{path}: not a readable GGUF file ({type(err).__name__}: {err}); expected the GGUF magic, version, "
-            "metadata and tensor data (a truncated or damaged file?)."
+            "metadata and tensor data (a truncated or damaged file?).",
+            "damaged",
         ) from err
     meta = {}
     for key in ("general.architecture", "general.name", "general.organization", "general.license"):
@@ -289,7 +345,8 @@ def _load_gguf(path: Path, dtype: torch.dtype | None) -> DenseLlamaSource:
     architecture = meta.get("general.architecture")
     if architecture != "llama":
         raise ConversionError(
-            f"{path.name}: general.architecture is {architecture!r}; only LLaMA GGUF files ('llama') can be converted."
+            f"{path.name}: general.architecture is {architecture!r}; only LLaMA GGUF files ('llama') can be converted.",
+            "wrong_type",
         )
     logger.info("Reading and dequantising %s (tensor types %s)", path.name, ", ".join(meta["tensor_types"]))
     model = LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype or torch.float32)
@@ -323,8 +380,9 @@ def load_dense_llama(
 
     Raises:
         ConversionError: no such path; pickled weights only (never loaded); a model type or architecture other than
-            LLaMA / `LlamaForCausalLM`; a quantised checkpoint; a tensor with an unknown name, a wrong shape or a
-            non-floating dtype; a missing tensor. The message names the file and tensor.
+            LLaMA / `LlamaForCausalLM`; a quantised checkpoint; a truncated or garbage safetensors or GGUF file; a
+            tensor with an unknown name, a wrong shape or a non-floating dtype; a missing tensor. The message names
+            the file and tensor; `kind` says which kind of error it is (see `ConversionError`).
     """
     if isinstance(source, DenseLlamaSource):
         if dtype is not None and dtype != source.dtype:
@@ -335,7 +393,7 @@ def load_dense_llama(
         path = path / gguf_file
     if not path.exists():
         raise ConversionError(
-            f"{path} does not exist (sources are local folders or .gguf files; nothing is downloaded)."
+            f"{path} does not exist (sources are local folders or .gguf files; nothing is downloaded).", "missing"
         )
     if path.is_file():
         if path.suffix == ".gguf":
@@ -344,8 +402,8 @@ def load_dense_llama(
             _refuse_pickles(path.parent, [path])
         if path.suffix == ".safetensors":
             return _load_folder(path.parent, dtype)
-        raise ConversionError(f"{path}: expected a model folder, a .gguf file or a .safetensors file.")
+        raise ConversionError(f"{path}: expected a model folder, a .gguf file or a .safetensors file.", "wrong_type")
     return _load_folder(path, dtype)
 
 
-__all__ = ["ConversionError", "DenseLlamaSource", "load_dense_llama"]
+__all__ = ["ConversionError", "DenseLlamaSource", "check_safetensors", "load_dense_llama", "safetensors_files"]

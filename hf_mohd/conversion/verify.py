@@ -65,7 +65,7 @@ def verify_logits(model, source: DenseLlamaSource, atol: float = 1e-4, *, seed: 
     logger.info("verify (the exact model at full activation vs the source): max |logit difference| = %.3g", diff)
     if not diff <= atol:
         raise ConversionError(
-            f"verify=True (--verify) failed: logits differ from the source by {diff:.3g} > atol={atol}."
+            f"verify=True (--verify) failed: logits differ from the source by {diff:.3g} > atol={atol}.", "failed"
         )
     return diff
 

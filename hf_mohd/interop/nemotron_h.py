@@ -88,13 +88,14 @@ def nemotron_h_config_from_latent_moe(config: LatentMoEConfig) -> NemotronHConfi
     """The `NemotronHConfig` whose model computes the same function as a LatentMoE model of `config`.
 
     Raises:
-        NemotronHInteropError: a choice Nemotron-H cannot express (RoPE, gated MLPs, softmax routing, attention
-            biases, no shared expert, or MoE shapes that differ between layers); the message names the field.
+        NemotronHInteropError: a choice Nemotron-H cannot express (RoPE, gated MLPs, softmax routing, unit gates,
+            attention biases, no shared expert, or MoE shapes that differ between layers); the message names the field.
     """
     requirements = (
         ("position_embedding_type", "none", "Nemotron-H attention has no positional embedding"),
         ("mlp_gated", False, "Nemotron-H MLPs and experts are non-gated (act(up), relu2 in Nemotron 3)"),
         ("router_score_func", "sigmoid", "Nemotron-H routes with sigmoid scores plus e_score_correction_bias"),
+        ("router_gate", "weighted", "Nemotron-H weights each selected expert by its router score"),
         ("attention_bias", False, "Nemotron-H attention projections have no bias"),
     )
     for field, value, reason in requirements:

@@ -18,7 +18,12 @@ from typing import Any
 class TrainConfigError(ValueError):
     """A training run that cannot start as configured, found before its first step (a data path that matches no
     file, an architecture field its config class does not have, a run folder trained with another model). The message
-    names the field and what was expected; `hf-mohd train` prints it as one line."""
+    names the field and what was expected; `hf-mohd train` prints it as one line, with the exit status of `kind` (a
+    key of `hf_mohd.commands.EXIT_STATUS`: "config", the default, "missing", "wrong_type" or "damaged")."""
+
+    def __init__(self, message: str, kind: str = "config"):
+        super().__init__(message)
+        self.kind = kind
 
 
 def architecture_config(architecture: dict, **extra):
@@ -349,13 +354,19 @@ def load_train_config(path: str | os.PathLike) -> TrainConfig:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: unreadable file, unknown field, wrong type or out-of-range value (the message names the field).
+        TrainConfigError: (kind "damaged") a file that is not UTF-8, holds no text or does not parse.
+        ValueError: unknown field, wrong type or out-of-range value (the message names the field).
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Training config {path!r} does not exist.")
-    with open(path, encoding="utf-8") as handle:
-        text = handle.read()
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except UnicodeDecodeError as error:
+        raise TrainConfigError(f"{path}: cannot read it as UTF-8 text ({error}).", "damaged") from error
+    if not text.strip():
+        raise TrainConfigError(f"{path}: holds no text; expected YAML or JSON training fields.", "damaged")
     try:
         if path.endswith((".yaml", ".yml")):
             import yaml
@@ -364,5 +375,5 @@ def load_train_config(path: str | os.PathLike) -> TrainConfig:
         else:
             values = json.loads(text)
     except Exception as error:
-        raise ValueError(f"{path}: cannot parse ({error}).") from error
+        raise TrainConfigError(f"{path}: cannot parse ({error}).", "damaged") from error
     return train_config_from_dict(values, source=path)

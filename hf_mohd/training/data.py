@@ -45,7 +45,7 @@ def load_documents(config: DataConfig) -> list[str]:
         elif looks_local:
             files = _local_files(path)
             if not files:
-                raise TrainConfigError(f"`data.path` {path!r} matches no .txt/.json/.jsonl/.parquet file.")
+                raise TrainConfigError(f"`data.path` {path!r} matches no .txt/.json/.jsonl/.parquet file.", "missing")
             kinds = {_BUILDERS[os.path.splitext(f)[1]] for f in files}
             if len(kinds) > 1:
                 raise TrainConfigError(f"`data.path` {path!r} mixes file types {sorted(kinds)}; point it at one kind.")
@@ -66,7 +66,9 @@ def load_documents(config: DataConfig) -> list[str]:
     if config.max_documents:
         texts = texts[: config.max_documents]
     if not texts:
-        raise TrainConfigError(f"`data.path` {path!r} holds no non-empty text in field {config.text_field!r}.")
+        raise TrainConfigError(
+            f"`data.path` {path!r} holds no non-empty text in field {config.text_field!r}.", "damaged"
+        )
     return texts
 
 

