@@ -83,12 +83,11 @@ def test_prepare_files_completes_a_bare_folder(tmp_path):
 
     files = prepare_files(folder, "tester/mohd-tiny", card_kwargs={"eval_results": LM_EVAL_OUTPUT})
     auto_map, code = remote_code_files("mohd")
-    # accounting.py through the configs' accounting methods, and configuration_latent_moe.py through its check of
-    # a config dict's per-layer overrides (the LatentMoE config's own field list)
+    # accounting.py through the configs' accounting methods; no LatentMoE file (the per-layer field list lives in
+    # accounting.py)
     assert set(code) == {
         "accounting.py",
         "configuration_common.py",
-        "configuration_latent_moe.py",
         "configuration_mohd.py",
         "modeling_mohd.py",
         "modeling_common.py",

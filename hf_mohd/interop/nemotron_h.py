@@ -42,7 +42,8 @@ import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
 from ..atomic_folder import staged_folder
-from ..models.configuration_latent_moe import MOE_SHAPE_FIELDS, LatentMoEConfig
+from ..models.accounting import MOE_SHAPE_FIELDS
+from ..models.configuration_latent_moe import LatentMoEConfig
 from ..models.modeling_latent_moe import LatentMoEForCausalLM
 
 

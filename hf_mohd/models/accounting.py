@@ -61,6 +61,19 @@ from dataclasses import asdict, dataclass
 
 
 MIXER_TYPES = ("moe", "mlp")
+# The fields that shape a LatentMoE block (experts, widths, routed scale): what may differ between two MoE layers.
+MOE_SHAPE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "moe_latent_size",
+    "moe_shared_expert_intermediate_size",
+    "routed_scaling_factor",
+)
+# Fields a `per_layer_config` entry may override: the mixer of the layer, the dense width and the MoE shape;
+# everything else (width, attention, `mlp_gated`, `mlp_bias`, routing function) is one value for the whole model.
+# `LatentMoEConfig` and the accounting of config dicts check overrides against this one list (`check_layer_overrides`).
+PER_LAYER_FIELDS = ("mixer_type", "intermediate_size", *MOE_SHAPE_FIELDS)
 
 # LatentMoE fields the accounting of a layer reads, with the value used when a config lacks them.
 LAYER_FIELD_DEFAULTS = {
@@ -85,8 +98,7 @@ _FOREIGN_MOE_FIELDS = ("num_experts", "num_local_experts", "moe_intermediate_siz
 
 
 def check_layer_overrides(layer_idx, overrides: Mapping) -> None:
-    """Rejects a `per_layer_config` entry that overrides a field outside `PER_LAYER_FIELDS`
-    (configuration_latent_moe.py, the config's own list).
+    """Rejects a `per_layer_config` entry that overrides a field outside `PER_LAYER_FIELDS`.
 
     Used by `LatentMoEConfig.validate_architecture` and by `layer_fields` (config dicts, other config-like objects),
     so both give the same message.
@@ -94,8 +106,6 @@ def check_layer_overrides(layer_idx, overrides: Mapping) -> None:
     Raises:
         ValueError: naming the layer, the fields that cannot vary per layer and the allowed ones.
     """
-    from .configuration_latent_moe import PER_LAYER_FIELDS
-
     unknown = sorted(set(overrides) - set(PER_LAYER_FIELDS))
     if unknown:
         raise ValueError(

@@ -22,7 +22,7 @@ from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils import auto_docstring
 from transformers.utils.type_validators import interval
 
-from .accounting import MIXER_TYPES, check_layer_overrides, layer_accounting
+from .accounting import MIXER_TYPES, PER_LAYER_FIELDS, check_layer_overrides, layer_accounting
 from .configuration_common import (
     LLAMA_PP_PLAN,
     LLAMA_TP_PLAN,
@@ -34,20 +34,6 @@ from .configuration_common import (
     raise_value_errors,
 )
 
-
-# The fields that shape a LatentMoE block (experts, widths, routed scale): what may differ between two MoE layers.
-MOE_SHAPE_FIELDS = (
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "moe_latent_size",
-    "moe_shared_expert_intermediate_size",
-    "routed_scaling_factor",
-)
-# Fields a `per_layer_config` entry may override: the mixer of the layer, the dense width and the MoE shape;
-# everything else (width, attention, `mlp_gated`, `mlp_bias`, routing function) is one value for the whole model. The
-# accounting checks config dicts against this same list (`accounting.check_layer_overrides`).
-PER_LAYER_FIELDS = ("mixer_type", "intermediate_size", *MOE_SHAPE_FIELDS)
 
 # Every parallel rule a LatentMoE can need, keyed by the kind of module it names; a config's plans hold the rules of
 # the kinds it builds (`_built_module_kinds`), so that no rule names a module the model lacks.

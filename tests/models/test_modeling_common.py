@@ -32,6 +32,10 @@ from hf_mohd.models.modeling_mohd import MoHDGatherDispatch, MoHDRouter, _groupe
 from tests.utils import reallocate_parameters
 
 
+# The shared model files every family's remote code imports (the forwards of both families live in modeling_common.py)
+REMOTE_CODE_SIBLINGS = {"modeling_common.py", "configuration_common.py", "routing_cache.py"}
+
+
 VOCAB = 97
 # The LLaMA part of every tiny config; `LlamaForCausalLM` of these fields is the oracle of the LLaMA behaviours.
 LLAMA_FIELDS = dict(
@@ -434,10 +438,10 @@ def test_save_and_reload_exact(family, tmp_path):
     model.save_pretrained(tmp_path)
     config_json = (tmp_path / "config.json").read_text()
     assert '"auto_map"' in config_json and f"{family.code_files[0][:-3]}.{family.model_class.__name__}" in config_json
-    for name in (*family.code_files, "modeling_common.py", "configuration_common.py", "routing_cache.py"):
+    for name in (*family.code_files, *REMOTE_CODE_SIBLINGS):
         assert (tmp_path / name).exists(), name
-    # the generated modeling files import no modular source, so none travels with the weights
-    assert not list(tmp_path.glob("modular_*.py"))
+    # only the model's own files travel with the weights: its modeling and configuration files and what they import
+    assert {path.name for path in tmp_path.glob("*.py")} == set(family.code_files) | REMOTE_CODE_SIBLINGS
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(reloaded) is family.model_class
     saved, loaded = model.config.to_dict(), reloaded.config.to_dict()
