@@ -619,7 +619,7 @@ class RoutingGenerationMixin:
     """Makes `generate` use a `RoutingCache` (key/value cache plus routing record) by default.
 
     `GenerationMixin._prepare_cache_for_generation` builds a plain `DynamicCache`; this swaps it for a
-    `RoutingCache` with the same layer structure (docs/design.md section 5). A static cache keeps working, without a
+    `RoutingCache` with the same layer structure. A static cache keeps working, without a
     record.
     """
 
@@ -652,7 +652,7 @@ class RoutedDecoderMixin:
         The decoder stack. Besides the arguments below, takes `routing_replay`
         (`dict[tuple[int, str], RoutingRecord]`, *optional*): a routing record (e.g. `RoutingCache.routing_record` of a
         generation) whose indices, (B, T, k) per (layer, router), replace the routers' own top-k; the gates are
-        recomputed by the current routers, so the routers keep their gradient (docs/design.md section 3). Ids out of
+        recomputed by the current routers, so the routers keep their gradient. Ids out of
         a router's range (the engines' -1) are allowed in padding rows (`attention_mask` 0) only, and ignored there.
         """
     )
@@ -668,7 +668,7 @@ class RoutedDecoderMixin:
     ) -> MoeModelOutputWithPast:
         r"""
         cache (`RoutingCache`, *optional*):
-            Keys, values and the routing record (indices and gates per token and router, docs/design.md section 5);
+            Keys, values and the routing record (indices and gates per token and router);
             created when `use_cache` and none is given.
 
         Returns:
@@ -762,7 +762,7 @@ class RoutedCausalLMMixin(RoutingGenerationMixin):
     ) -> MoeCausalLMOutputWithPast:
         r"""
         cache (`RoutingCache`, *optional*):
-            Keys, values and the routing record (indices and gates per token and router, docs/design.md section 5).
+            Keys, values and the routing record (indices and gates per token and router).
         output_router_logits (`bool`, *optional*):
             Whether to return the router logits, one (B*T, choices) fp32 tensor per router, and to add
             `router_aux_loss_coef` times the family's load-balance loss to the loss.
