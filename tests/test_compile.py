@@ -1,6 +1,6 @@
 """torch.compile: a static-cache decode step of both families compiles with fullgraph=True (no graph break) and
 decodes the same greedy tokens as eager. Under compilation MoHD's few-token plan reads blocks through index tensors
-(`MoHDGatherFewTokensPlan`) instead of host ids, so this also covers that form end to end."""
+(`MoHDIndexedPlan`) instead of host ids, so this also covers that form end to end."""
 
 import pytest
 import torch

@@ -10,7 +10,7 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM  # noqa: E402
 from hf_mohd.lora import lora_targets  # noqa: E402
-from hf_mohd.models.modeling_mohd import MoHDMaskedDispatch  # noqa: E402
+from hf_mohd.models.mohd_sparse import MoHDMaskedStrategy  # noqa: E402
 
 
 def tiny_mohd(**kw) -> MoHDForCausalLM:
@@ -72,8 +72,8 @@ def test_lora_on_the_gather_path_equals_lora_on_the_masked_path(num_tokens):
     with torch.no_grad():
         gather = peft_model(input_ids).logits
     for module in peft_model.modules():
-        if hasattr(module, "dispatch"):
-            module.dispatch = MoHDMaskedDispatch(model.config)
+        if hasattr(module, "strategy"):
+            module.strategy = MoHDMaskedStrategy(model.config)
     with torch.no_grad():
         masked = peft_model(input_ids).logits
     assert (gather - base).abs().max() > 1e-2, "LoRA did not change the gather path's output (bypassed)"

@@ -14,7 +14,6 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
-from itertools import pairwise
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ import hf_mohd  # noqa: F401  (registers the Auto classes)
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
 from hf_mohd.models.modeling_common import ReLUSquared, TopKRouter, activation
 from hf_mohd.models.modeling_latent_moe import LatentMoEExpertsBase, LatentMoERouter
-from hf_mohd.models.modeling_mohd import MoHDGatherDispatch, MoHDRouter, _grouped_mm_aligned, grouped_matmul
+from hf_mohd.models.modeling_mohd import MoHDRouter
 from tests.utils import reallocate_parameters
 
 
@@ -126,7 +125,7 @@ FAMILIES = {
         # hidden 144 in 4 sub-dimensions: s = 36 (SmolLM2-135M's 576 at 16 sub-dimensions)
         unaligned_fields=dict(hidden_size=144, num_sub_dims=4, num_shared_sub_dims=1, num_routed_sub_dims_per_tok=2),
         fast_and_reference=({"sparse_implementation": "gather"}, {"sparse_implementation": "masked"}),
-        code_files=("modeling_mohd.py", "configuration_mohd.py", "accounting.py"),
+        code_files=("modeling_mohd.py", "configuration_mohd.py", "accounting.py", "mohd_sparse.py"),
         saved_fields={"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
         bad_configs=(
             ({"num_sub_dims": 7}, "`hidden_size`"),
@@ -672,34 +671,6 @@ def role(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", name)
 
 
-@pytest.mark.parametrize("dtype", list(DTYPE_TOLERANCE), ids=str)
-@pytest.mark.parametrize(("contraction", "out_features"), [(36, 64), (64, 36), (9, 64), (64, 64)])
-def test_grouped_matmul_equals_per_group_matmul(dtype, contraction, out_features):
-    """`grouped_matmul` on views of a wider weight, as the MoHD gather path passes them, equals one matmul per group,
-    in value and gradients; aligned operands take the kernel with no padding copy."""
-    groups, rows = 3, 10
-    generator = torch.Generator().manual_seed(0)
-    inputs = torch.randn(rows, contraction, generator=generator).to(dtype).requires_grad_()
-    weight = torch.randn(out_features, 8 + groups * contraction, generator=generator).to(dtype).requires_grad_()
-    grouped = weight[:, 8:].view(out_features, groups, contraction).permute(1, 2, 0)  # (G, K, O), strided
-    offsets = torch.tensor([3, 3, rows], dtype=torch.int32)  # one empty group
-    grad_output = torch.randn(rows, out_features, generator=generator).to(dtype)
-    result = grouped_matmul(inputs, grouped, offsets)
-    (grad_inputs, grad_weight) = torch.autograd.grad(result, (inputs, weight), grad_output)
-    bounds = [0, *offsets.tolist()]
-    expected = torch.cat(
-        [inputs[start:end].double() @ grouped[g].double() for g, (start, end) in enumerate(pairwise(bounds))]
-    )
-    expected_grads = torch.autograd.grad(expected, (inputs, weight), grad_output.double())
-    tolerance = DTYPE_TOLERANCE[dtype]
-    torch.testing.assert_close(result.double(), expected, atol=tolerance * 10, rtol=tolerance)
-    for got, want in zip((grad_inputs, grad_weight), expected_grads, strict=True):
-        torch.testing.assert_close(got.double(), want.double(), atol=tolerance * 10, rtol=tolerance)
-    alignment = 16 // torch.tensor([], dtype=dtype).element_size()
-    if contraction % alignment == 0 and out_features % alignment == 0:
-        assert _grouped_mm_aligned(inputs) and _grouped_mm_aligned(grouped)  # the kernel directly, no copy
-
-
 # --- modules kept in fp32 -------------------------------------------------------------------------------------
 
 
@@ -974,7 +945,7 @@ def test_tensor_parallel_on_two_processes_equals_one(family, tmp_path):
     torch.multiprocessing.spawn(
         _tensor_parallel_rank, args=(family.name, str(tmp_path), str(tmp_path / "init")), nprocs=2
     )
-    block_major = tuple(f"{name}.weight" for name in MoHDGatherDispatch.input_projections)
+    block_major = tuple(f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
     for rank in range(2):
         for run, result in torch.load(tmp_path / f"rank{rank}.pt").items():
             for parameter, (placements, stride) in result["layouts"].items():

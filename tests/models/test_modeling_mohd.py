@@ -392,23 +392,40 @@ def test_llama_config_accounting_equals_llama_model():
 
 @pytest.mark.parametrize("length", [1, 3, 9], ids=["host-ids", "host-ids-batch", "grouped"])
 def test_set_sparse_implementation_switches_the_strategy_of_a_loaded_model(tmp_path, length):
-    """`set_sparse_implementation` switches every sublayer between the gather and masked strategies on a loaded
-    model (as `set_experts_implementation` does for experts), with the same logits, and refuses unknown names."""
-    from hf_mohd.models.modeling_mohd import MoHDGatherDispatch, MoHDMaskedDispatch
+    """`set_sparse_implementation` switches every sublayer between the strategies of `MoHDSparseInterface` on a loaded
+    model (as `set_experts_implementation` does for experts), with the same logits; a strategy registered there is
+    selectable by name (here one that records its plans), and unknown names are refused."""
+    from hf_mohd.models.mohd_sparse import MoHDGatherStrategy, MoHDMaskedStrategy, MoHDSparseInterface
 
     make_model(sparse_implementation="masked").save_pretrained(tmp_path)
     model = MoHDForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
-    dispatches = lambda: {type(m.sub_dims.dispatch) for m in model.modules() if hasattr(m, "sub_dims")}  # noqa: E731
-    assert dispatches() == {MoHDMaskedDispatch}
+    strategies = lambda: {type(m.sub_dims.strategy) for m in model.modules() if hasattr(m, "sub_dims")}  # noqa: E731
+    assert strategies() == {MoHDMaskedStrategy}
     ids = input_ids(length=length)
     with torch.no_grad():
         masked = model(ids).logits
         model.set_sparse_implementation("gather")
-        assert dispatches() == {MoHDGatherDispatch}
+        assert strategies() == {MoHDGatherStrategy}
         assert model.model.layers[0].self_attn.q_proj.weight.stride(0) == 1  # block-major for the gather strategy
         gather = model(ids).logits
     assert model.config.sparse_implementation == "masked"  # the saved default is unchanged
     torch.testing.assert_close(gather, masked, atol=1e-10, rtol=0)
+
+    planned = []
+
+    class RecordingStrategy(MoHDMaskedStrategy):
+        def plan(self, indices, weights):
+            planned.append(indices.shape[0])
+            return super().plan(indices, weights)
+
+    MoHDSparseInterface.register("recording", RecordingStrategy)
+    try:
+        model.set_sparse_implementation("recording")
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, masked, atol=1e-10, rtol=0)
+        assert planned == [ids.numel()] * 2 * model.config.num_hidden_layers  # attention and FFN of every layer
+    finally:
+        del MoHDSparseInterface._global_mapping["recording"]
     with pytest.raises(ValueError, match="`implementation` must be one of \\['masked', 'gather'\\]"):
         model.set_sparse_implementation("dense")
 
@@ -417,7 +434,7 @@ def test_projections_that_are_not_plain_linears_take_the_masked_strategy():
     """A sublayer with a projection that is not a plain `nn.Linear` (here a subclass standing for a PEFT or a
     quantised layer, whose forward adds 1) is planned by the masked strategy in `route`, the one place of that
     rule, so the gather strategy never reads a `.weight` that is not what the module computes."""
-    from hf_mohd.models.modeling_mohd import MoHDGatherHostPlan, MoHDMaskedPlan
+    from hf_mohd.models.mohd_sparse import MoHDMaskedPlan, MoHDSpansPlan
 
     class Shifted(torch.nn.Linear):
         def forward(self, x):
@@ -427,7 +444,7 @@ def test_projections_that_are_not_plain_linears_take_the_masked_strategy():
     attention = model.model.layers[0].self_attn
     hidden = torch.randn(1, 1, model.config.hidden_size, dtype=torch.float64)
     projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
-    assert isinstance(attention.sub_dims.route(hidden, projections), MoHDGatherHostPlan)
+    assert isinstance(attention.sub_dims.route(hidden, projections), MoHDSpansPlan)
     reference = make_model(sparse_implementation="masked")
     shifted = Shifted(model.config.hidden_size, attention.o_proj.out_features, bias=False, dtype=torch.float64)
     for m in (model, reference):

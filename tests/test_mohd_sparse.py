@@ -1,28 +1,33 @@
-"""Every fast execution path of MoHD equals the masked reference path, in logits and in gradients.
+"""MoHD's execution engine (`hf_mohd/models/mohd_sparse.py`): every fast execution path equals the masked reference
+path, in logits and in gradients, and the engine's helpers compute what they say.
 
-The gather path has three regimes, chosen by the number of tokens M of a forward: per-slot grouped matmuls
-(`MoHDGatherPlan`, prefill and training) and direct reads of each token's active blocks for M <= `few_tokens` (decoding),
-by host block ids on an eager CPU run (`MoHDGatherHostPlan`) or by index tensors (`MoHDGatherFewTokensPlan`, compiled);
+The gather strategy has three regimes, chosen by the number of tokens M of a forward: per-slot grouped matmuls
+(`MoHDGroupedPlan`, prefill and training) and direct reads of each token's active blocks for few tokens (decoding),
+by host block ids on an eager CPU run (`MoHDSpansPlan`) or by index tensors (`MoHDIndexedPlan`, compiled);
 plus both weight layouts of `MoHDPreTrainedModel.to_weight_layout` and the module-call fallback for projections that
 are not plain `nn.Linear`. All run in float64 (no top-k ties) against
 the masked path on the same weights. No timing here: the benchmarks live in `bench/`.
 """
+
+from itertools import pairwise
 
 import pytest
 import torch
 from torch import nn
 
 from hf_mohd import MoHDConfig, MoHDForCausalLM
-from hf_mohd.models import modeling_mohd
-from hf_mohd.models.modeling_mohd import (
-    MoHDGatherDispatch,
-    MoHDGatherFewTokensPlan,
-    MoHDGatherHostPlan,
-    MoHDGatherPlan,
+from hf_mohd.models import mohd_sparse
+from hf_mohd.models.mohd_sparse import (
+    MoHDGatherStrategy,
+    MoHDGroupedPlan,
     MoHDGroupPart,
+    MoHDIndexedPlan,
+    MoHDSpansPlan,
     MoHDSparseBlockMix,
+    _grouped_mm_aligned,
     block_token_spans,
     contiguous_spans,
+    grouped_matmul,
     grouped_parts,
     set_linear_layout_,
 )
@@ -94,35 +99,35 @@ def assert_same_training_step(gather, masked, input_ids, **kwargs):
         torch.testing.assert_close(grads_g[name], grads_m[name], rtol=1e-9, atol=1e-10, msg=name)
 
 
-def dispatches(model):
-    return [m.sub_dims.dispatch for m in model.modules() if hasattr(m, "sub_dims")]
+def strategies(model):
+    return [m.sub_dims.strategy for m in model.modules() if hasattr(m, "sub_dims")]
 
 
 def test_plans_are_chosen_by_token_count(monkeypatch):
-    dispatch = MoHDGatherDispatch(config())
-    assert dispatch.few_tokens == 2  # N_r = 5 routed blocks, k = 2
+    strategy = MoHDGatherStrategy(config())
+    assert strategy.few_tokens == 2  # N_r = 5 routed blocks, k = 2
     indices = torch.tensor([[3, 7], [5, 4], [7, 3]])
     weights = torch.rand(3, 2)
-    host = dispatch.plan(indices[:2], weights[:2])
-    assert isinstance(host, MoHDGatherHostPlan)  # eager CPU: block ids read as Python ints
+    host = strategy.plan(indices[:2], weights[:2])
+    assert isinstance(host, MoHDSpansPlan)  # eager CPU: block ids read as Python ints
     assert host.spans == ((0, 6), (7, 8))  # shared 0-2 with routed 3, 4, 5 (picked next to them), then 7
     assert host.keep.tolist() == [[1, 1, 1, 1, 0, 0, 0, 1], [1, 1, 1, 0, 1, 1, 0, 0]]
     torch.testing.assert_close(host.gates[0], torch.tensor([1, 1, 1, weights[0, 0], 0, 0, 0, weights[0, 1]]))
-    assert dispatch.host_tokens == 8
+    assert strategy.host_tokens == 8
     with torch.no_grad():  # one token, autograd off (decoding): the gates built from Python floats, no keep
-        one = dispatch.plan(indices[2:], weights[2:])
+        one = strategy.plan(indices[2:], weights[2:])
     assert one.keep is None and one.spans == ((0, 4), (7, 8))
     torch.testing.assert_close(one.gates[0], torch.tensor([1, 1, 1, weights[2, 1], 0, 0, 0, weights[2, 0]]))
     assert contiguous_spans(6, [9, 6, 7, 9]) == ((0, 8), (9, 10)) and contiguous_spans(0, [2, 1]) == ((0, 0), (1, 3))
     with monkeypatch.context() as patch:  # under torch.compile: index tensors instead
         patch.setattr(torch.compiler, "is_compiling", lambda: True)
-        few = dispatch.plan(indices[:2], weights[:2])
-        assert isinstance(few, MoHDGatherFewTokensPlan)
+        few = strategy.plan(indices[:2], weights[:2])
+        assert isinstance(few, MoHDIndexedPlan)
         assert few.block_index.tolist() == [[3, 7], [5, 4]]  # absolute ids: rows of weight.view(N, s, in)
         assert few.columns.view(2, 2, -1)[:, :, 0].tolist() == [[3 * 8, 7 * 8], [5 * 8, 4 * 8]]  # s = 64 / 8
-        plan = dispatch.plan(indices, weights)  # 3 tokens > few_tokens: grouped when compiled
-    assert isinstance(plan, MoHDGatherPlan)
-    assert isinstance(dispatch.plan(indices.repeat(3, 1), weights.repeat(3, 1)), MoHDGatherPlan)  # 9 > host_tokens
+        plan = strategy.plan(indices, weights)  # 3 tokens > few_tokens: grouped when compiled
+    assert isinstance(plan, MoHDGroupedPlan)
+    assert isinstance(strategy.plan(indices.repeat(3, 1), weights.repeat(3, 1)), MoHDGroupedPlan)  # 9 > host_tokens
     # slot 0 picks routed blocks (0, 2, 4) for tokens (0, 1, 2); slot 1 picks (4, 1, 0): sorted by block per slot
     assert plan.token_index.tolist() == [[0, 1, 2], [2, 1, 0]]
     assert plan.block_index.tolist() == [[0, 2, 4], [0, 1, 4]]
@@ -149,7 +154,7 @@ def test_prefill_and_training_step_equal_masked(overrides):
 @pytest.mark.parametrize("tokens", [1, 2, 8], ids=["one-token", "two-tokens", "eight-tokens"])
 def test_few_tokens_path_equal_masked_with_gradients(tokens):
     gather, masked = pair(attention_bias=True, mlp_bias=True)
-    assert tokens <= dispatches(gather)[0].host_tokens
+    assert tokens <= strategies(gather)[0].host_tokens
     assert_same_training_step(gather, masked, ids(1, tokens))
 
 
@@ -244,7 +249,7 @@ def test_few_tokens_reads_by_index_tensors_equal_masked(monkeypatch, tokens, lay
     gather, masked = pair(attention_bias=True, mlp_bias=True)
     gather.to_weight_layout(layout)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert isinstance(dispatches(gather)[0].plan(torch.tensor([[3, 7]]), torch.rand(1, 2)), MoHDGatherFewTokensPlan)
+    assert isinstance(strategies(gather)[0].plan(torch.tensor([[3, 7]]), torch.rand(1, 2)), MoHDIndexedPlan)
     assert_same_training_step(gather, masked, ids(1, tokens))
 
 
@@ -269,50 +274,79 @@ def test_per_block_small_batch_plan_equals_masked(tokens, bias, layout):
     gather, masked = pair(attention_bias=bias, mlp_bias=bias)
     gather.to_weight_layout(layout).eval(), masked.eval()
     gather.set_small_batch_plan("per_block")
-    dispatch = dispatches(gather)[0]
+    strategy = strategies(gather)[0]
     indices, weights = torch.tensor([[3, 7], [5, 4], [7, 3]]), torch.rand(3, 2)
     with torch.no_grad():
-        plan = dispatch.plan(indices, weights)
+        plan = strategy.plan(indices, weights)
         # block 3: tokens 0 and 2; blocks 4 and 5: token 1 (one span); block 7: tokens 0 and 2
         assert plan.keep is None and plan.spans == ((0, 3), (3, 4), (4, 6), (7, 8))
         assert plan.rows[2] == slice(1, 2) and plan.rows[1].tolist() == plan.rows[3].tolist() == [0, 2]
         for shape in ((tokens, 1), (1, tokens)):
             x = ids(*shape, seed=tokens)
             torch.testing.assert_close(gather(input_ids=x).logits, masked(input_ids=x).logits, rtol=1e-10, atol=1e-10)
-    assert dispatch.plan(indices, weights).rows is None  # autograd on: the union form, whose backward is tested
+    assert strategy.plan(indices, weights).rows is None  # autograd on: the union form, whose backward is tested
     gather.set_small_batch_plan("union")
     with torch.no_grad():
-        assert dispatch.plan(indices, weights).rows is None
+        assert strategy.plan(indices, weights).rows is None
 
 
 def test_auto_small_batch_plan_follows_the_timing(monkeypatch):
     """ "auto" takes "per_block" exactly where few-row products are compute-bound: the timing rule on a fake BLAS
-    whose cost grows with the rows (per block) and one whose cost does not (union); and the choice survives a switch
-    of strategy, and a bad name is refused."""
-    rule = modeling_mohd.small_gemms_compute_bound.__wrapped__
+    whose cost grows with the rows (per block) and one whose cost does not (union); the timing runs only when asked
+    for (`set_small_batch_plan("auto")`, `HF_MOHD_SMALL_BATCH_PLAN`), never in a forward; the choice survives a
+    switch of strategy, and bad names are refused."""
+    rule = mohd_sparse.small_gemms_compute_bound.__wrapped__
     clock = [0.0]
-    monkeypatch.setattr(modeling_mohd.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(mohd_sparse.time, "perf_counter", lambda: clock[0])
     for cost, expected in ((lambda rows: 1.0 * rows, True), (lambda rows: 1.0 + 0.1 * rows, False)):
         monkeypatch.setattr(torch, "mm", lambda a, b, cost=cost: clock.__setitem__(0, clock[0] + cost(a.shape[0])))
         assert rule(torch.float32, 1) is expected
     monkeypatch.undo()
-    dispatch = MoHDGatherDispatch(config())
+
+    timings = []
+
+    def fake_timing(dtype, threads, answer):
+        timings.append(dtype)
+        return answer
+
     indices, weights = torch.tensor([[3, 7], [5, 4]]), torch.rand(2, 2)
-    for compute_bound in (True, False):
-        monkeypatch.setattr(modeling_mohd, "small_gemms_compute_bound", lambda dtype, threads, v=compute_bound: v)
-        with torch.no_grad():
-            assert (dispatch.plan(indices, weights).rows is not None) is compute_bound
-            assert dispatch.plan(indices[:1], weights[:1]).rows is None  # one token: a single form
     gather, _ = pair()
+    monkeypatch.delenv(mohd_sparse.SMALL_BATCH_PLAN_ENV, raising=False)
+    for compute_bound, expected in ((True, "per_block"), (False, "union")):
+        monkeypatch.setattr(
+            mohd_sparse, "small_gemms_compute_bound", lambda d, t, v=compute_bound: fake_timing(d, t, v)
+        )
+        assert gather.set_small_batch_plan("auto") == expected
+        strategy = strategies(gather)[0]
+        with torch.no_grad():
+            assert (strategy.plan(indices, weights).rows is not None) is compute_bound
+            assert strategy.plan(indices[:1], weights[:1]).rows is None  # one token: a single form
+        monkeypatch.setenv(mohd_sparse.SMALL_BATCH_PLAN_ENV, "auto")  # an environment choice: timed at construction
+        assert MoHDGatherStrategy(config()).small_batch_plan == expected
+        monkeypatch.delenv(mohd_sparse.SMALL_BATCH_PLAN_ENV)
+    assert timings == [torch.float64, torch.float32] * 2
+
+    # without a request nothing is timed: a new model's plan is "union", and forwards and generate never time
+    timings.clear()
+    fresh, _ = pair()
+    assert {s.small_batch_plan for s in strategies(fresh)} == {"union"}
+    with torch.no_grad():
+        fresh(input_ids=ids(4, 1))
+        fresh.generate(ids(3, 2), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert timings == []
+
     gather.set_small_batch_plan("per_block")
     gather.set_sparse_implementation("gather")
-    assert {d.small_batch_plan for d in dispatches(gather)} == {"per_block"}
+    assert {s.small_batch_plan for s in strategies(gather)} == {"per_block"}
     with pytest.raises(ValueError, match="plan must be one of"):
         gather.set_small_batch_plan("blocks")
+    monkeypatch.setenv(mohd_sparse.SMALL_BATCH_PLAN_ENV, "blocks")
+    with pytest.raises(ValueError, match="HF_MOHD_SMALL_BATCH_PLAN must be one of"):
+        MoHDGatherStrategy(config())
 
 
 class WrappedLinear(nn.Linear):
-    """Stands for a PEFT/quantised projection: not a plain `nn.Linear`, so the dispatch calls it as a module."""
+    """Stands for a PEFT/quantised projection: not a plain `nn.Linear`, so the strategy calls it as a module."""
 
 
 def test_non_plain_linear_fallback_equals_masked():
@@ -330,13 +364,13 @@ def test_non_plain_linear_fallback_equals_masked():
 # bf16 keeps 8 significant bits: eps = 2^-8, its relative spacing at 1 (one rounding moves a value by <= eps / 2).
 BF16_EPS = 2.0**-8
 
-# Gather plans under autocast: the dispatch settings that force each one (thresholds and the small-batch form are
+# Gather plans under autocast: the strategy settings that force each one (thresholds and the small-batch form are
 # execution choices, results do not depend on them) and the plan type it must then build.
 AUTOCAST_PLANS = {
-    "host-union": ({"small_batch_plan": "union"}, MoHDGatherHostPlan),
-    "host-per-block": ({"small_batch_plan": "per_block"}, MoHDGatherHostPlan),
-    "few-tokens": ({"host_tokens": 0, "few_tokens": 8}, MoHDGatherFewTokensPlan),
-    "grouped": ({"host_tokens": 0, "few_tokens": 0}, MoHDGatherPlan),
+    "host-union": ({"small_batch_plan": "union"}, MoHDSpansPlan),
+    "host-per-block": ({"small_batch_plan": "per_block"}, MoHDSpansPlan),
+    "few-tokens": ({"host_tokens": 0, "few_tokens": 8}, MoHDIndexedPlan),
+    "grouped": ({"host_tokens": 0, "few_tokens": 0}, MoHDGroupedPlan),
 }
 
 
@@ -360,12 +394,12 @@ def test_gather_plans_under_bf16_autocast_follow_masked(monkeypatch, plan, layou
     gather, masked = pair(seed=9, mlp_bias=True)
     gather, masked = gather.float().eval(), masked.float().eval()
     gather.to_weight_layout(layout)
-    for dispatch in dispatches(gather):
+    for strategy in strategies(gather):
         for name, value in settings.items():
-            setattr(dispatch, name, value)
+            setattr(strategy, name, value)
     plans = []
-    build = MoHDGatherDispatch.plan
-    monkeypatch.setattr(MoHDGatherDispatch, "plan", lambda self, *args: plans.append(build(self, *args)) or plans[-1])
+    build = MoHDGatherStrategy.plan
+    monkeypatch.setattr(MoHDGatherStrategy, "plan", lambda self, *args: plans.append(build(self, *args)) or plans[-1])
     prompt = ids(2, 4, seed=9)  # 8 tokens, then 2 per decoding step
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
 
@@ -400,7 +434,7 @@ def test_gather_plans_under_bf16_autocast_follow_masked(monkeypatch, plan, layou
     assert (flat_g - flat_m).norm() <= 4 * BF16_EPS * flat_m.norm()
 
     assert {type(built) for built in plans} == {plan_type}
-    if plan_type is MoHDGatherHostPlan:  # the per-block form where autograd is off, the union form otherwise
+    if plan_type is MoHDSpansPlan:  # the per-block form where autograd is off, the union form otherwise
         assert any(built.rows is not None for built in plans) == (plan == "host-per-block")
 
 
@@ -417,10 +451,10 @@ def linear_pair(out_features: int, in_features: int, bias: bool, layout: str, dt
     return linear, reference
 
 
-def block_gates(dispatch, indices, weights) -> tuple[torch.Tensor, torch.Tensor]:
+def block_gates(strategy, indices, weights) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, N) input gates (1 shared, the gate on chosen blocks, 0 elsewhere) and 0/1 output mask, by hand."""
-    gates = torch.zeros(indices.shape[0], dispatch.num_sub_dims, dtype=weights.dtype)
-    gates[:, : dispatch.num_shared] = 1
+    gates = torch.zeros(indices.shape[0], strategy.geometry.num_sub_dims, dtype=weights.dtype)
+    gates[:, : strategy.geometry.num_shared] = 1
     mask = gates.clone()
     for token in range(indices.shape[0]):
         for slot in range(indices.shape[1]):
@@ -454,13 +488,13 @@ def grouped_kernel_parts(offsets: torch.Tensor) -> list[MoHDGroupPart]:
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("case", GROUPED_CASES, ids=["f64", "f32", "f32-unaligned"])
 def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layout, path):
-    """The grouped path's projections (`MoHDGatherLinearIn`, `MoHDGatherLinearOut`, or autograd on the weight views when
+    """The grouped path's projections (`MoHDGroupedLinearIn`, `MoHDGroupedLinearOut`, or autograd on the weight views when
     they do not apply) against the dense float64 formula on the gated input / masked output: outputs and the
     gradients of input, gates, weight (shared and routed blocks) and bias, and `.grad` kept in the weight's layout.
     Both ways of running a slot's groups (`grouped_parts`: a product per group on CPU, one grouped kernel call on an
     accelerator), with the last routed block picked by no token (an empty group, whose weight gradient is 0)."""
     hidden, num_sub_dims, num_shared, top_k, features, dtype = case
-    dispatch = MoHDGatherDispatch(
+    strategy = MoHDGatherStrategy(
         config(
             hidden_size=hidden,
             num_sub_dims=num_sub_dims,
@@ -471,16 +505,16 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
     )
     fused = path != "autograd-views"
     if not fused:
-        monkeypatch.setattr(MoHDGatherDispatch, "_fused", staticmethod(lambda *args: False))
+        monkeypatch.setattr(mohd_sparse, "single_autograd_function_applies", lambda *args: False)
     if path == "fused-grouped-kernel":
-        monkeypatch.setattr(modeling_mohd, "grouped_parts", grouped_kernel_parts)
-    tokens = 3 * dispatch.host_tokens  # grouped plan
+        monkeypatch.setattr(mohd_sparse, "grouped_parts", grouped_kernel_parts)
+    tokens = 3 * strategy.host_tokens  # grouped plan
     generator = torch.Generator().manual_seed(1)
-    scores = torch.rand(tokens, dispatch.num_routed, generator=generator)
+    scores = torch.rand(tokens, strategy.geometry.num_routed, generator=generator)
     scores[:, -1] = -1.0  # never picked
     indices = scores.topk(top_k, dim=1).indices + num_shared
     weights = torch.rand(tokens, top_k, generator=generator, dtype=torch.float64)
-    gates, mask = block_gates(dispatch, indices, weights)
+    gates, mask = block_gates(strategy, indices, weights)
     tolerance = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
     for side, (out_features, in_features) in (("in", (features, hidden)), ("out", (hidden, features))):
         linear, reference = linear_pair(out_features, in_features, bias, layout, dtype)
@@ -489,16 +523,16 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
         x_ref, gates_ref, x_run = x.clone().requires_grad_(), gates.clone().requires_grad_(), x.to(dtype)
         weights_run = weights.to(dtype).requires_grad_()
         x_run.requires_grad_()
-        plan = dispatch.plan(indices, weights_run)
-        assert isinstance(plan, MoHDGatherPlan)
+        plan = strategy.plan(indices, weights_run)
+        assert isinstance(plan, MoHDGroupedPlan)
         if side == "in":
-            out = dispatch.project_in(x_run, plan, [linear])[0]
+            out = plan.project_in(x_run, [linear])[0]
             blocks = x_ref.view(tokens, num_sub_dims, -1) * gates_ref[..., None]
             expected = reference(blocks.view(tokens, -1))
         else:
-            out = dispatch.project_out(x_run, plan, linear)
+            out = plan.project_out(x_run, linear)
             expected = (reference(x_ref).view(tokens, num_sub_dims, -1) * mask[..., None]).view(tokens, -1)
-        assert (type(out.grad_fn).__name__ == f"MoHDGatherLinear{side.capitalize()}Backward") == fused
+        assert (type(out.grad_fn).__name__ == f"MoHDGroupedLinear{side.capitalize()}Backward") == fused
         out = out.reshape(tokens, -1)
         torch.testing.assert_close(out.double(), expected, **tolerance)
         (out.double() * upstream).sum().backward()
@@ -516,20 +550,59 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
 def test_sparse_block_mix_equals_matmul():
     """Group fusion on the grouped path's blocks (zero outside the shared and the routed (token, block) pairs) keeps
     only the nonzero blocks for backward; output and gradients equal autograd's `fusion @ blocks` in float64."""
-    dispatch = MoHDGatherDispatch(config())
-    tokens, generator = 3 * dispatch.host_tokens, torch.Generator().manual_seed(2)
-    indices = torch.rand(tokens, dispatch.num_routed, generator=generator).topk(2, dim=1).indices + dispatch.num_shared
-    plan = dispatch.plan(indices, torch.rand(tokens, 2, dtype=torch.float64, generator=generator))
-    _, mask = block_gates(dispatch, indices, torch.ones(tokens, 2, dtype=torch.float64))
-    blocks = torch.randn(tokens, dispatch.num_sub_dims, dispatch.block, dtype=torch.float64, generator=generator)
+    strategy = MoHDGatherStrategy(config())
+    tokens, generator = 3 * strategy.host_tokens, torch.Generator().manual_seed(2)
+    indices = (
+        torch.rand(tokens, strategy.geometry.num_routed, generator=generator).topk(2, dim=1).indices
+        + strategy.geometry.num_shared
+    )
+    plan = strategy.plan(indices, torch.rand(tokens, 2, dtype=torch.float64, generator=generator))
+    _, mask = block_gates(strategy, indices, torch.ones(tokens, 2, dtype=torch.float64))
+    blocks = torch.randn(
+        tokens, strategy.geometry.num_sub_dims, strategy.geometry.block, dtype=torch.float64, generator=generator
+    )
     blocks = (blocks * mask[..., None]).requires_grad_()
-    fusion = torch.randn(dispatch.num_sub_dims, dispatch.num_sub_dims, dtype=torch.float64).requires_grad_()
-    positions = plan.token_index * dispatch.num_sub_dims + dispatch.num_shared + plan.block_index
+    fusion = torch.randn(
+        strategy.geometry.num_sub_dims, strategy.geometry.num_sub_dims, dtype=torch.float64
+    ).requires_grad_()
+    positions = plan.token_index * strategy.geometry.num_sub_dims + strategy.geometry.num_shared + plan.block_index
     upstream = torch.randn_like(blocks)
-    out = MoHDSparseBlockMix.apply(fusion, blocks, positions, dispatch.num_shared)
+    out = MoHDSparseBlockMix.apply(fusion, blocks, positions, strategy.geometry.num_shared)
     grad_fusion, grad_blocks = torch.autograd.grad((out * upstream).sum(), (fusion, blocks))
     expected = torch.matmul(fusion, blocks)
     expected_fusion, expected_blocks = torch.autograd.grad((expected * upstream).sum(), (fusion, blocks))
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad_fusion, expected_fusion, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad_blocks, expected_blocks, rtol=1e-12, atol=1e-12)
+
+
+# fp32 / bf16 / fp16 relative tolerance of one product against its float64 value
+DTYPE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPE_TOLERANCE), ids=str)
+@pytest.mark.parametrize(("contraction", "out_features"), [(36, 64), (64, 36), (9, 64), (64, 64)])
+def test_grouped_matmul_equals_per_group_matmul(dtype, contraction, out_features):
+    """`grouped_matmul` on views of a wider weight, as the MoHD gather path passes them, equals one matmul per group,
+    in value and gradients; aligned operands take the kernel with no padding copy."""
+    groups, rows = 3, 10
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(rows, contraction, generator=generator).to(dtype).requires_grad_()
+    weight = torch.randn(out_features, 8 + groups * contraction, generator=generator).to(dtype).requires_grad_()
+    grouped = weight[:, 8:].view(out_features, groups, contraction).permute(1, 2, 0)  # (G, K, O), strided
+    offsets = torch.tensor([3, 3, rows], dtype=torch.int32)  # one empty group
+    grad_output = torch.randn(rows, out_features, generator=generator).to(dtype)
+    result = grouped_matmul(inputs, grouped, offsets)
+    (grad_inputs, grad_weight) = torch.autograd.grad(result, (inputs, weight), grad_output)
+    bounds = [0, *offsets.tolist()]
+    expected = torch.cat(
+        [inputs[start:end].double() @ grouped[g].double() for g, (start, end) in enumerate(pairwise(bounds))]
+    )
+    expected_grads = torch.autograd.grad(expected, (inputs, weight), grad_output.double())
+    tolerance = DTYPE_TOLERANCE[dtype]
+    torch.testing.assert_close(result.double(), expected, atol=tolerance * 10, rtol=tolerance)
+    for got, want in zip((grad_inputs, grad_weight), expected_grads, strict=True):
+        torch.testing.assert_close(got.double(), want.double(), atol=tolerance * 10, rtol=tolerance)
+    alignment = 16 // torch.tensor([], dtype=dtype).element_size()
+    if contraction % alignment == 0 and out_features % alignment == 0:
+        assert _grouped_mm_aligned(inputs) and _grouped_mm_aligned(grouped)  # the kernel directly, no copy
