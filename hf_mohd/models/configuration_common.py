@@ -29,7 +29,7 @@ from .accounting import ModelAccounting, model_accounting
 
 class AccountingMixin:
     """Parameter and FLOP accounting of the model a config describes, without building it: every method reads
-    `model_accounting(self, ...)` (accounting.py; docs/design.md sections 3 and 4), so both families answer the
+    `model_accounting(self, ...)` (accounting.py), so both families answer the
     same questions with the same rules and units (FLOPs per token, 2 per multiply-add)."""
 
     def accounting(self, context_length: int = 0) -> ModelAccounting:

@@ -58,7 +58,7 @@ POSITION_EMBEDDING_TYPES = ("rope", "none")
     checkpoint="hf-mohd/latent-moe-tiny",
     custom_intro="""
     Configuration of a LatentMoE decoder: LLaMA-style pre-norm layers pairing attention with an FFN mixer that is
-    either a LatentMoE block or a dense MLP (docs/design.md section 4). In a LatentMoE block the router reads the full width
+    either a LatentMoE block or a dense MLP (arXiv 2601.18089). In a LatentMoE block the router reads the full width
     `hidden_size`, `fc1_latent_proj` maps each token to `moe_latent_size` once, the routed experts run and are combined
     at that latent width, and `fc2_latent_proj` maps back; a shared expert works at full width (as Nemotron 3 /
     transformers' `NemotronHMoE`). `moe_latent_size=None` is the standard fine-grained MoE baseline.
@@ -66,7 +66,7 @@ POSITION_EMBEDDING_TYPES = ("rope", "none")
     accounting) through transformers' native `per_layer_config`
     (a sparse map {layer index: {field: value}}), e.g. `per_layer_config={0: {"mixer_type": "mlp"}}`.
     `num_parameters()`, `num_active_parameters()`, `flops_per_token(context_length)` and `accounting(context_length)`
-    count the model without building it (accounting.py, docs/design.md section 4).
+    count the model without building it (accounting.py).
     """,
 )
 @strict
@@ -233,7 +233,7 @@ class LatentMoEConfig(AccountingMixin, PreTrainedConfig):
         for layer_idx, layer_config in enumerate(self.per_layer_config):
             _validate_layer_fields(layer_config, where=f"layer {layer_idx}: ")
 
-    # Per-layer accounting (docs/design.md section 4, "Accounting per layer"): accounting.py, biases included.
+    # Per-layer accounting (arXiv 2610.14644 appendix B.2): accounting.py, biases included.
 
     def layer_num_parameters(self, layer_idx: int) -> int:
         """Parameters of decoder layer `layer_idx` (attention, mixer, both norms), as the model builds them."""

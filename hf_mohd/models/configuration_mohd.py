@@ -50,7 +50,7 @@ SPARSITY_FIELDS = (
     "sparse_implementation",
 )
 
-# docs/design.md section 3, "Presets from a base LLaMA shape": (width multiplier, N, N_s, k).
+# The paper's settings (arXiv 2412.05644 section 4) from a base LLaMA shape: (width multiplier, N, N_s, k).
 MOHD_PRESETS = {
     "compression_50": (1, 16, 6, 2),
     "compression_75": (1, 16, 9, 3),
@@ -65,10 +65,10 @@ MOHD_PRESETS = {
     custom_intro="""
     Configuration of a MoHD decoder: a LLaMA model whose residual width `hidden_size` is split into `num_sub_dims`
     equal sub-dimensions (blocks). Blocks `0 .. num_shared_sub_dims - 1` are shared (always active); a router per
-    sparsified sublayer activates `num_routed_sub_dims_per_tok` of the others per token (docs/design.md section 3,
-    "Layer definition (v1, pinned)"). With every block shared the model is LLaMA. `num_parameters()`,
+    sparsified sublayer activates `num_routed_sub_dims_per_tok` of the others per token (arXiv 2412.05644
+    section 3). With every block shared the model is LLaMA. `num_parameters()`,
     `num_active_parameters()`, `flops_per_token(context_length)` and `accounting(context_length)` count the model
-    without building it (accounting.py, docs/design.md section 3).
+    without building it (accounting.py).
     """,
 )
 @strict
@@ -219,7 +219,7 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
 
     @classmethod
     def from_llama_config(cls, base_config, preset: str, **overrides) -> "MoHDConfig":
-        """MoHD config of one of the paper's settings built from a base LLaMA shape (docs/design.md section 3 presets).
+        """MoHD config of one of the paper's settings built from a base LLaMA shape (`MOHD_PRESETS`).
 
         Args:
             base_config: a `LlamaConfig` (or any config with LLaMA fields) giving d, heads, head_dim, intermediate.
@@ -240,8 +240,8 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
 
     @staticmethod
     def preset_fields(preset: str, hidden_size: int, num_attention_heads: int, head_dim: int | None = None) -> dict:
-        """The fields one of the paper's settings sets on a base LLaMA shape of width `hidden_size` (docs/design.md
-        section 3 presets): the widened `hidden_size`, the base's `head_dim` (so attention keeps its size), and the
+        """The fields one of the paper's settings sets on a base LLaMA shape of width `hidden_size`
+        (`MOHD_PRESETS`): the widened `hidden_size`, the base's `head_dim` (so attention keeps its size), and the
         three sub-dimension counts. The one place the preset table is expanded (`from_llama_config` uses it).
 
         Raises:

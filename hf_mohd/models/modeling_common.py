@@ -267,9 +267,8 @@ class ReLUSquared(nn.Module):
     Under autograd `ReLUSquaredFunction` computes it, with a one-pass backward. With `inplace=True`, an input outside
     autograd (inference, `torch.no_grad`) is overwritten: `relu_` then `square_`, the same values without the two
     input-sized temporaries. That is for intermediates no one else can see, as `nn.ReLU(inplace=True)`: the experts'
-    (tokens x K, m) hidden activations inside the experts kernels (58 MB at the LatentMoE bench shape, past glibc's
-    32 MB mmap threshold, so each temporary was page-faulted in afresh on every call). A module's output, which a
-    forward hook may have kept (the MLP's `up_proj`), takes `inplace=False`.
+    (tokens x K, m) hidden activations inside the experts kernels (large temporaries are fresh memory, faulted in on
+    every call). A module's output, which a forward hook may have kept (the MLP's `up_proj`), takes `inplace=False`.
 
     Shapes: (..., m) -> (..., m).
     """
@@ -293,10 +292,9 @@ class SiLUGatedProductFunction(torch.autograd.Function):
     Forward: silu(gate) written once and multiplied in place by `up` (one (tokens, intermediate) tensor instead of
     two). Backward, with g the incoming gradient: grad_up = silu(gate) * g, recomputed, and grad_gate =
     `silu_backward(g * up, gate)` written over g * up, two tensors instead of the composition's three. The values are
-    the composition's to the bit: the same elementwise operations on the same operands. At the MoHD bench shape
-    (2,048 tokens, intermediate 2,816) each such tensor is 23 MB, which glibc maps and page-faults in afresh when its
-    heap has been trimmed, so a training step's time in these products depended more on the allocations than on the
-    arithmetic (bench/README.md). Once differentiable, as `ReLUSquaredFunction`.
+    the composition's to the bit: the same elementwise operations on the same operands. Each (tokens, intermediate)
+    tensor not allocated is memory not faulted in, which on CPU costs more than these products' arithmetic. Once
+    differentiable, as `ReLUSquaredFunction`.
     Shapes: gate, up (..., intermediate), one dtype and shape -> (..., intermediate).
     """
 
@@ -381,8 +379,7 @@ class MLP(nn.Module):
         activated = self.act_fn(gate)
         if not torch.is_grad_enabled() and not self._act_fn_hooked() and activated is not gate:
             # outside autograd, and no forward hook can hold act(gate) (a fresh tensor, not gate itself): the product
-            # overwrites it, one (tokens, intermediate) temporary fewer; past glibc's mmap threshold a fresh one is
-            # page-faulted in on every call
+            # overwrites it, one (tokens, intermediate) temporary fewer
             return activated.mul_(up)
         return activated * up
 
@@ -425,7 +422,7 @@ def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (..., k) of the k largest `scores` along the last dim; ties go to the lower index.
 
     `torch.topk` does not promise an order among equal values; a stable descending sort does, which makes
-    routing deterministic across execution paths and devices (docs/design.md section 3, step 2).
+    routing deterministic across execution paths and devices.
     """
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
@@ -434,7 +431,7 @@ class TopKRouter(nn.Module):
     """The router both families share: fp32 logits, top-k selection (or a replayed one), gates, routing record.
 
     logits = W_r x (W_r: C x D, no bias) in fp32 with autocast off, also under bf16 autocast: top-k selection is
-    sensitive to rounding (docs/design.md sections 3 and 4, step 1). scores = `score(logits)`; the chosen
+    sensitive to rounding. scores = `score(logits)`; the chosen
     ids are `topk_lower_index(selection_scores(scores), top_k)` (ties to the lower index), or, with
     `routing_replay`, the record of (`layer_idx`, `router_name`) minus `index_offset` (`replayed_choices`; the gates
     are then still recomputed from the current scores, so the router keeps its gradient). gates = `gates(scores of
@@ -573,7 +570,7 @@ def load_balancing_loss(
 
     For one router with E choices and top-k selection over the counted (non-padding) tokens:
     f_j = (tokens selecting j) / (tokens * k), P_j = mean_t softmax(logits_t)_j, L = E * sum_j f_j P_j,
-    which is 1.0 under perfect balance (Fedus et al. 2021, eqs. 4-6; docs/design.md section 3, step 7). Selection uses
+    which is 1.0 under perfect balance (Fedus et al. 2021, eqs. 4-6; MoHD arXiv 2412.05644 section 3). Selection uses
     `topk_lower_index`, the routers' own tie rule, or, under routing replay, the replayed `routes`: f counts the
     routes the forward actually used.
 

@@ -13,7 +13,7 @@
 # limitations under the License.
 """LatentMoE (arXiv 2601.18089, Nemotron 3) on a LLaMA-style decoder, with per-layer expert shapes (arXiv 2610.14644).
 
-Each layer is pre-norm attention plus a pre-norm FFN mixer: a LatentMoE block or a dense MLP (docs/design.md section 4).
+Each layer is pre-norm attention plus a pre-norm FFN mixer: a LatentMoE block or a dense MLP (arXiv 2601.18089).
 The block follows transformers' `NemotronHMoE` (and Megatron-Core's latent MoE): router on the full-width input,
 `fc1_latent_proj` D -> l once per token, routed experts and their weighted combine at width l, `fc2_latent_proj`
 l -> D, plus a full-width shared expert on the same input. `moe_latent_size=None` makes both projections identities.
@@ -60,7 +60,7 @@ ROUTER_SCORE_FUNCTIONS = {"softmax": partial(torch.softmax, dim=-1), "sigmoid": 
 
 
 class LatentMoERouter(TopKRouter):
-    """Top-K expert router of one LatentMoE layer (docs/design.md section 4, steps 1 and 5), on the shared `TopKRouter`.
+    """Top-K expert router of one LatentMoE layer (arXiv 2601.18089), on the shared `TopKRouter`.
 
     logits = W_r x in fp32 on the full-width input (W_r: E x D, no bias); scores = softmax(logits) or
     sigmoid(logits); the K experts are the top-K of the scores (sigmoid: of scores + `e_score_correction_bias`, an
@@ -255,7 +255,7 @@ class LatentMoEUngatedExperts(LatentMoEExpertsBase):
 
 
 class LatentMoEBlock(nn.Module):
-    """LatentMoE FFN mixer of one layer (docs/design.md section 4, steps 1-4; transformers' `NemotronHMoE`).
+    """LatentMoE FFN mixer of one layer (arXiv 2601.18089; transformers' `NemotronHMoE`).
 
     Stages, for x (B, T, D) (the normed layer input):
     1. `gate`: logits on x at full width D -> weights, indices (B, T, K);
@@ -422,7 +422,7 @@ class LatentMoEForCausalLM(RoutedCausalLMMixin, LatentMoEPreTrainedModel, Genera
         For every sigmoid router, with load_i the tokens routed to expert i since the last call (summed over the
         gradient-accumulation window by the training forwards and all-reduced over ranks when `torch.distributed`
         is initialised): b_i <- b_i + gamma * sign(mean_i load_i - load_i), gamma = `router_bias_update_rate`
-        (DeepSeek-V3, arXiv 2412.19437 section 2.1.2; docs/design.md section 4, step 5). Counters are then reset. The
+        (DeepSeek-V3, arXiv 2412.19437 section 2.1.2). Counters are then reset. The
         sign makes the step independent of the load's scale (e.g. forwards recomputed by gradient checkpointing).
 
         Returns:

@@ -11,7 +11,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Key/value cache that also keeps the routing record of every cached position (docs/design.md section 5)."""
+"""Key/value cache that also keeps the routing record of every cached position."""
 
 from typing import NamedTuple
 
@@ -39,7 +39,7 @@ class RoutingCache(DynamicCache):
     prompt-lookup decoding), so that `record[key].indices.shape[1] == get_seq_length()` at all times.
 
     Read it with `cache.routing_record` (a dict) or `cache.get_routing(layer_idx, router)`. Pass the dict back as
-    `routing_replay=` to a forward to reuse the indices (routing replay, docs/design.md section 3).
+    `routing_replay=` to a forward to reuse the indices (routing replay).
     """
 
     def __init__(self, *args, **kwargs):
