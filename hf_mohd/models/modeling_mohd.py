@@ -132,10 +132,22 @@ class MoHDSubDimensions(nn.Module):
         self.group_fusion = MoHDGroupFusion(config) if config.group_fusion == "mix" else nn.Identity()
         self.strategy = ALL_SPARSE_IMPLEMENTATIONS[config.sparse_implementation](config)
         self.masked = MoHDMaskedStrategy(config)  # for projections that are not plain nn.Linear
-        self.activation_scale = (
-            # CODEPATH: activation_scaling="inverse_active" (paper default) vs "none" (ablation, LLaMA equivalence).
-            config.num_sub_dims / config.num_active_sub_dims if config.activation_scaling == "inverse_active" else 1.0
-        )
+        self.scale_by_active = config.activation_scaling == "inverse_active"
+        self.activation_scale = self.active_scale(config.num_routed_sub_dims_per_tok)
+
+    def active_scale(self, top_k: int) -> float:
+        """alpha = N / (N_s + k) with "inverse_active" activation scaling (paper section 3, step 4), else 1."""
+        # CODEPATH: activation_scaling="inverse_active" (paper default) vs "none" (ablation, LLaMA equivalence).
+        geometry = self.masked.geometry
+        return geometry.num_sub_dims / (geometry.num_shared + top_k) if self.scale_by_active else 1.0
+
+    def set_top_k(self, top_k: int) -> None:  # trf-ignore: TRF033 (the config keeps the saved default)
+        """Makes every token activate `top_k` routed blocks from now on: the router's k, alpha and the strategies'
+        plans follow (the strategy of the same name is rebuilt for the new k, keeping its small-batch plan)."""
+        self.router.top_k = top_k
+        self.activation_scale = self.active_scale(top_k)
+        self.masked = self.masked.with_top_k(top_k)
+        self.strategy = self.strategy.with_top_k(top_k)
 
     def route(self, hidden_states: torch.Tensor, projections, **kwargs):
         """(B, T, D) normed input -> the plan for its B * T tokens (`mohd_sparse.MoHDPlan`), of the configured
@@ -342,6 +354,42 @@ class MoHDPreTrainedModel(PreTrainedModel):
                 module.strategy.small_batch_plan = resolved
         return resolved
 
+    def set_active_sub_dims(self, num_routed_sub_dims_per_tok: int) -> None:  # trf-ignore: TRF033 (saved default kept)
+        """Changes k, the routed sub-dimensions every token activates, of a loaded model without reloading: routers,
+        activation scaling, the execution plans and the load-balance loss follow. The same weights then run at
+        another activation (k = N_r: every block, e.g. the dense function of an exact conversion), as nested training
+        over several widths does (MatFormer, arXiv 2310.07707). `config.num_routed_sub_dims_per_tok` stays the default
+        a save records; `active_sub_dims_per_tok` reads the current k.
+
+        Raises:
+            ValueError: k outside [1, N_r] (N_r = `num_routed_sub_dims`), or the model was built without routers
+                (k = 0 in its config: there is nothing to route).
+        """
+        config = self.config
+        routed = config.num_routed_sub_dims
+        sub_dims = [module for module in self.modules() if isinstance(module, MoHDSubDimensions)]
+        if not sub_dims or sub_dims[0].router is None:
+            raise ValueError(
+                "set_active_sub_dims: this model has no routers (its config has num_routed_sub_dims_per_tok=0 or no "
+                "sparse module), so its active sub-dimensions cannot change."
+            )
+        k = num_routed_sub_dims_per_tok
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= routed:
+            raise ValueError(
+                f"set_active_sub_dims: num_routed_sub_dims_per_tok must be an int in [1, {routed}] (the routed "
+                f"sub-dimensions, num_sub_dims - num_shared_sub_dims), got {k!r}."
+            )
+        for module in sub_dims:
+            module.set_top_k(k)
+
+    @property
+    def active_sub_dims_per_tok(self) -> int:
+        """The routed sub-dimensions every token activates now (`set_active_sub_dims`; the config's at load)."""
+        for module in self.modules():
+            if isinstance(module, MoHDSubDimensions) and module.router is not None:
+                return module.router.top_k
+        return self.config.num_routed_sub_dims_per_tok
+
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, MoHDRouter):
@@ -390,7 +438,7 @@ class MoHDForCausalLM(RoutedCausalLMMixin, MoHDPreTrainedModel, GenerationMixin)
             # the routers in call order, the order of `router_logits`: each layer's attention, then its FFN
             routers = [module for module in self.modules() if isinstance(module, MoHDRouter)]
             routes = replayed_routes(routers, routing_replay, attention_mask)
-        return load_balancing_loss(router_logits, self.config.num_routed_sub_dims_per_tok, attention_mask, routes)
+        return load_balancing_loss(router_logits, self.active_sub_dims_per_tok, attention_mask, routes)
 
 
 __all__ = ["MoHDForCausalLM", "MoHDModel", "MoHDPreTrainedModel"]

@@ -910,8 +910,12 @@ class MoHDMaskedStrategy:
     # the projections whose weights this strategy wants stored block-major (`set_linear_layout_`): none
     block_major_projections: tuple[str, ...] = ()
 
-    def __init__(self, config):
-        self.geometry = MoHDSubDimGeometry.of(config)
+    def __init__(self, config, geometry: MoHDSubDimGeometry | None = None):
+        self.geometry = geometry or MoHDSubDimGeometry.of(config)
+
+    def with_top_k(self, top_k: int) -> "MoHDMaskedStrategy":
+        """The same strategy for plans of `top_k` routed blocks per token."""
+        return type(self)(None, self.geometry._replace(top_k=top_k))
 
     def plan(self, indices: torch.Tensor, weights: torch.Tensor) -> MoHDMaskedPlan:
         """(M, k) absolute block ids and their gates -> (M, N) gates and mask."""
@@ -954,11 +958,17 @@ class MoHDGatherStrategy:
 
     block_major_projections = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
-    def __init__(self, config):
-        self.geometry = MoHDSubDimGeometry.of(config)
+    def __init__(self, config, geometry: MoHDSubDimGeometry | None = None):
+        self.geometry = geometry or MoHDSubDimGeometry.of(config)
         self.few_tokens = max(1, self.geometry.num_routed // max(self.geometry.top_k, 1))
         self.host_tokens = max(self.few_tokens, 8)
         self.small_batch_plan = default_small_batch_plan()
+
+    def with_top_k(self, top_k: int) -> "MoHDGatherStrategy":
+        """The same strategy (and small-batch plan) for plans of `top_k` routed blocks per token."""
+        strategy = type(self)(None, self.geometry._replace(top_k=top_k))
+        strategy.small_batch_plan = self.small_batch_plan
+        return strategy
 
     def plan(self, indices: torch.Tensor, weights: torch.Tensor) -> MoHDPlan:
         """(M, k) absolute block ids and their gates -> the plan for M tokens (see the class docstring)."""
@@ -993,7 +1003,8 @@ class MoHDGatherStrategy:
 
 class MoHDSparseInterface(GeneralInterface):
     """The MoHD execution strategies by name, as transformers' `ExpertsInterface` holds experts kernels: a class
-    built from the config (`strategy = cls(config)`) whose `plan(indices, weights)` returns a `MoHDPlan`.
+    built from the config (`strategy = cls(config)`) whose `plan(indices, weights)` returns a `MoHDPlan` and whose
+    `with_top_k(k)` gives the strategy for another number of routed blocks per token.
     `MoHDSparseInterface.register(name, cls)` adds one for every model; `MoHDPreTrainedModel.set_sparse_implementation`
     selects one by name."""
 
