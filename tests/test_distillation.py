@@ -132,3 +132,101 @@ def test_lora_trainable_and_teacher_vocabulary_check(tmp_path, teacher_and_stude
         train(distill_config(tmp_path, other, student_dir, corpus, "bad", **{"distill.teacher": str(other)}))
     with pytest.raises(ValueError, match="model.trainable"):
         distill_config(tmp_path, teacher_dir, student_dir, corpus, **{"model.trainable": "some"})
+
+
+def test_nested_step_gradient_is_the_sum_of_the_separate_losses(tmp_path, teacher_and_student):
+    """One nested-healing micro-batch at the target k and at full activation (weights 1 and 0.5) accumulates exactly
+    the gradient of 1 * loss(k target) + 0.5 * loss(k = N_r), each loss computed on its own model loaded with that k."""
+    from hf_mohd.training.config import DistillConfig
+    from hf_mohd.training.distill import nested_backward, student_objective
+
+    teacher_dir, student_dir = teacher_and_student
+    teacher = LlamaForCausalLM.from_pretrained(teacher_dir, dtype=torch.float64).eval()
+    config = DistillConfig(teacher=str(teacher_dir), kl_weight=1.0, temperature=2.0, lm_weight=0.5)
+    input_ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=input_ids).logits
+    student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float64)
+    target, full = student.config.num_routed_sub_dims_per_tok, student.config.num_routed_sub_dims
+    assert target < full
+    aux_coef = student.config.router_aux_loss_coef
+
+    def forward(model):
+        return model(input_ids=input_ids, labels=input_ids, output_router_logits=True)
+
+    outputs, kd = nested_backward(
+        student,
+        [(target, 1.0), (full, 0.5)],
+        lambda: forward(student),
+        lambda out: student_objective(out, teacher_logits, config, aux_coef),
+        lambda objective: objective.backward(),
+    )
+    assert student.active_sub_dims_per_tok == target  # left at the first k
+    expected = {name: torch.zeros_like(param) for name, param in student.named_parameters()}
+    kds = {}
+    for k, weight in ((target, 1.0), (full, 0.5)):
+        oracle = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float64, num_routed_sub_dims_per_tok=k)
+        objective, kds[k] = student_objective(forward(oracle), teacher_logits, config, aux_coef)
+        (weight * objective).backward()
+        for name, param in oracle.named_parameters():
+            if param.grad is not None:
+                expected[name] += param.grad
+    assert kds[full] > 0 and kds[target] > 0 and abs(kds[full] - kds[target]) > 1e-6  # two distinct losses
+    assert kd == pytest.approx(kds[target] + 0.5 * kds[full], rel=1e-9)
+    torch.testing.assert_close(outputs.logits, forward(student).logits, rtol=0, atol=0)
+    for name, param in student.named_parameters():
+        got = torch.zeros_like(param) if param.grad is None else param.grad
+        torch.testing.assert_close(got, expected[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_step_activations_follow_the_schedule_and_draw_reproducibly():
+    """Hand-computed schedule values (target 2, N_r 10, over half of 10 steps) and the per-step draws."""
+    from hf_mohd.training.config import DistillConfig
+    from hf_mohd.training.distill import step_activations
+
+    linear = DistillConfig(active_sub_dims=[2, 10], active_weights=[1.0, 0.5], schedule_fraction=0.5)
+    ks = [step_activations(linear, step, 10, 2, 10, seed=0) for step in range(7)]
+    # step 0: k = 10 merges with the full-activation entry (weights 1 + 0.5); step 1: 2 + 8 * 0.8 = 8.4 -> 8;
+    # step 4: 2 + 8 * 0.2 = 3.6 -> 4; from step 5 on (T = 5): the target
+    assert ks[0] == [(10, 1.5)]
+    assert [pairs[0][0] for pairs in ks] == [10, 8, 7, 5, 4, 2, 2]
+    assert ks[1] == [(8, 1.0), (10, 0.5)]
+    cubic = DistillConfig(active_sub_dims=[2], schedule_fraction=0.5, schedule_curve="cubic")
+    assert [step_activations(cubic, step, 10, 2, 10, seed=0)[0][0] for step in range(6)] == [10, 6, 4, 3, 2, 2]
+    drawing = DistillConfig(active_sub_dims=[2, 10], random_active_weight=0.25)
+    draws = [step_activations(drawing, step, 10, 2, 10, seed=3) for step in range(40)]
+    assert all(pairs[:2] == [(2, 1.0), (10, 1.0)] and 2 < pairs[2][0] < 10 for pairs in draws if len(pairs) == 3)
+    assert len({pairs[-1][0] for pairs in draws}) >= 5  # spread over 3 .. 9
+    assert draws == [step_activations(drawing, step, 10, 2, 10, seed=3) for step in range(40)]  # reproducible
+    with pytest.raises(ValueError, match=r"`distill.active_sub_dims` \[2, 11\]"):
+        step_activations(DistillConfig(active_sub_dims=[2, 11]), 0, 10, 2, 10, seed=0)
+    with pytest.raises(ValueError, match="does not hold it"):
+        step_activations(DistillConfig(active_sub_dims=[3, 10], schedule_fraction=0.5), 0, 10, 2, 10, seed=0)
+    for distill, field in (
+        ({"active_sub_dims": [2, 10], "active_weights": [1.0]}, "active_weights"),
+        ({"active_sub_dims": [0]}, "active_sub_dims"),
+        ({"schedule_fraction": 1.5}, "schedule_fraction"),
+        ({"schedule_curve": "exp"}, "schedule_curve"),
+    ):
+        with pytest.raises(ValueError, match=f"`distill.{field}`"):
+            train_config_from_dict({"model": {"init_from": "x"}, "data": {"path": "x"}, "distill": distill})
+
+
+def test_nested_healing_run_logs_its_ks_resumes_and_ends_at_the_target(tmp_path, teacher_and_student):
+    """A 4-step nested run with a linear schedule over half of it: the logged ks per step, the same after an
+    interruption at step 2, and the saved/returned model back at its own k."""
+    teacher_dir, student_dir = teacher_and_student
+    corpus = write_word_corpus(tmp_path / "corpus.jsonl")
+    nested = {"max_steps": 4, "distill.active_sub_dims": [3, 7], "distill.schedule_fraction": 0.5}
+    student_config = json.load(open(student_dir / "config.json"))
+    routed = student_config["num_sub_dims"] - student_config["num_shared_sub_dims"]
+    assert (student_config["num_routed_sub_dims_per_tok"], routed) == (3, 7)
+    full = train(distill_config(tmp_path, teacher_dir, student_dir, corpus, "full", **nested))
+    logged = [r["active_sub_dims"] for r in full.train_log]
+    # T = 2 steps: step 0 k = 7 (merged with the full entry), step 1 3 + 4 * 0.5 = 5, then the target
+    assert logged == [[7], [5, 7], [3, 7], [3, 7]]
+    assert full.model.active_sub_dims_per_tok == 3
+    train(distill_config(tmp_path, teacher_dir, student_dir, corpus, "resumed", stop_after_steps=2, **nested))
+    resumed = train(distill_config(tmp_path, teacher_dir, student_dir, corpus, "resumed", **nested))
+    assert [r["active_sub_dims"] for r in resumed.train_log] == logged
+    assert [r["distill_kl"] for r in resumed.train_log] == pytest.approx([r["distill_kl"] for r in full.train_log])

@@ -131,6 +131,20 @@ class DistillConfig:
         kl_weight: weight of the distillation term (>= 0).
         temperature: T (> 0) of both softmaxes; the term is scaled by T^2 so its gradient does not shrink with T.
         lm_weight: weight of the LM cross-entropy on the data (>= 0; 0: distillation only).
+        active_sub_dims: nested healing of a MoHD student (MatFormer arXiv 2310.07707, DynaBERT arXiv 2004.04037):
+            the routed sub-dimensions per token k at which the same weights are trained in every step, the loss
+            summed over them (e.g. [2, 10]: the target and, for N_r = 10, full activation, which keeps the dense
+            function of an exact conversion). Empty: the model's own k alone. Each k in [1, N_r] (checked at load).
+        active_weights: the weight of each k's loss (one per `active_sub_dims` entry, > 0); empty: 1 each.
+        random_active_weight: > 0 adds, in each step, one more k drawn uniformly strictly between the smallest and the
+            largest of `active_sub_dims` (when there is such an integer), with this weight; seeded by `seed` and the
+            step, so a resumed run draws the same ks.
+        schedule_fraction: gradual schedule (Zhu and Gupta, arXiv 1710.01878): over this share of `max_steps` (in
+            [0, 1]; 0: off) the model's target k starts at full activation N_r and falls to the target, in place of
+            the target in `active_sub_dims` (or alone). k at step t < T = fraction * max_steps is
+            round(k_target + (N_r - k_target) * (1 - t / T)^p), p = 1 ("linear") or 3 ("cubic"); computed from the
+            step, so it resumes mid-schedule. The k of every step is logged as `active_sub_dims`.
+        schedule_curve: "linear" or "cubic" (fast at first, slow near the target, as Zhu and Gupta's sparsity ramp).
     """
 
     teacher: str = ""
@@ -138,6 +152,11 @@ class DistillConfig:
     kl_weight: float = 1.0
     temperature: float = 1.0
     lm_weight: float = 0.0
+    active_sub_dims: list[int] = field(default_factory=list)
+    active_weights: list[float] = field(default_factory=list)
+    random_active_weight: float = 0.0
+    schedule_fraction: float = 0.0
+    schedule_curve: str = "linear"
 
 
 @dataclass
@@ -294,6 +313,25 @@ class TrainConfig:
             )
         if distill.teacher and distill.kl_weight == 0 and distill.lm_weight == 0:
             raise ValueError("`distill.kl_weight` and `distill.lm_weight` are both 0: nothing to train on.")
+        if not isinstance(distill.active_sub_dims, list) or any(
+            isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in distill.active_sub_dims
+        ):
+            raise ValueError(
+                f"`distill.active_sub_dims` must be a list of ints >= 1, got {distill.active_sub_dims!r}."
+            )
+        weights = distill.active_weights
+        if weights and (len(weights) != len(distill.active_sub_dims) or any(w <= 0 for w in weights)):
+            raise ValueError(
+                f"`distill.active_weights` must hold one weight > 0 per `distill.active_sub_dims` entry "
+                f"({len(distill.active_sub_dims)}), got {weights!r}."
+            )
+        if distill.random_active_weight < 0 or not 0 <= distill.schedule_fraction <= 1:
+            raise ValueError(
+                f"`distill.random_active_weight` must be >= 0 and `distill.schedule_fraction` in [0, 1], got "
+                f"{distill.random_active_weight}, {distill.schedule_fraction}."
+            )
+        if distill.schedule_curve not in ("linear", "cubic"):
+            raise ValueError(f"`distill.schedule_curve` must be 'linear' or 'cubic', got {distill.schedule_curve!r}.")
         if not self.data.path:
             raise ValueError("`data.path` is empty: give a Hub dataset id or local text/JSON/parquet files.")
 

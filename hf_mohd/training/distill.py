@@ -67,6 +67,101 @@ def load_teacher(config: DistillConfig, student, device, trust_remote_code: bool
     return teacher.eval().to(device)
 
 
+def student_objective(outputs, teacher_logits, config: DistillConfig, aux_coef: float):
+    """The loss one student forward contributes: `kl_weight` * KL to the teacher + `lm_weight` * LM loss + the
+    router aux loss (`outputs.loss` alone without a teacher, `teacher_logits` None).
+
+    Returns:
+        (objective, kd): the scalar to differentiate and the detached distillation KL (0.0 without a teacher).
+    """
+    if teacher_logits is None:
+        return outputs.loss, 0.0
+    kd = distillation_loss(outputs.logits, teacher_logits, config.temperature)
+    aux_part = aux_coef * outputs.aux_loss if getattr(outputs, "aux_loss", None) is not None else 0.0
+    lm_part = outputs.loss - aux_part
+    return config.kl_weight * kd + config.lm_weight * lm_part + aux_part, kd.detach().item()
+
+
+def nested_healing(config: DistillConfig) -> bool:
+    """Whether `config` asks for training at other activations than the model's own k (nested set or schedule)."""
+    return bool(config.active_sub_dims) or config.random_active_weight > 0 or config.schedule_fraction > 0
+
+
+def scheduled_active_sub_dims(config: DistillConfig, step: int, max_steps: int, target: int, full: int) -> int:
+    """The gradual schedule's k at `step` (0-based): from `full` (N_r) at step 0 to `target` at step
+    T = `schedule_fraction` * `max_steps` and after, k = round(target + (full - target) * (1 - step / T)^p), p = 1
+    ("linear") or 3 ("cubic", Zhu and Gupta arXiv 1710.01878, eq. 1); `target` when the schedule is off."""
+    horizon = config.schedule_fraction * max_steps
+    if step >= horizon:
+        return target
+    power = 3 if config.schedule_curve == "cubic" else 1
+    return round(target + (full - target) * (1 - step / horizon) ** power)
+
+
+def step_activations(
+    config: DistillConfig, step: int, max_steps: int, target: int, full: int, seed: int
+) -> list[tuple[int, float]]:
+    """The (k, weight) pairs a nested-healing step trains at, the scheduled target first (`DistillConfig`):
+    `active_sub_dims` with `active_weights` (the model's own k alone when empty), the target replaced by the
+    schedule's k (`scheduled_active_sub_dims`), plus one k drawn strictly between the set's extremes with weight
+    `random_active_weight` (torch generator seeded by `seed` and `step`: a resumed run draws the same); equal ks merge
+    by adding their weights.
+
+    Args:
+        step: 0-based optimizer step; max_steps: the run's; target: the model's k (its config's); full: N_r.
+
+    Raises:
+        ValueError: a k outside [1, full], or a schedule with an `active_sub_dims` that lacks the target (the message
+            names the field and the model's k).
+    """
+    ks = list(config.active_sub_dims) or [target]
+    weights = list(config.active_weights) or [1.0] * len(ks)
+    bad = [k for k in ks if not 1 <= k <= full]
+    if bad:
+        raise TrainConfigError(
+            f"`distill.active_sub_dims` {ks}: each k must be in [1, {full}] (the model's routed sub-dimensions)."
+        )
+    if config.schedule_fraction > 0 and target not in ks:
+        raise TrainConfigError(
+            f"`distill.schedule_fraction` moves the model's own k ({target}) from {full} to {target}, but "
+            f"`distill.active_sub_dims` {ks} does not hold it."
+        )
+    scheduled = scheduled_active_sub_dims(config, step, max_steps, target, full)
+    pairs = [(scheduled if k == target else k, w) for k, w in zip(ks, weights, strict=True)]
+    low, high = min(ks), max(ks)
+    if config.random_active_weight > 0 and high - low >= 2:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        drawn = int(torch.randint(low + 1, high, (1,), generator=generator))
+        pairs.append((drawn, config.random_active_weight))
+    merged: dict[int, float] = {}
+    for k, weight in sorted(pairs, key=lambda pair: pair[0] != scheduled):  # the scheduled k first
+        merged[k] = merged.get(k, 0.0) + weight
+    return list(merged.items())
+
+
+def nested_backward(model, activations, forward, objective_of, backward):
+    """One micro-batch of nested healing: for each (k, weight) of `activations`, `model.set_active_sub_dims(k)`, a
+    forward, and `backward(weight * objective)`; so the gradients accumulate to those of the weighted sum of the
+    separate losses, with one forward's activations alive at a time. `model` is left at the first k.
+
+    Args:
+        model: the (unwrapped) MoHD model; forward: () -> outputs; objective_of: outputs -> (objective, kd) as
+            `student_objective`; backward: scalar -> None (e.g. `accelerator.backward` with the accumulation scale).
+
+    Returns:
+        (outputs of the first k, weighted sum of the kds).
+    """
+    first, kd_total = None, 0.0
+    for k, weight in reversed(activations):  # the first k last, so that the model stays there
+        model.set_active_sub_dims(k)
+        outputs = forward()
+        objective, kd = objective_of(outputs)
+        backward(weight * objective)
+        kd_total += weight * kd
+        first = outputs
+    return first, kd_total
+
+
 def select_trainable(model, config: ModelConfig):
     """Apply `model.trainable`: "all" (unchanged), "routers_norms" (only the parameters of MoHD / LatentMoE routers,
     MoHD group fusion and the RMSNorm / LayerNorm modules train) or "lora" (PEFT LoRA adapters on
@@ -102,4 +197,14 @@ def select_trainable(model, config: ModelConfig):
     return get_peft_model(model, lora)
 
 
-__all__ = ["LORA_TARGET_MODULES", "distillation_loss", "load_teacher", "select_trainable"]
+__all__ = [
+    "LORA_TARGET_MODULES",
+    "distillation_loss",
+    "load_teacher",
+    "nested_backward",
+    "nested_healing",
+    "scheduled_active_sub_dims",
+    "select_trainable",
+    "step_activations",
+    "student_objective",
+]

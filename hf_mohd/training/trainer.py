@@ -10,6 +10,7 @@ leaves the previous checkpoint intact, and resuming from it replays exactly the 
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -26,7 +27,14 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from .config import TrainConfig, TrainConfigError, architecture_config
 from .data import PackedBatches, load_documents, pack, split_documents, train_bpe_tokenizer
-from .distill import distillation_loss, load_teacher, select_trainable
+from .distill import (
+    load_teacher,
+    nested_backward,
+    nested_healing,
+    select_trainable,
+    step_activations,
+    student_objective,
+)
 
 
 CHECKPOINT_PATTERN = re.compile(r"^step_(\d+)$")
@@ -537,6 +545,14 @@ def train(config: TrainConfig) -> TrainResult:
 
     # The loop.
     unwrapped = accelerator.unwrap_model(model)
+    nested = nested_healing(config.distill)
+    if nested:
+        if not hasattr(unwrapped, "set_active_sub_dims"):
+            raise TrainConfigError(
+                "`distill.active_sub_dims`, `distill.random_active_weight` and `distill.schedule_fraction` train a "
+                f"MoHD model at several activations; this model is {type(unwrapped).__name__}."
+            )
+        target_k, full_k = unwrapped.config.num_routed_sub_dims_per_tok, unwrapped.config.num_routed_sub_dims
     extra = router_kwargs(unwrapped, config.router_aux_loss)
     aux_coef = float(getattr(unwrapped.config, "router_aux_loss_coef", 0.0) or 0.0)
     tokens_per_step = config.micro_batch_size * config.grad_accum_steps * accelerator.num_processes
@@ -553,22 +569,34 @@ def train(config: TrainConfig) -> TrainResult:
     window_started, window_resumed_steps = time.perf_counter(), state.window_steps
     model.train()
     while state.step < config.max_steps:
+        activations = None  # nested healing (`distill.active_sub_dims`, schedule): the (k, weight) of this step
+        if nested:
+            activations = step_activations(config.distill, state.step, config.max_steps, target_k, full_k, config.seed)
         for micro in range(config.grad_accum_steps):
             state.epoch, state.index, input_ids = next(stream)
             input_ids = input_ids.to(accelerator.device)
             sync = micro == config.grad_accum_steps - 1
             with nullcontext() if sync else accelerator.no_sync(model):
-                outputs = model(input_ids=input_ids, labels=input_ids, **extra)
-                objective = outputs.loss
-                if teacher is not None:  # KL to the teacher's logits of this micro-batch (kept in memory only)
+                teacher_logits = None
+                if teacher is not None:  # the teacher's logits of this micro-batch (kept in memory only)
                     with torch.no_grad():
                         teacher_logits = teacher(input_ids=input_ids).logits
-                    kd = distillation_loss(outputs.logits, teacher_logits, config.distill.temperature)
-                    aux_part = aux_coef * outputs.aux_loss if getattr(outputs, "aux_loss", None) is not None else 0.0
-                    lm_part = outputs.loss - aux_part
-                    objective = config.distill.kl_weight * kd + config.distill.lm_weight * lm_part + aux_part
-                    window_kd += kd.detach().item() / config.grad_accum_steps
-                accelerator.backward(objective / config.grad_accum_steps)
+
+                forward = functools.partial(model, input_ids=input_ids, labels=input_ids, **extra)
+                objective_of = functools.partial(
+                    student_objective, teacher_logits=teacher_logits, config=config.distill, aux_coef=aux_coef
+                )
+
+                def backward(objective):
+                    accelerator.backward(objective / config.grad_accum_steps)
+
+                if activations is None:
+                    outputs = forward()
+                    objective, kd = objective_of(outputs)
+                    backward(objective)
+                else:  # nested healing: the same weights at each k of this step, gradients summed
+                    outputs, kd = nested_backward(unwrapped, activations, forward, objective_of, backward)
+                window_kd += kd / config.grad_accum_steps
             aux = getattr(outputs, "aux_loss", None)
             aux = aux.detach().item() if aux is not None else 0.0
             state.window_loss += (outputs.loss.item() - aux_coef * aux) / config.grad_accum_steps
@@ -603,6 +631,8 @@ def train(config: TrainConfig) -> TrainResult:
             if teacher is not None:
                 record["distill_kl"] = window_kd / max(window_kd_steps, 1)
                 window_kd, window_kd_steps = 0.0, 0
+            if activations is not None:
+                record["active_sub_dims"] = [k for k, _ in activations]
             log.write(record)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
             state.window_loss, state.window_aux, state.window_steps = 0.0, 0.0, 0
@@ -620,6 +650,8 @@ def train(config: TrainConfig) -> TrainResult:
         if interrupted and state.step < config.max_steps:
             break
     bar.close()
+    if nested:  # the final evaluation and the saved model run at the model's own k
+        unwrapped.set_active_sub_dims(target_k)
 
     result = TrainResult(
         output_dir=config.output_dir,
