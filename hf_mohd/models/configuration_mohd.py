@@ -33,7 +33,7 @@ from .configuration_common import (
 
 SPARSE_MODULES = ("attention", "ffn")
 ACTIVATION_SCALINGS = ("inverse_active", "none")
-ROUTED_GATES = ("softmax", "normalized")
+ROUTED_GATES = ("softmax", "normalized", "unit")
 GROUP_FUSIONS = ("mix", "none")
 SPARSE_IMPLEMENTATIONS = ("masked", "gather")
 # The fields MoHD adds to LLaMA's that set its sparsity (in declaration order; `output_router_logits` is a forward
@@ -87,7 +87,9 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
     activation_scaling (`str`, *optional*, defaults to `"inverse_active"`):
         "inverse_active" scales the active outputs by alpha = N / (N_s + k) (rebuttal Lemma 1), "none" by 1.
     routed_gate (`str`, *optional*, defaults to `"softmax"`):
-        Input gate of a selected routed block: "softmax" = p_j, "normalized" = k p_j / sum of selected p.
+        Input gate of a selected routed block: "softmax" = p_j, "normalized" = k p_j / sum of selected p, "unit" = 1
+        with the gradient of p_j (straight-through, Bengio et al. arXiv 1308.3432): the router only selects, so with
+        every routed block active (`set_active_sub_dims(N_r)`) an exact conversion is its dense source.
     group_fusion (`str`, *optional*, defaults to `"mix"`):
         "mix": an N x N identity-initialised matrix mixes the output blocks; "none": no fusion.
     router_aux_loss_coef (`float`, *optional*, defaults to 0.01):
@@ -96,6 +98,11 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
         Whether to output the router logits and add the aux loss to the loss.
     sparse_implementation (`str`, *optional*, defaults to `"gather"`):
         "masked": dense matmuls with the mask (reference); "gather": only active blocks are computed.
+    dropped_block_compensation (`bool`, *optional*, defaults to `False`):
+        Each sparsified sublayer adds, for every block a token does not read, that block's mean contribution to each
+        input projection, and writes, for every block it does not write, that block's mean output (FLAP's bias
+        compensation, arXiv 2312.11983, per block): parameters `input_compensation.<projection>` (N, out) and
+        `output_compensation` (N, s), zero (no change) until fitted on calibration text, trainable like any other.
 
     Example:
 
@@ -145,6 +152,7 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
     router_aux_loss_coef: float = 0.01
     output_router_logits: bool = False
     sparse_implementation: str = "gather"
+    dropped_block_compensation: bool = False
 
     def __post_init__(self, **kwargs):
         # Before anything divides by them.

@@ -62,8 +62,9 @@ class MoHDRouter(TopKRouter):
     """Sub-dimension router of one sublayer (paper section 3, steps 2-3), on the shared `TopKRouter`.
 
     logits = W_r x in fp32 (W_r: N_r x D, no bias), p = softmax(logits), S = top-k of p with ties to the lower
-    index; gate of a selected block = p_j ("softmax") or k p_j / sum_S p ("normalized"), in the input dtype (the
-    gates scale activations). Ids are absolute block ids (routed choice + N_s).
+    index; gate of a selected block = p_j ("softmax"), k p_j / sum_S p ("normalized") or 1 with the gradient of p_j
+    ("unit", straight-through), in the input dtype (the gates scale activations). Ids are absolute block ids (routed
+    choice + N_s).
 
     Returns:
         logits (B*T, N_r) fp32 (or the input dtype when wider), also under autocast, weights (B, T, k) in the input
@@ -79,12 +80,15 @@ class MoHDRouter(TopKRouter):
             router_name,
             index_offset=config.num_shared_sub_dims,
         )
-        self.normalize_gates = config.routed_gate == "normalized"
+        self.routed_gate = config.routed_gate
 
     def gates(self, chosen_scores: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
         # CODEPATH: routed_gate="normalized" renormalises the selected probabilities to sum to k.
-        if self.normalize_gates:
+        if self.routed_gate == "normalized":
             chosen_scores = self.top_k * chosen_scores / chosen_scores.sum(-1, keepdim=True)
+        # CODEPATH: routed_gate="unit": the value 1 exactly (p - p = 0), the gradient of p (straight-through).
+        elif self.routed_gate == "unit":
+            chosen_scores = chosen_scores - chosen_scores.detach() + 1.0
         return chosen_scores.to(input_dtype)
 
 
@@ -124,7 +128,9 @@ class MoHDSubDimensions(nn.Module):
     plain `nn.Linear`, the one place that rule lives.
     """
 
-    def __init__(self, config: MoHDConfig, layer_idx: int, router_name: str):
+    def __init__(
+        self, config: MoHDConfig, layer_idx: int, router_name: str, input_projections: dict[str, int] | None = None
+    ):
         super().__init__()
         # CODEPATH: num_routed_sub_dims_per_tok=0 (static sub-dimensions): no router, every token's N_s shared blocks.
         self.router = MoHDRouter(config, layer_idx, router_name) if config.num_routed_sub_dims_per_tok > 0 else None
@@ -134,6 +140,16 @@ class MoHDSubDimensions(nn.Module):
         self.masked = MoHDMaskedStrategy(config)  # for projections that are not plain nn.Linear
         self.scale_by_active = config.activation_scaling == "inverse_active"
         self.activation_scale = self.active_scale(config.num_routed_sub_dims_per_tok)
+        self.input_compensation = self.output_compensation = None
+        # CODEPATH: dropped_block_compensation=True (fitted conversions) adds the mean contribution of skipped blocks.
+        if config.dropped_block_compensation and self.router is not None:
+            num_sub_dims = config.num_sub_dims
+            self.input_compensation = nn.ParameterDict(
+                {name: nn.Parameter(torch.zeros(num_sub_dims, width)) for name, width in input_projections.items()}
+            )
+            self.output_compensation = nn.Parameter(torch.zeros(num_sub_dims, config.sub_dim_size))
+        # set by `hf_mohd.conversion.compensation` while it measures calibration statistics, else None
+        self.observer = None
 
     def active_scale(self, top_k: int) -> float:
         """alpha = N / (N_s + k) with "inverse_active" activation scaling (paper section 3, step 4), else 1."""
@@ -163,31 +179,62 @@ class MoHDSubDimensions(nn.Module):
         strategy = self.strategy
         if any(type(linear) is not nn.Linear for linear in projections):
             strategy = self.masked
-        return strategy.plan(indices.reshape(-1, indices.shape[-1]), weights.reshape(-1, weights.shape[-1]))
+        indices, weights = indices.reshape(-1, indices.shape[-1]), weights.reshape(-1, weights.shape[-1])
+        plan = strategy.plan(indices, weights)
+        if self.output_compensation is not None or self.observer is not None:
+            geometry = self.masked.geometry
+            inactive = torch.ones(indices.shape[0], geometry.num_sub_dims, dtype=weights.dtype, device=weights.device)
+            inactive[:, : geometry.num_shared] = 0
+            plan.inactive = inactive.scatter_(1, indices, 0.0)
+        return plan
 
     def project_in(self, hidden_states: torch.Tensor, plan, linears) -> list[torch.Tensor]:
         """(B, T, D) -> one (B, T, out) tensor per linear, reading only the active (gated) blocks; with
-        tensor-parallel weights each rank's (B, T, out / P) slice (`MoHDTensorParallelProjections`)."""
+        tensor-parallel weights each rank's (B, T, out / P) slice (`MoHDTensorParallelProjections`). With dropped
+        block compensation, linear i also gets `inactive @ input_compensation[i]` ((M, N) x (N, out)), in the order
+        of `input_compensation` (the sublayer's projections).
+
+        Raises:
+            NotImplementedError: dropped block compensation on tensor-parallel weights.
+        """
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if self.observer is not None:
+            self.observer.record_input(self, flat, plan.inactive)
         tensor_parallel = MoHDTensorParallelProjections.of(linears, "input")
         if tensor_parallel is None:
             outputs = plan.project_in(flat, linears)
+        elif self.input_compensation is not None:
+            raise NotImplementedError("MoHD dropped block compensation does not run on tensor-parallel weights.")
         else:
             outputs = tensor_parallel.project_in(flat, plan, linears)
+        if self.input_compensation is not None:
+            compensations = self.input_compensation.values()
+            outputs = [
+                out + plan.inactive.to(out.dtype) @ table.to(out.dtype)
+                for out, table in zip(outputs, compensations, strict=True)
+            ]
         return [out.view(*hidden_states.shape[:-1], -1) for out in outputs]
 
     def project_out(self, hidden_states: torch.Tensor, plan, linear: nn.Linear) -> torch.Tensor:
         """(B, T, in) -> (B, T, D): active output blocks, scaled by alpha, then group-fused; with tensor-parallel
         weights the input is this rank's (B, T, in / P) slice and the blocks are summed over the ranks first."""
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if self.observer is not None:
+            self.observer.record_output(self, flat, plan.inactive)
         tensor_parallel = MoHDTensorParallelProjections.of([linear], "output")
         if tensor_parallel is None:
             blocks = plan.project_out(flat, linear)
+        elif self.output_compensation is not None:
+            raise NotImplementedError("MoHD dropped block compensation does not run on tensor-parallel weights.")
         else:
             blocks = tensor_parallel.project_out(flat, plan, linear)
+        compensated = self.output_compensation is not None
+        if compensated:  # the mean output of each block the token does not write, before scaling and fusion
+            blocks = blocks + plan.inactive.to(blocks.dtype)[..., None] * self.output_compensation.to(blocks.dtype)
         if not isinstance(self.group_fusion, MoHDGroupFusion):
             return (blocks * self.activation_scale).view(*hidden_states.shape[:-1], -1)
-        positions = None if tensor_parallel is not None else plan.sparse_block_positions(blocks, self.group_fusion)
+        sparse = tensor_parallel is None and not compensated  # zero outside the active blocks
+        positions = plan.sparse_block_positions(blocks, self.group_fusion) if sparse else None
         mixed = self.group_fusion(blocks, positions, scale=self.activation_scale)
         return mixed.view(*hidden_states.shape[:-1], -1)
 
@@ -197,7 +244,9 @@ class MoHDAttention(Attention):
 
     def __init__(self, config: MoHDConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        self.sub_dims = MoHDSubDimensions(config, layer_idx, "attn")
+        kv_width = config.num_key_value_heads * config.head_dim
+        widths = {"q_proj": config.num_attention_heads * config.head_dim, "k_proj": kv_width, "v_proj": kv_width}
+        self.sub_dims = MoHDSubDimensions(config, layer_idx, "attn", widths)
 
     def forward(
         self,
@@ -223,7 +272,8 @@ class MoHDMLP(MLP):
 
     def __init__(self, config: MoHDConfig, layer_idx: int):
         super().__init__(config)
-        self.sub_dims = MoHDSubDimensions(config, layer_idx, "mlp")
+        widths = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+        self.sub_dims = MoHDSubDimensions(config, layer_idx, "mlp", widths)
 
     def forward(self, hidden_states: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
         plan = self.sub_dims.route(
@@ -396,6 +446,10 @@ class MoHDPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
         elif isinstance(module, MoHDGroupFusion):
             init.eye_(module.weight)
+        elif isinstance(module, MoHDSubDimensions) and module.output_compensation is not None:
+            init.zeros_(module.output_compensation)
+            for table in module.input_compensation.values():
+                init.zeros_(table)
 
 
 @auto_docstring

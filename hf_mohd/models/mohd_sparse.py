@@ -566,12 +566,14 @@ class MoHDPlan:
     """The routing of M tokens in the form one strategy computes with; each plan type computes its own projections.
 
     Fields common to every plan: `geometry` (the model's blocks) and `gates`, the input gates the router's gradient
-    flows through (their shape is the plan type's). `dataclasses.replace` makes a copy with other fields (the
-    tensor-parallel path replaces `gates`).
+    flows through (their shape is the plan type's); `inactive`, set by the sublayer only where it compensates
+    dropped blocks: (M, N) 1.0 at the blocks a token neither reads nor writes, else 0. `dataclasses.replace` makes a
+    copy with other fields (the tensor-parallel path replaces `gates`).
     """
 
     geometry: MoHDSubDimGeometry
     gates: torch.Tensor
+    inactive: torch.Tensor | None = dataclasses.field(default=None, kw_only=True)
 
     def project_in(self, hidden_states: torch.Tensor, linears) -> list[torch.Tensor]:
         """(M, D) -> one (M, out) tensor per linear of `linears`, reading only the gated active blocks."""
