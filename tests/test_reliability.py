@@ -5,7 +5,7 @@ checkpoint keeps the previous one, from which the run resumes exactly; and the r
 import nothing but torch, transformers (with huggingface_hub), the standard library and each other, and open nothing
 outside the checkpoint folder, transformers, torch's site-packages and the standard library.
 
-The README table "What bad input gives" lists the inputs tried here and the messages they give.
+The table "What bad input gives" in docs/bad-input.md lists the inputs tried here and the messages they give.
 """
 
 import errno
@@ -869,8 +869,9 @@ def test_interrupted_publish_leaves_the_published_revision(tmp_path, local_hub):
 
 
 def test_readme_table_shows_the_messages_of_these_cases():
-    """The README's "What bad input gives" rows are these cases, and each shown message matches the test's pattern."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    """The "What bad input gives" rows of docs/bad-input.md are these cases, and each shown message matches the test's
+    pattern."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "bad-input.md").read_text()
     section = text[text.index("## What bad input gives") :]
     lines = section.splitlines()
     for prefix, cases in (("LLaMA source: ", LLAMA_SOURCE_DAMAGE), ("training YAML: ", TRAIN_YAML_DAMAGE)):
