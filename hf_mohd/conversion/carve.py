@@ -36,6 +36,27 @@ included), h = act(W_gate x) * (W_up x) (I,) the FFN's intermediate activation, 
    (`moe_latent_size=None`, so `fc1_latent_proj` / `fc2_latent_proj` are identities), the shared expert likewise.
    `router_gate="unit"` multiplies every selected expert by exactly 1, so the carved model at K = N is the dense
    model (the FFN sum over neurons, regrouped) and at K < N drops the unselected experts' terms.
+4b. Latent width (optional, `latent_size` = l, 1 <= l <= D; `moe_latent_size=l`), LatentMoE's latent projection
+   (arXiv 2601.18089: `fc1_latent_proj` D -> l before the routed experts, `fc2_latent_proj` l -> D after their
+   combine; the router and the shared expert keep reading the full-width x): per layer, V (D, l) = the top-l
+   eigenvectors of the **uncentred** second moment C = (1/M) sum_t x_t x_t^T of the calibration FFN inputs (PCA,
+   float64, `latent_basis`; signs fixed as in `rotation.pca_rotation`), orthonormal columns. Then
+   `fc1_latent_proj.weight` = V^T (l, D), `fc2_latent_proj.weight` = V (D, l), and expert e reads and writes in that
+   basis: gate / up rows W_{gate,S_e} V, W_{up,S_e} V (m, l), down W'_{down,S_e} = V^T W_{down,S_e} (l, m). Routed
+   expert e so computes V V^T W_{down,S_e} h_{S_e}(V V^T x): the carved expert with its input and its output
+   projected onto span(V) (routed experts 3 N m l + 2 D l parameters instead of 3 N m D). The partition (steps 2,
+   3) is the full-width one, the same for every l; the routers (step 5) are fitted to the latent experts' masses.
+   At l = D, V is orthogonal, V V^T = I, and the model is the full-width carve up to float rounding.
+   Why uncentred: fc1 / fc2 have no bias (a carved source has mlp_bias=False), so the routed path sees
+   x^ = V V^T x. For orthonormal V, E||x - V V^T x||^2 = tr(C) - tr(V^T C V), minimised by the top-l eigenvectors
+   of C (Ky Fan; Eckart-Young), with error the sum of the D - l smallest eigenvalues. Centred PCA (eigenvectors
+   of C - mu mu^T, mu = E x) minimises the error of mu + V V^T (x - mu), which needs the bias (I - V V^T) mu that
+   the bias-free projections do not have: it chooses V without regard to mu, which in pretrained LLaMAs' FFN
+   inputs can carry a large part of E||x||^2 = ||mu||^2 + tr(C - mu mu^T). The reported share
+   `latent_explained` = (sum of the top-l eigenvalues of C) / tr(C) = 1 - E||x - V V^T x||^2 / E||x||^2 (the
+   uncentred analogue of explained variance; 1 at l = D). SliceGPT's rotation (`rotation.py`, arXiv 2401.15024
+   section 3.3) uses the same uncentred second moment. One basis serves both sides (fc2 = fc1^T); an output-side
+   basis (PCA of the routed outputs) is not built.
 5. Router (`fit_carved_routers`), fitted without training: per layer, ridge least squares from x onto the centred
    log activation mass of each expert, y_e = log(sum_{i in S_e} |h_i| + eps) - mean over experts (float64):
    W_r^T = (X^T X + lambda I)^{-1} X^T Y, lambda = `ridge` * trace(X^T X) / D, eps = 1e-6 * mean mass. The top-K
@@ -68,7 +89,7 @@ from ..models.configuration_latent_moe import LatentMoEConfig
 from ..models.modeling_common import topk_lower_index
 from ..models.modeling_latent_moe import LatentMoEBlock, LatentMoEForCausalLM, LatentMoERouter
 from .latent_moe import COPIED_FIELDS
-from .rotation import calibration_token_ids
+from .rotation import calibration_token_ids, pca_rotation
 from .source import ConversionError, DenseLlamaSource, load_dense_llama
 
 
@@ -89,6 +110,9 @@ class LayerCarving:
         mean_abs_activation: (I,) mean |h_i| over the calibration tokens (the FFN's own units).
         cohesion: mean cosine similarity of the routed neurons' activation patterns to their expert's centroid.
         router_r2: coefficient of determination of the router fit on the calibration tokens (None before the fit).
+        latent_explained: with a latent width l (module docstring, step 4b), the share of the calibration inputs'
+            second moment E||x||^2 that the latent basis keeps, (sum of the top-l eigenvalues of C) / tr(C) in
+            [0, 1]; None at full width.
     """
 
     shared: torch.Tensor
@@ -96,6 +120,7 @@ class LayerCarving:
     mean_abs_activation: torch.Tensor
     cohesion: float
     router_r2: float | None = None
+    latent_explained: float | None = None
 
 
 @dataclasses.dataclass
@@ -107,33 +132,43 @@ class CarveReport:
         calibration_tokens: tokens the partition and the routers were fitted on.
         calibration: a line saying what the calibration text was.
         shared_mass: share of the calibration activation mass sum_i mean|h_i| held by the shared experts (0..1).
+        latent_size: l, the routed experts' latent width (step 4b); None at full width.
     """
 
     layers: list[LayerCarving]
     calibration_tokens: int
     calibration: str
     shared_mass: float
+    latent_size: int | None = None
 
     def as_dict(self) -> dict:
-        """JSON-ready summary (no tensors): calibration, shared mass, and cohesion and router R^2 per layer."""
+        """JSON-ready summary (no tensors): calibration, shared mass, cohesion and router R^2 per layer, and the
+        latent width with the second-moment share of each layer's basis (`latent_explained`; None at full width)."""
         return {
             "calibration_tokens": self.calibration_tokens,
             "calibration": self.calibration,
             "shared_mass": self.shared_mass,
             "cohesion": [layer.cohesion for layer in self.layers],
             "router_r2": [layer.router_r2 for layer in self.layers],
+            "latent_size": self.latent_size,
+            "latent_explained": None
+            if self.latent_size is None
+            else [layer.latent_explained for layer in self.layers],
         }
 
 
 # ---------------------------------------------------------------------------------------------- options and sizes
 
 
-def check_carve_options(num_experts: int, num_experts_per_tok: int, shared_fraction: float) -> None:
+def check_carve_options(
+    num_experts: int, num_experts_per_tok: int, shared_fraction: float, latent_size: int | None = None
+) -> None:
     """Checks the carving options that do not depend on the source.
 
     Raises:
         ConversionError (a ValueError): `num_experts` not a positive integer, `num_experts_per_tok` outside
-            [1, num_experts], `shared_fraction` outside [0, 1); the message names the input.
+            [1, num_experts], `shared_fraction` outside [0, 1), `latent_size` neither None nor a positive integer;
+            the message names the input.
     """
     for name, value in (("num_experts", num_experts), ("num_experts_per_tok", num_experts_per_tok)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -146,6 +181,32 @@ def check_carve_options(num_experts: int, num_experts_per_tok: int, shared_fract
         raise ConversionError(f"`shared_fraction` must be a number in [0, 1), got {shared_fraction!r}.")
     if not 0 <= shared_fraction < 1:
         raise ConversionError(f"`shared_fraction` must be in [0, 1), got {shared_fraction!r}.")
+    _check_positive_latent_size(latent_size)
+
+
+def _check_positive_latent_size(latent_size) -> None:
+    if latent_size is not None and (
+        isinstance(latent_size, bool) or not isinstance(latent_size, int) or latent_size < 1
+    ):
+        raise ConversionError(
+            f"`latent_size` (--latent-size) must be a positive integer <= hidden_size (or None: full width), "
+            f"got {latent_size!r}."
+        )
+
+
+def check_latent_size(latent_size: int | None, hidden_size: int) -> None:
+    """Checks a carve's latent width l against the source: None (full width) or 1 <= l <= hidden_size.
+
+    Raises:
+        ConversionError: l not a positive integer (`check_carve_options`) or l > hidden_size (a latent space wider
+            than x has no orthonormal basis in it); the message names `latent_size` and the source's hidden_size.
+    """
+    _check_positive_latent_size(latent_size)
+    if latent_size is not None and latent_size > hidden_size:
+        raise ConversionError(
+            f"`latent_size` (--latent-size) must be <= hidden_size = {hidden_size} of the source (the top-l PCA "
+            f"directions of the FFN input), got {latent_size}."
+        )
 
 
 def carve_sizes(intermediate_size: int, num_experts: int, shared_fraction: float) -> tuple[int, int]:
@@ -175,15 +236,17 @@ def carved_config_from_llama(
     num_experts_per_tok: int,
     shared_fraction: float,
     router_score_func: str = "softmax",
+    latent_size: int | None = None,
 ) -> LatentMoEConfig:
-    """LatentMoE config of a carved LLaMA: the source's shapes, full-width routed experts (`moe_latent_size=None`)
-    of width m, a shared expert of width m_s (`carve_sizes`), `router_gate="unit"`, every layer MoE.
+    """LatentMoE config of a carved LLaMA: the source's shapes, routed experts of width m at full width
+    (`moe_latent_size=None`) or at latent width `latent_size` (`moe_latent_size=latent_size`, module docstring step
+    4b), a shared expert of width m_s (`carve_sizes`), `router_gate="unit"`, every layer MoE.
 
     Raises:
         ConversionError: a source that is not a gated (SwiGLU-style) LLaMA without MLP biases, or sizes that do not
-            fit (`check_carve_options`, `carve_sizes`).
+            fit (`check_carve_options`, `carve_sizes`, `check_latent_size`).
     """
-    check_carve_options(num_experts, num_experts_per_tok, shared_fraction)
+    check_carve_options(num_experts, num_experts_per_tok, shared_fraction, latent_size)
     if getattr(llama_config, "model_type", None) != "llama":
         raise ConversionError(
             f"`source` must be a LLaMA-style checkpoint (model_type 'llama'), got {llama_config.model_type!r}.",
@@ -196,6 +259,7 @@ def carved_config_from_llama(
             kind="wrong_type",
         )
     shared, width = carve_sizes(llama_config.intermediate_size, num_experts, shared_fraction)
+    check_latent_size(latent_size, llama_config.hidden_size)
     fields = {name: getattr(llama_config, name) for name in COPIED_FIELDS if hasattr(llama_config, name)}
     fields["head_dim"] = getattr(llama_config, "head_dim", None) or (
         llama_config.hidden_size // llama_config.num_attention_heads
@@ -206,7 +270,7 @@ def carved_config_from_llama(
         num_experts=num_experts,
         num_experts_per_tok=num_experts_per_tok,
         moe_intermediate_size=width,
-        moe_latent_size=None,
+        moe_latent_size=latent_size,
         moe_shared_expert_intermediate_size=shared,
         router_score_func=router_score_func,
         router_gate="unit",
@@ -389,11 +453,59 @@ def partition_neurons(
     return LayerCarving(shared, experts, importance, cohesion)
 
 
-def _fill_block(block: LatentMoEBlock, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, carving) -> None:
-    """Copy the dense FFN's rows / columns into the shared expert and the fused routed expert weights."""
+# ------------------------------------------------------------------------------------------------- latent basis
+
+
+def latent_basis(inputs: torch.Tensor, latent_size: int) -> tuple[torch.Tensor, float]:
+    """The latent basis of one layer (module docstring, step 4b): the top-l PCA directions of the FFN inputs, on
+    the uncentred second moment (no bias in `fc1_latent_proj` / `fc2_latent_proj`).
+
+    Args:
+        inputs: (M, D) calibration FFN inputs x (`ffn_inputs`), any float dtype; M >= D keeps every direction
+            determined (with M < D the trailing eigenvectors span the null space arbitrarily).
+        latent_size: l, 1 <= l <= D.
+
+    Returns:
+        (V, explained): V (D, l) float64 with orthonormal columns, the eigenvectors of C = (1/M) X^T X (in float64)
+        of the l largest eigenvalues in decreasing order, each column's largest-magnitude entry positive
+        (`rotation.pca_rotation`); explained = (sum of the top-l eigenvalues) / tr(C) = 1 - ||X - X V V^T||_F^2 /
+        ||X||_F^2, in [0, 1] (0 for all-zero inputs).
+
+    Raises:
+        ConversionError: `inputs` not 2-D, or `latent_size` not in [1, D] (`check_latent_size`).
+    """
+    if inputs.ndim != 2:
+        raise ConversionError(f"`inputs` must be (tokens, hidden_size), got shape {tuple(inputs.shape)}.")
+    check_latent_size(latent_size, inputs.shape[1])
+    x = inputs.double()
+    vectors, values = pca_rotation(x.T @ x / x.shape[0])
+    values = values.clamp_min(0)  # C is positive semi-definite: negative eigenvalues are rounding
+    total = values.sum().item()
+    explained = values[:latent_size].sum().item() / total if total > 0 else 0.0
+    return vectors[:, :latent_size].contiguous(), min(explained, 1.0)
+
+
+def _fill_block(
+    block: LatentMoEBlock,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    carving: LayerCarving,
+    basis: torch.Tensor | None = None,
+) -> None:
+    """Copy the dense FFN's rows / columns into the shared expert and the fused routed expert weights; with a
+    latent `basis` V (D, l) (step 4b) the routed rows are W_{gate,S_e} V, W_{up,S_e} V, the down columns
+    V^T W_{down,S_e}, `fc1_latent_proj` = V^T and `fc2_latent_proj` = V (products in float64, then cast)."""
     experts = carving.experts
-    block.experts.gate_up_proj.copy_(torch.cat([gate[experts], up[experts]], dim=1))  # (N, 2m, D)
-    block.experts.down_proj.copy_(down[:, experts].permute(1, 0, 2))  # (N, D, m)
+    gate_up = torch.cat([gate[experts], up[experts]], dim=1)  # (N, 2m, D)
+    down_rows = down[:, experts].permute(1, 0, 2)  # (N, D, m)
+    if basis is not None:
+        gate_up = gate_up.double() @ basis  # (N, 2m, l)
+        down_rows = basis.T @ down_rows.double()  # (N, l, m)
+        block.fc1_latent_proj.weight.copy_(basis.T)  # (l, D)
+        block.fc2_latent_proj.weight.copy_(basis)  # (D, l)
+    block.experts.gate_up_proj.copy_(gate_up)
+    block.experts.down_proj.copy_(down_rows)
     if block.shared_experts is not None:
         block.shared_experts.gate_proj.weight.copy_(gate[carving.shared])
         block.shared_experts.up_proj.weight.copy_(up[carving.shared])
@@ -469,7 +581,8 @@ def fit_carved_routers(model: LatentMoEForCausalLM, inputs: list[torch.Tensor], 
 @contextlib.contextmanager
 def every_expert_active(model: LatentMoEForCausalLM) -> Iterator[LatentMoEForCausalLM]:
     """Within the block, every router selects all N experts (K = N): with `router_gate="unit"` a carved model then
-    computes its source's function. The routers' `top_k` is restored on exit."""
+    computes its source's function (at full width or latent width l = D; at l < D, the source with every routed
+    expert's input and output projected onto the latent basis). The routers' `top_k` is restored on exit."""
     routers = [m for m in model.modules() if isinstance(m, LatentMoERouter)]
     saved = [router.top_k for router in routers]
     try:
@@ -512,8 +625,9 @@ def carved_routing_recall(model: LatentMoEForCausalLM, input_ids: torch.Tensor, 
     """Recall of the oracle's top-K by the routers, on (B, T) held-out `input_ids`.
 
     The model runs with every expert active (`every_expert_active`: the dense source's function, so each layer sees
-    the dense model's FFN input); at each MoE layer and token the routers' own top-K (of their selection scores)
-    is compared with the top-K by true expert mass: |router ∩ oracle| / K.
+    the dense model's FFN input; with a latent width l < D, the source with projected routed experts); at each MoE
+    layer and token the routers' own top-K (of their selection scores) is compared with the top-K by true expert
+    mass (of the latent experts, `expert_mass`): |router ∩ oracle| / K.
 
     Returns:
         {"mean": over layers and tokens, "layers": [per layer], "chance": K / N, "tokens": B * T}.
@@ -559,6 +673,7 @@ def carve_llama(
     num_experts: int = 8,
     num_experts_per_tok: int = 2,
     shared_fraction: float = 0.25,
+    latent_size: int | None = None,
     router_score_func: str = "softmax",
     ridge: float = 0.1,
     iterations: int = 30,
@@ -579,6 +694,8 @@ def carve_llama(
         num_experts: N routed experts per layer.
         num_experts_per_tok: K experts per token, 1 <= K <= N (K = N computes the source exactly).
         shared_fraction: share of the I neurons in the shared expert, in [0, 1); (I - m_s) must divide into N.
+        latent_size: None: full-width routed experts; l in [1, D]: routed experts at latent width l in each layer's
+            top-l PCA basis of its calibration FFN inputs (module docstring, step 4b; exact only at l = D).
         router_score_func: "softmax" or "sigmoid" (either keeps the order of the fitted logits).
         ridge: regularisation of the router fit (`fit_carved_routers`).
         iterations: most balanced k-means steps per layer.
@@ -589,16 +706,18 @@ def carve_llama(
         gguf_file: GGUF file name inside the folder `source`.
 
     Returns:
-        (model, report): `LatentMoEForCausalLM` with `router_gate="unit"`, `moe_latent_size=None`, the source's
-        generation config (float64 models use the "eager" experts implementation); `CarveReport` with the partition of every layer.
+        (model, report): `LatentMoEForCausalLM` with `router_gate="unit"`, `moe_latent_size=latent_size`, the
+        source's generation config (float64 models use the "eager" experts implementation); `CarveReport` with the
+        partition of every layer (and, with a latent width, the second-moment share its basis keeps).
 
     Raises:
         ConversionError (a ValueError; the message names the input): bad options (`check_carve_options`), a source
             that is not a LLaMA-style checkpoint (`load_dense_llama`) or has MLP biases, an intermediate_size that
-            does not split into N equal experts after the shared part (`carve_sizes`), calibration text or ids
-            with fewer than max(hidden_size, window) tokens.
+            does not split into N equal experts after the shared part (`carve_sizes`), a `latent_size` that is not
+            None or in [1, hidden_size] (`check_latent_size`), calibration text or ids with fewer than
+            max(hidden_size, window) tokens.
     """
-    check_carve_options(num_experts, num_experts_per_tok, shared_fraction)
+    check_carve_options(num_experts, num_experts_per_tok, shared_fraction, latent_size)
     if not isinstance(source, (str, Path, DenseLlamaSource)):
         raise ConversionError(
             f"`source` must be a LLaMA folder, a .gguf file or a DenseLlamaSource, got {type(source).__name__}.",
@@ -611,6 +730,7 @@ def carve_llama(
         num_experts_per_tok=num_experts_per_tok,
         shared_fraction=shared_fraction,
         router_score_func=router_score_func,
+        latent_size=latent_size,
     )
     if calibration_ids is None:
         calibration_ids, calibration = carving_calibration_ids(
@@ -654,7 +774,10 @@ def carve_llama(
         carving = partition_neurons(
             activation, config.moe_shared_expert_intermediate_size, num_experts, seed=seed, iterations=iterations
         )
-        _fill_block(block, gate, up, down, carving)
+        basis = None
+        if latent_size is not None:
+            basis, carving.latent_explained = latent_basis(x, latent_size)
+        _fill_block(block, gate, up, down, carving, basis)
         total_mass += carving.mean_abs_activation.sum().item()
         shared_mass += carving.mean_abs_activation[carving.shared].sum().item()
         layers.append(carving)
@@ -662,7 +785,9 @@ def carve_llama(
     for carving, r2 in zip(layers, fit_carved_routers(model, inputs, ridge=ridge), strict=True):
         carving.router_r2 = r2
     model.generation_config = source.generation_config
-    report = CarveReport(layers, int(calibration_ids.numel()), calibration, shared_mass / max(total_mass, 1e-30))
+    report = CarveReport(
+        layers, int(calibration_ids.numel()), calibration, shared_mass / max(total_mass, 1e-30), latent_size
+    )
     logger.info(
         "Carved %d layers: shared experts hold %.1f%% of the calibration activation mass, mean cohesion %.3f, "
         "mean router R^2 %.3f",
@@ -671,21 +796,52 @@ def carve_llama(
         sum(c.cohesion for c in layers) / len(layers),
         sum(c.router_r2 for c in layers) / len(layers),
     )
+    if latent_size is not None:
+        explained = [c.latent_explained for c in layers]
+        logger.info(
+            "Latent width %d of %d: the bases keep %.1f%% (min %.1f%%) of the FFN inputs' second moment",
+            latent_size,
+            config.hidden_size,
+            100 * sum(explained) / len(explained),
+            100 * min(explained),
+        )
     return model.eval(), report
 
 
 def describe_carving(config: LatentMoEConfig, report: CarveReport, seed: int = 0) -> str:
-    """Markdown for the model card: how the dense FFNs were carved and what the routers are."""
-    return (
+    """Markdown for the model card: how the dense FFNs were carved and what the routers are (and, with a latent
+    width, the latent basis and the share of the FFN inputs' second moment it keeps, mean and range over layers)."""
+    exact = report.latent_size is None or report.latent_size == config.hidden_size
+    unchanged = ", without changing any weight," if report.latent_size is None else ""
+    source_exactly = ", so with all experts active the model computes the source exactly" if exact else ""
+    text = (
         "Carved (MoEfication, arXiv 2110.01786; CMoE, arXiv 2502.04416): attention, norms, embedding and LM head "
-        "copied unchanged; each layer's dense SwiGLU FFN split, without changing any weight, into a shared expert "
+        f"copied unchanged; each layer's dense SwiGLU FFN split{unchanged} into a shared expert "
         f"(width {config.moe_shared_expert_intermediate_size}: the neurons of highest mean |act(gate x) * up x| on "
         f"calibration text, {100 * report.shared_mass:.1f}% of the activation mass) and {config.num_experts} routed "
         f"experts of width {config.moe_intermediate_size} (balanced spherical k-means of the other neurons' "
         f"activation patterns, seed {seed}); top-{config.num_experts_per_tok} routing with unit gates "
-        '(`router_gate="unit"`), so with all experts active the model computes the source exactly. Routers fitted '
-        "without training: ridge least squares from the FFN input onto each expert's centred log activation mass. "
-        f"Calibration: {report.calibration}."
+        f'(`router_gate="unit"`){source_exactly}. '
+        "Routers fitted without training: ridge least squares from the FFN input onto each expert's centred log "
+        f"activation mass. Calibration: {report.calibration}."
+    )
+    if report.latent_size is None:
+        return text
+    explained = [layer.latent_explained for layer in report.layers]
+    return text + (
+        f" Routed experts at latent width {report.latent_size} of {config.hidden_size} (LatentMoE, arXiv "
+        "2601.18089): per layer, fc1_latent_proj = V^T and fc2_latent_proj = V, V the top "
+        f"{report.latent_size} PCA directions of the FFN input (eigenvectors of its uncentred second moment on the "
+        "calibration text); the routed experts' gate / up rows are the carved rows times V, their down columns V^T "
+        "times the carved columns; router and shared expert read the full-width input. The bases keep "
+        f"{100 * sum(explained) / len(explained):.1f}% of the inputs' second moment on average "
+        f"({100 * min(explained):.1f}% to {100 * max(explained):.1f}% over layers)"
+        + (
+            "; at full latent width the model is the full-width carve."
+            if exact
+            else ": with all experts active the model is the source with each routed expert's input and output "
+            "projected onto those directions."
+        )
     )
 
 
@@ -702,6 +858,7 @@ __all__ = [
     "carved_routing_recall",
     "carving_calibration_ids",
     "check_carve_options",
+    "check_latent_size",
     "default_calibration_text",
     "describe_carving",
     "every_expert_active",
@@ -709,6 +866,7 @@ __all__ = [
     "ffn_inputs",
     "fit_carved_routers",
     "intermediate_activation",
+    "latent_basis",
     "oracle_routing",
     "partition_neurons",
 ]

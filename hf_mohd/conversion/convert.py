@@ -29,7 +29,13 @@ from pathlib import Path
 
 import torch
 
-from .carve import carve_llama, check_carve_options, describe_carving, every_expert_active
+from .carve import (
+    carve_llama,
+    carved_config_from_llama,
+    check_carve_options,
+    describe_carving,
+    every_expert_active,
+)
 from .latent_moe import describe_latent_moe_conversion, llama_to_latent_moe
 from .mohd import check_mohd_options, describe_mohd_conversion, llama_to_mohd
 from .output import card_perplexities, check_destination, save_converted
@@ -235,6 +241,7 @@ def convert_carved_latent_moe(
     num_experts: int = 8,
     num_experts_per_tok: int = 2,
     shared_fraction: float = 0.25,
+    latent_size: int | None = None,
     calibration_text: str | Path | None = None,
     calibration_tokens: int = 8192,
     calibration_window: int = 256,
@@ -254,13 +261,17 @@ def convert_carved_latent_moe(
     Args:
         source, output_dir: as in `convert_mohd`.
         num_experts, num_experts_per_tok, shared_fraction: N, K and the share of the FFN in the shared expert.
+        latent_size: None: full-width routed experts; l in [1, hidden_size]: routed experts at latent width l
+            (`moe_latent_size=l`), read and written in each layer's top-l PCA basis of its calibration FFN inputs
+            (`carve.latent_basis`; LatentMoE arXiv 2601.18089); the shared expert and the router stay full width.
         calibration_text: UTF-8 text file; None: the first Wikipedia articles of the gensim sample
             (`carve.carving_calibration_ids`), disjoint from the articles evaluations hold out.
         calibration_tokens, calibration_window: at most this many calibration tokens, in rows of this many.
         router_score_func: "softmax" or "sigmoid".
         seed: seed of the balanced k-means seeding and of `verify`'s tokens.
         verify: before writing, check the carved model with every expert active (K = N, unit gates) against the
-            source's logits (`verify_logits`).
+            source's logits (`verify_logits`); only an exact carve can pass, so `latent_size` must then be None or
+            hidden_size.
         atol, dtype, gguf_file: as in `convert_mohd`.
         save_options: `base_model`, `perplexity_json`, `overwrite`, `max_shard_size` as in `convert_mohd`.
 
@@ -269,21 +280,38 @@ def convert_carved_latent_moe(
 
     Raises:
         ConversionError: options out of range (`carve.check_carve_options`: K > N, a shared fraction outside
-            [0, 1), ...), an unknown save option, a perplexity JSON that cannot be read, an existing destination
-            without `overwrite`, a source that cannot be loaded or is not LLaMA-style, an intermediate_size that
-            does not split into N equal experts, calibration text that is unreadable or too short, or a failed
-            `verify`.
+            [0, 1), a `latent_size` outside [1, hidden_size], ...), `verify` with a `latent_size` below
+            hidden_size (that model is not the source), an unknown save option, a perplexity JSON that cannot be
+            read, an existing destination without `overwrite`, a source that cannot be loaded or is not LLaMA-style,
+            an intermediate_size that does not split into N equal experts, calibration text that is unreadable or
+            too short, or a failed `verify`.
     """
     unknown = sorted(set(save_options) - set(SAVE_OPTIONS))
     if unknown:
         raise ConversionError(f"Unknown option(s) {unknown} of convert_carved_latent_moe; see its docstring.")
-    check_carve_options(num_experts, num_experts_per_tok, shared_fraction)
+    check_carve_options(num_experts, num_experts_per_tok, shared_fraction, latent_size)
     source, save_options = _load_checked(source, output_dir, gguf_file, dtype, **save_options)
+    carved_config_from_llama(  # every check against the source (mlp_bias, sizes, latent_size) before calibration
+        source.config,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        shared_fraction=shared_fraction,
+        router_score_func=router_score_func,
+        latent_size=latent_size,
+    )
+    hidden_size = source.config.hidden_size
+    if verify and latent_size is not None and latent_size < hidden_size:
+        raise ConversionError(
+            f"`verify` (--verify) checks that the carve with every expert active computes the source, which a latent "
+            f"width `latent_size` = {latent_size} < hidden_size = {hidden_size} does not (its routed experts read "
+            "and write a projection of the FFN input); verify a full-width carve (no `latent_size`, or hidden_size)."
+        )
     model, report = carve_llama(
         source,
         num_experts=num_experts,
         num_experts_per_tok=num_experts_per_tok,
         shared_fraction=shared_fraction,
+        latent_size=latent_size,
         router_score_func=router_score_func,
         seed=seed,
         calibration_text=calibration_text,
