@@ -66,7 +66,11 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument(
         "--activation-scaling", choices=("inverse_active", "none"), help="Scale active outputs by N / active, or not."
     )
-    parser.add_argument("--routed-gate", choices=("softmax", "normalized"), help="Input gate of a routed block.")
+    parser.add_argument(
+        "--routed-gate",
+        choices=("softmax", "normalized", "unit"),
+        help="Input gate of a routed block (unit: 1, straight-through; every block active is then the source).",
+    )
     parser.add_argument("--group-fusion", choices=("mix", "none"), help="Identity-initialised N x N block mixer.")
     parser.add_argument(
         "--sparse-modules", nargs="+", choices=("attention", "ffn"), help="Sublayers to sparsify (default both)."

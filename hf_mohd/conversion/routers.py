@@ -172,11 +172,13 @@ def oracle_routing_record(
 
 
 def zero_routers(model: MoHDForCausalLM) -> MoHDForCausalLM:
-    """Set every router weight to 0 (uniform p = 1 / N_r), in place; with `routed_gate="normalized"` a replayed
-    record then gets gate exactly 1 on each selected block. Raises ConversionError for another `routed_gate`."""
-    if model.config.routed_gate != "normalized":
+    """Set every router weight to 0 (uniform p = 1 / N_r), in place; with `routed_gate="normalized"` (or "unit", whose
+    gates are 1 anyway) a replayed record then gets gate exactly 1 on each selected block. Raises ConversionError for
+    another `routed_gate`."""
+    if model.config.routed_gate not in ("normalized", "unit"):
         raise ConversionError(
-            f"Oracle replay needs routed_gate='normalized' (gate 1 with zero routers), got {model.config.routed_gate!r}."
+            "Oracle replay needs routed_gate='normalized' or 'unit' (gate 1 with zero routers), got "
+            f"{model.config.routed_gate!r}."
         )
     with torch.no_grad():
         for router in _routers(model).values():
