@@ -1,4 +1,5 @@
-"""Shared pytest setup: offline Hugging Face, deterministic seeds, and helpers for fresh-process checks."""
+"""Shared pytest setup: offline Hugging Face, deterministic seeds, the `family` fixture and helpers for fresh-process
+checks. The tiny configs and helpers themselves live in `tests/utils.py` (`from tests.utils import ...`)."""
 
 import os
 
@@ -8,6 +9,15 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# the repository root is on the path (pyproject's pytest `pythonpath`), under `pytest` as under `python -m pytest`
+from tests.utils import FAMILIES, ModelFamily  # noqa: E402
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request) -> ModelFamily:
+    """Each model family of `tests.utils.FAMILIES` in turn (test id: its name): a common check runs once per family."""
+    return FAMILIES[request.param]
 
 
 @pytest.fixture(scope="session")

@@ -6,38 +6,31 @@ import pytest
 import torch
 from transformers import StaticCache
 
-from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
+from tests.utils import input_ids
 
 
-SHAPE = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+# Overrides of each family's tiny config: a 64-position static cache, no pad id; LatentMoE with one expert shape (latent
+# and expert width 32) in both layers and no shared expert
+FIELDS = {
+    "mohd": dict(max_position_embeddings=64, pad_token_id=None),
+    "latent_moe": dict(
+        max_position_embeddings=64,
+        pad_token_id=None,
+        moe_intermediate_size=32,
+        moe_latent_size=32,
+        moe_shared_expert_intermediate_size=0,
+        per_layer_config=None,
+    ),
+}
 
 
-def build(family: str):
-    torch.manual_seed(0)
-    if family == "mohd":
-        config = MoHDConfig(**SHAPE, num_sub_dims=8, num_shared_sub_dims=3, num_routed_sub_dims_per_tok=2)
-        model = MoHDForCausalLM(config)
-    else:
-        config = LatentMoEConfig(
-            **SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_latent_size=32
-        )
-        model = LatentMoEForCausalLM(config)
-    with torch.no_grad():  # spread routers: distinct routes per token, no near-ties between eager and compiled
-        for name, param in model.named_parameters():
-            if "router" in name or name.endswith("gate.weight"):
-                param.normal_(0, 0.5)
-    return model.eval()
+def build(family):
+    """float32, the config's experts implementation; routers spread: distinct routes per token, no near-ties between
+    eager and compiled."""
+    return family.model(dtype=torch.float32, experts_implementation=None, **FIELDS[family.name])
 
 
-def greedy(model, forward, prompt: torch.Tensor, new_tokens: int) -> list[int]:
+def static_cache_greedy(model, forward, prompt: torch.Tensor, new_tokens: int) -> list[int]:
     """Prefill eagerly, then `new_tokens` single-token steps through `forward` on a static cache."""
     cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + new_tokens)
     with torch.no_grad():
@@ -52,13 +45,12 @@ def greedy(model, forward, prompt: torch.Tensor, new_tokens: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mohd", "latent_moe"])
 def test_static_cache_decode_step_compiles_fullgraph(family):
     model = build(family)
     assert type(model)._can_compile_fullgraph
-    prompt = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(1))
-    eager = greedy(model, model, prompt, 8)
+    prompt = input_ids(batch=1, length=5, seed=1)
+    eager = static_cache_greedy(model, model, prompt, 8)
     torch._dynamo.reset()
-    compiled = greedy(model, torch.compile(model, fullgraph=True, dynamic=False), prompt, 8)
+    compiled = static_cache_greedy(model, torch.compile(model, fullgraph=True, dynamic=False), prompt, 8)
     assert compiled == eager
     assert len(set(eager)) > 2  # a real sequence, not one repeated token

@@ -4,9 +4,10 @@ path, in logits and in gradients, and the engine's helpers compute what they say
 The gather strategy has three regimes, chosen by the number of tokens M of a forward: per-slot grouped matmuls
 (`MoHDGroupedPlan`, prefill and training) and direct reads of each token's active blocks for few tokens (decoding),
 by host block ids on an eager CPU run (`MoHDSpansPlan`) or by index tensors (`MoHDIndexedPlan`, compiled);
-plus both weight layouts of `MoHDPreTrainedModel.to_weight_layout` and the module-call fallback for projections that
-are not plain `nn.Linear`. All run in float64 (no top-k ties) against
-the masked path on the same weights. No timing here: the benchmarks live in `bench/`.
+plus both weight layouts of `MoHDPreTrainedModel.to_weight_layout`, the fallbacks for projections that are not plain
+`nn.Linear`, and the switch between the strategies of `MoHDSparseInterface` on a loaded model. All run in float64 (no
+top-k ties) against the masked path on the same weights (`make_model` / `pair`, built from `tests.utils.FAMILIES`).
+No timing here: the benchmarks live in `bench/`.
 """
 
 from itertools import pairwise
@@ -15,15 +16,18 @@ import pytest
 import torch
 from torch import nn
 
-from hf_mohd import MoHDConfig, MoHDForCausalLM
+from hf_mohd import MoHDForCausalLM
 from hf_mohd.models import mohd_sparse
 from hf_mohd.models.mohd_sparse import (
     MoHDGatherStrategy,
     MoHDGroupedPlan,
     MoHDGroupPart,
     MoHDIndexedPlan,
+    MoHDMaskedPlan,
+    MoHDMaskedStrategy,
     MoHDSpansPlan,
     MoHDSparseBlockMix,
+    MoHDSparseInterface,
     _grouped_mm_aligned,
     block_token_spans,
     contiguous_spans,
@@ -31,65 +35,36 @@ from hf_mohd.models.mohd_sparse import (
     grouped_parts,
     set_linear_layout_,
 )
+from tests.utils import FAMILIES, gradients, input_ids
 
 
-VOCAB = 97
+MOHD = FAMILIES["mohd"]
 
 
-def config(**overrides) -> MoHDConfig:
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        num_sub_dims=8,
-        num_shared_sub_dims=3,
-        num_routed_sub_dims_per_tok=2,
-        pad_token_id=0,
-    )
-    fields.update(overrides)
-    return MoHDConfig(**fields)
+def make_model(seed: int = 0, dtype=torch.float64, **overrides) -> MoHDForCausalLM:
+    """A tiny MoHD model in eval mode with perturbed fusion, spread routers and random biases, float64 by default."""
+    return MOHD.spread_model(seed, dtype, **overrides)
 
 
 def pair(seed: int = 0, **overrides) -> tuple[MoHDForCausalLM, MoHDForCausalLM]:
-    """(gather, masked) float64 models with the same weights: perturbed fusion, spread routers, random biases."""
-    torch.manual_seed(seed)
-    gather = MoHDForCausalLM(config(sparse_implementation="gather", **overrides)).double()
-    with torch.no_grad():
-        for name, param in gather.named_parameters():
-            if "group_fusion" in name:
-                param.add_(0.1 * torch.randn_like(param))
-            elif name.endswith("bias"):
-                param.normal_(0, 0.02)
-            elif "router" in name:
-                param.normal_(0, 0.5)
-    masked = MoHDForCausalLM(config(sparse_implementation="masked", **overrides)).double()
+    """(gather, masked) float64 models in training mode with the weights of `make_model`."""
+    gather = make_model(seed, sparse_implementation="gather", **overrides).train()
+    masked = MoHDForCausalLM(MOHD.config(sparse_implementation="masked", **overrides)).double()
     masked.load_state_dict(gather.state_dict())
     return gather, masked
 
 
-def ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def grads(model) -> dict[str, torch.Tensor]:
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_same_training_step(gather, masked, input_ids, **kwargs):
+def assert_same_training_step(gather, masked, ids, **kwargs):
     """Loss (LM + aux), logits and every parameter gradient agree between the two paths."""
     outputs = []
     for model in (gather, masked):
         model.train()
         model.zero_grad(set_to_none=True)
-        out = model(input_ids=input_ids, labels=input_ids, output_router_logits=True, use_cache=False, **kwargs)
+        out = model(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False, **kwargs)
         # one token has no next-token label: a loss on the logits (plus the aux loss) then drives the gradients
-        loss = out.loss if input_ids.shape[1] > 1 else out.logits.square().mean() + out.aux_loss
+        loss = out.loss if ids.shape[1] > 1 else out.logits.square().mean() + out.aux_loss
         loss.backward()
-        outputs.append((out, loss, grads(model)))
+        outputs.append((out, loss, gradients(model)))
     (out_g, loss_g, grads_g), (out_m, loss_m, grads_m) = outputs
     torch.testing.assert_close(out_g.logits, out_m.logits, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(loss_g, loss_m, rtol=1e-10, atol=1e-10)
@@ -104,7 +79,7 @@ def strategies(model):
 
 
 def test_plans_are_chosen_by_token_count(monkeypatch):
-    strategy = MoHDGatherStrategy(config())
+    strategy = MoHDGatherStrategy(MOHD.config())
     assert strategy.few_tokens == 2  # N_r = 5 routed blocks, k = 2
     indices = torch.tensor([[3, 7], [5, 4], [7, 3]])
     weights = torch.rand(3, 2)
@@ -148,14 +123,56 @@ def test_plans_are_chosen_by_token_count(monkeypatch):
 )
 def test_prefill_and_training_step_equal_masked(overrides):
     gather, masked = pair(**overrides)
-    assert_same_training_step(gather, masked, ids(2, 11))
+    assert_same_training_step(gather, masked, input_ids(2, 11))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"routed_gate": "normalized", "attention_bias": True, "mlp_bias": True},
+        {"group_fusion": "none", "activation_scaling": "none"},
+        {"num_shared_sub_dims": 0, "num_routed_sub_dims_per_tok": 3},
+        {"sparse_modules": ["ffn"]},
+        {"sparse_modules": ["attention"]},
+    ],
+)
+def test_masked_and_gather_agree_in_logits_and_gradients(overrides):
+    reference = make_model(sparse_implementation="masked", **overrides)
+    fast = make_model(sparse_implementation="gather", **overrides)
+    fast.load_state_dict(reference.state_dict())
+    ids = input_ids()
+    outputs = []
+    for model in (reference, fast):
+        model.zero_grad()
+        out = model(ids, labels=ids, output_router_logits=True)
+        out.loss.backward()
+        outputs.append((out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (ref_out, ref_grads), (fast_out, fast_grads) = outputs
+    torch.testing.assert_close(fast_out.logits, ref_out.logits, atol=1e-10, rtol=1e-10)
+    assert ref_grads.keys() == fast_grads.keys()
+    assert any("router" in name for name in ref_grads), "routers must receive gradient through the gates"
+    for name in ref_grads:
+        torch.testing.assert_close(fast_grads[name], ref_grads[name], atol=1e-10, rtol=1e-8, msg=name)
+
+
+@pytest.mark.parametrize("length", [1, 3, 9], ids=["host-ids", "host-ids-batch", "grouped"])
+def test_no_shared_sub_dimension_gather_equals_masked(length):
+    """N_s = 0: the router's ids carry no offset, so they are the top-k slice of a sort; the gather plans flatten
+    them, which needs them contiguous (a found-by-hypothesis regression)."""
+    fields = dict(num_sub_dims=4, num_shared_sub_dims=0, num_routed_sub_dims_per_tok=2)
+    gather = make_model(sparse_implementation="gather", **fields)
+    masked = make_model(sparse_implementation="masked", **fields)
+    ids = input_ids(batch=1, length=length)
+    with torch.no_grad():
+        torch.testing.assert_close(gather(ids).logits, masked(ids).logits, atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 8], ids=["one-token", "two-tokens", "eight-tokens"])
 def test_few_tokens_path_equal_masked_with_gradients(tokens):
     gather, masked = pair(attention_bias=True, mlp_bias=True)
     assert tokens <= strategies(gather)[0].host_tokens
-    assert_same_training_step(gather, masked, ids(1, tokens))
+    assert_same_training_step(gather, masked, input_ids(1, tokens))
 
 
 @pytest.mark.parametrize("small_batch_plan", ["union", "per_block"])
@@ -164,7 +181,7 @@ def test_cached_decoding_equals_masked_step_by_step(batch, small_batch_plan):
     """Prefill then single-token steps with the routing cache: logits of every step agree, as do the routes."""
     gather, masked = pair()
     gather.set_small_batch_plan(small_batch_plan)
-    prompt = ids(batch, 7, seed=1)
+    prompt = input_ids(batch, 7, seed=1)
     with torch.no_grad():
         out_g, out_m = gather(input_ids=prompt, use_cache=True), masked(input_ids=prompt, use_cache=True)
         torch.testing.assert_close(out_g.logits, out_m.logits, rtol=1e-10, atol=1e-10)
@@ -180,7 +197,7 @@ def test_cached_decoding_equals_masked_step_by_step(batch, small_batch_plan):
 def test_cached_decoding_step_gradients_equal_masked():
     """A single-token step on top of a cache (the decode path) back-propagates like the masked path."""
     gather, masked = pair(mlp_bias=True)
-    prompt, token = ids(1, 6), ids(1, 1, seed=3)
+    prompt, token = input_ids(1, 6), input_ids(1, 1, seed=3)
     results = []
     for model in (gather, masked):
         with torch.no_grad():
@@ -188,7 +205,7 @@ def test_cached_decoding_step_gradients_equal_masked():
         model.zero_grad(set_to_none=True)
         logits = model(input_ids=token, cache=cache, use_cache=True).logits
         logits.square().sum().backward()
-        results.append((logits, grads(model)))
+        results.append((logits, gradients(model)))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-10, atol=1e-10)
     for name, grad in results[0][1].items():
         torch.testing.assert_close(grad, results[1][1][name], rtol=1e-9, atol=1e-10, msg=name)
@@ -196,7 +213,7 @@ def test_cached_decoding_step_gradients_equal_masked():
 
 def test_generate_equals_masked():
     gather, masked = pair()
-    prompt = ids(1, 5, seed=2)
+    prompt = input_ids(1, 5, seed=2)
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(gather.generate(prompt, **kwargs), masked.generate(prompt, **kwargs))
 
@@ -209,12 +226,12 @@ def test_weight_layouts_keep_results(layout):
     q_proj = gather.model.layers[0].self_attn.q_proj.weight
     assert q_proj.shape == (64, 64) and q_proj.stride() == ((1, 64) if layout == "block_major" else (64, 1))
     assert gather.model.layers[0].self_attn.o_proj.weight.is_contiguous()  # output side stays row-major
-    assert_same_training_step(gather, masked, ids(2, 5))
+    assert_same_training_step(gather, masked, input_ids(2, 5))
     gather.eval()
     masked.eval()
     with torch.no_grad():
         for length in (1, 2, 9):  # few-tokens reads (1, 2) and the grouped plan (9)
-            x = ids(1, length, seed=4)
+            x = input_ids(1, length, seed=4)
             torch.testing.assert_close(gather(input_ids=x).logits, masked(input_ids=x).logits, rtol=1e-10, atol=1e-10)
 
 
@@ -235,7 +252,7 @@ def test_block_major_is_the_default_and_invisible_on_disk(tmp_path):
     assert reloaded.model.layers[0].self_attn.k_proj.weight.stride() == (1, 32)  # 2 kv heads of 16
     reloaded.eval(), masked.eval()
     with torch.no_grad():
-        x = ids(1, 1, seed=5)
+        x = input_ids(1, 1, seed=5)
         torch.testing.assert_close(reloaded(input_ids=x).logits, masked(input_ids=x).logits, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="layout must be one of"):
         gather.to_weight_layout("column")
@@ -250,7 +267,7 @@ def test_few_tokens_reads_by_index_tensors_equal_masked(monkeypatch, tokens, lay
     gather.to_weight_layout(layout)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert isinstance(strategies(gather)[0].plan(torch.tensor([[3, 7]]), torch.rand(1, 2)), MoHDIndexedPlan)
-    assert_same_training_step(gather, masked, ids(1, tokens))
+    assert_same_training_step(gather, masked, input_ids(1, tokens))
 
 
 def test_block_token_spans_group_blocks_by_their_tokens():
@@ -282,7 +299,7 @@ def test_per_block_small_batch_plan_equals_masked(tokens, bias, layout):
         assert plan.keep is None and plan.spans == ((0, 3), (3, 4), (4, 6), (7, 8))
         assert plan.rows[2] == slice(1, 2) and plan.rows[1].tolist() == plan.rows[3].tolist() == [0, 2]
         for shape in ((tokens, 1), (1, tokens)):
-            x = ids(*shape, seed=tokens)
+            x = input_ids(*shape, seed=tokens)
             torch.testing.assert_close(gather(input_ids=x).logits, masked(input_ids=x).logits, rtol=1e-10, atol=1e-10)
     assert strategy.plan(indices, weights).rows is None  # autograd on: the union form, whose backward is tested
     gather.set_small_batch_plan("union")
@@ -322,7 +339,7 @@ def test_auto_small_batch_plan_follows_the_timing(monkeypatch):
             assert (strategy.plan(indices, weights).rows is not None) is compute_bound
             assert strategy.plan(indices[:1], weights[:1]).rows is None  # one token: a single form
         monkeypatch.setenv(mohd_sparse.SMALL_BATCH_PLAN_ENV, "auto")  # an environment choice: timed at construction
-        assert MoHDGatherStrategy(config()).small_batch_plan == expected
+        assert MoHDGatherStrategy(MOHD.config()).small_batch_plan == expected
         monkeypatch.delenv(mohd_sparse.SMALL_BATCH_PLAN_ENV)
     assert timings == [torch.float64, torch.float32] * 2
 
@@ -331,8 +348,8 @@ def test_auto_small_batch_plan_follows_the_timing(monkeypatch):
     fresh, _ = pair()
     assert {s.small_batch_plan for s in strategies(fresh)} == {"union"}
     with torch.no_grad():
-        fresh(input_ids=ids(4, 1))
-        fresh.generate(ids(3, 2), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        fresh(input_ids=input_ids(4, 1))
+        fresh.generate(input_ids(3, 2), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert timings == []
 
     gather.set_small_batch_plan("per_block")
@@ -342,7 +359,7 @@ def test_auto_small_batch_plan_follows_the_timing(monkeypatch):
         gather.set_small_batch_plan("blocks")
     monkeypatch.setenv(mohd_sparse.SMALL_BATCH_PLAN_ENV, "blocks")
     with pytest.raises(ValueError, match="HF_MOHD_SMALL_BATCH_PLAN must be one of"):
-        MoHDGatherStrategy(config())
+        MoHDGatherStrategy(MOHD.config())
 
 
 class WrappedLinear(nn.Linear):
@@ -358,7 +375,72 @@ def test_non_plain_linear_fallback_equals_masked():
             new.load_state_dict(old.state_dict())
             setattr(parent, name, new)
     for length in (1, 7):  # few-tokens and grouped plans
-        assert_same_training_step(gather, masked, ids(1, length))
+        assert_same_training_step(gather, masked, input_ids(1, length))
+
+
+def test_projections_that_are_not_plain_linears_take_the_masked_strategy():
+    """A sublayer with a projection that is not a plain `nn.Linear` (here a subclass standing for a PEFT or a
+    quantised layer, whose forward adds 1) is planned by the masked strategy in `route`, the one place of that
+    rule, so the gather strategy never reads a `.weight` that is not what the module computes."""
+
+    class Shifted(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 1.0
+
+    model = make_model(sparse_implementation="gather")
+    attention = model.model.layers[0].self_attn
+    hidden = torch.randn(1, 1, model.config.hidden_size, dtype=torch.float64)
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
+    assert isinstance(attention.sub_dims.route(hidden, projections), MoHDSpansPlan)
+    reference = make_model(sparse_implementation="masked")
+    shifted = Shifted(model.config.hidden_size, attention.o_proj.out_features, bias=False, dtype=torch.float64)
+    for m in (model, reference):
+        shifted_copy = Shifted(shifted.in_features, shifted.out_features, bias=False, dtype=torch.float64)
+        shifted_copy.weight.data.copy_(m.model.layers[0].self_attn.q_proj.weight)
+        m.model.layers[0].self_attn.q_proj = shifted_copy
+    attention = model.model.layers[0].self_attn
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
+    assert isinstance(attention.sub_dims.route(hidden, projections), MoHDMaskedPlan)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids()).logits, reference(input_ids()).logits, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("length", [1, 3, 9], ids=["host-ids", "host-ids-batch", "grouped"])
+def test_set_sparse_implementation_switches_the_strategy_of_a_loaded_model(tmp_path, length):
+    """`set_sparse_implementation` switches every sublayer between the strategies of `MoHDSparseInterface` on a loaded
+    model (as `set_experts_implementation` does for experts), with the same logits; a strategy registered there is
+    selectable by name (here one that records its plans), and unknown names are refused."""
+    make_model(sparse_implementation="masked").save_pretrained(tmp_path)
+    model = MoHDForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    strategies = lambda: {type(m.sub_dims.strategy) for m in model.modules() if hasattr(m, "sub_dims")}  # noqa: E731
+    assert strategies() == {MoHDMaskedStrategy}
+    ids = input_ids(length=length)
+    with torch.no_grad():
+        masked = model(ids).logits
+        model.set_sparse_implementation("gather")
+        assert strategies() == {MoHDGatherStrategy}
+        assert model.model.layers[0].self_attn.q_proj.weight.stride(0) == 1  # block-major for the gather strategy
+        gather = model(ids).logits
+    assert model.config.sparse_implementation == "masked"  # the saved default is unchanged
+    torch.testing.assert_close(gather, masked, atol=1e-10, rtol=0)
+
+    planned = []
+
+    class RecordingStrategy(MoHDMaskedStrategy):
+        def plan(self, indices, weights):
+            planned.append(indices.shape[0])
+            return super().plan(indices, weights)
+
+    MoHDSparseInterface.register("recording", RecordingStrategy)
+    try:
+        model.set_sparse_implementation("recording")
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, masked, atol=1e-10, rtol=0)
+        assert planned == [ids.numel()] * 2 * model.config.num_hidden_layers  # attention and FFN of every layer
+    finally:
+        del MoHDSparseInterface._global_mapping["recording"]
+    with pytest.raises(ValueError, match="`implementation` must be one of \\['masked', 'gather'\\]"):
+        model.set_sparse_implementation("dense")
 
 
 # bf16 keeps 8 significant bits: eps = 2^-8, its relative spacing at 1 (one rounding moves a value by <= eps / 2).
@@ -400,7 +482,7 @@ def test_gather_plans_under_bf16_autocast_follow_masked(monkeypatch, plan, layou
     plans = []
     build = MoHDGatherStrategy.plan
     monkeypatch.setattr(MoHDGatherStrategy, "plan", lambda self, *args: plans.append(build(self, *args)) or plans[-1])
-    prompt = ids(2, 4, seed=9)  # 8 tokens, then 2 per decoding step
+    prompt = input_ids(2, 4, seed=9)  # 8 tokens, then 2 per decoding step
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
 
     with torch.no_grad(), autocast:
@@ -425,7 +507,7 @@ def test_gather_plans_under_bf16_autocast_follow_masked(monkeypatch, plan, layou
         with autocast:
             out = model(input_ids=prompt, labels=prompt, output_router_logits=True, use_cache=False)
         out.loss.backward()
-        results.append((out.loss, grads(model)))
+        results.append((out.loss, gradients(model)))
     (loss_g, grads_g), (loss_m, grads_m) = results
     torch.testing.assert_close(loss_g, loss_m, rtol=4 * BF16_EPS, atol=0)
     assert grads_g.keys() == grads_m.keys()
@@ -495,7 +577,7 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
     accelerator), with the last routed block picked by no token (an empty group, whose weight gradient is 0)."""
     hidden, num_sub_dims, num_shared, top_k, features, dtype = case
     strategy = MoHDGatherStrategy(
-        config(
+        MOHD.config(
             hidden_size=hidden,
             num_sub_dims=num_sub_dims,
             num_shared_sub_dims=num_shared,
@@ -550,7 +632,7 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
 def test_sparse_block_mix_equals_matmul():
     """Group fusion on the grouped path's blocks (zero outside the shared and the routed (token, block) pairs) keeps
     only the nonzero blocks for backward; output and gradients equal autograd's `fusion @ blocks` in float64."""
-    strategy = MoHDGatherStrategy(config())
+    strategy = MoHDGatherStrategy(MOHD.config())
     tokens, generator = 3 * strategy.host_tokens, torch.Generator().manual_seed(2)
     indices = (
         torch.rand(tokens, strategy.geometry.num_routed, generator=generator).topk(2, dim=1).indices

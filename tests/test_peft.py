@@ -8,39 +8,34 @@ import torch
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
-from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM  # noqa: E402
+from hf_mohd import LatentMoEForCausalLM, MoHDForCausalLM  # noqa: E402
 from hf_mohd.lora import lora_targets  # noqa: E402
 from hf_mohd.models.mohd_sparse import MoHDMaskedStrategy  # noqa: E402
+from tests.utils import FAMILIES  # noqa: E402
+
+
+MOHD, LATENT_MOE = FAMILIES["mohd"], FAMILIES["latent_moe"]
+# The LLaMA fields these models leave at the config's defaults (all key/value heads, no pad id)
+UNSET_LLAMA_FIELDS = ("num_key_value_heads", "max_position_embeddings", "pad_token_id")
 
 
 def tiny_mohd(**kw) -> MoHDForCausalLM:
-    torch.manual_seed(0)
-    config = MoHDConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, **kw
-    )
-    return MoHDForCausalLM(config).double().eval()
+    """The config's default sub-dimensions (16: 6 shared, 2 routed per token), initial weights."""
+    fields = MOHD.defaults(*UNSET_LLAMA_FIELDS, "num_sub_dims", "num_shared_sub_dims", "num_routed_sub_dims_per_tok")
+    return MOHD.build(**{**fields, **kw})
 
 
 def tiny_latent_moe(**kw) -> LatentMoEForCausalLM:
-    """Layer 0 dense, layer 1 LatentMoE with a shared expert: every LoRA target kind is present."""
-    torch.manual_seed(0)
-    fields = dict(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_experts=8,
-        num_experts_per_tok=2,
+    """Layer 0 dense, layer 1 LatentMoE with a shared expert: every LoRA target kind is present. Eager experts
+    (grouped_mm has no float64 kernel), initial weights."""
+    fields = LATENT_MOE.defaults(*UNSET_LLAMA_FIELDS)
+    fields |= dict(
         moe_intermediate_size=32,
         moe_latent_size=16,
         moe_shared_expert_intermediate_size=32,
         per_layer_config={0: {"mixer_type": "mlp"}},
     )
-    config = LatentMoEConfig(**{**fields, **kw})
-    model = LatentMoEForCausalLM(config).double().eval()
-    model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
-    return model
+    return LATENT_MOE.build(**{**fields, **kw})
 
 
 def lora_config(config, **kw) -> LoraConfig:

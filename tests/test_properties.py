@@ -26,10 +26,8 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-import hf_mohd  # noqa: F401  (registers the Auto classes)
-from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
 from hf_mohd.interop import to_nemotron_h
-from tests.utils import reallocate_parameters
+from tests.utils import FAMILIES, gradients, greedy, input_ids, reallocate_parameters
 
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
@@ -127,32 +125,18 @@ def latent_moe_configs(draw, nemotron_h: bool = False) -> dict:
     return fields
 
 
-def _spread(model) -> None:
-    """Weights away from the initialisation: perturbed fusion, random biases and router biases, spread routers."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "group_fusion" in name:
-                param.add_(0.1 * torch.randn_like(param))
-            elif "router" in name or name.endswith(".gate.weight"):
-                param.normal_(0, 0.5)
-            elif name.endswith("bias"):
-                param.normal_(0, 0.02)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0, 0.2)
-
-
-def _build(cls, config_cls, fields: dict, dtype=torch.float64, seed: int = 0, **overrides):
-    torch.manual_seed(seed)
-    model = cls(config_cls(**{**fields, **overrides})).to(dtype)
-    if dtype == torch.float64 and hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation("eager")  # torch's grouped_mm kernel takes float32 / bfloat16 only
-    _spread(model)
-    return model.eval()
+def _build(family: str, fields: dict, dtype=torch.float64, seed: int = 0, **overrides):
+    """The family's model of the drawn `fields` (they set every field of the tiny config), every kind of weight away
+    from its initialisation (router correction biases included); eager experts in float64 (torch's grouped_mm kernel
+    takes float32 / bfloat16 only), the config's choice otherwise."""
+    experts = "eager" if dtype == torch.float64 else None
+    return FAMILIES[family].spread_model(
+        seed, dtype, correction_bias=True, experts_implementation=experts, **{**fields, **overrides}
+    )
 
 
 def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+    return input_ids(batch, length, seed, vocab_size=VOCAB)
 
 
 def _step(model, input_ids):
@@ -164,7 +148,7 @@ def _step(model, input_ids):
     if input_ids.shape[1] == 1 and out.aux_loss is not None:
         loss = loss + out.aux_loss
     loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads = gradients(model)
     model.eval()
     return out.logits.detach(), loss.detach(), grads
 
@@ -180,8 +164,8 @@ def test_mohd_gather_paths_equal_masked_in_float64_and_float32(fields, batch, le
     note(f"MoHDConfig(**{fields}); batch={batch}, length={length}, layout={layout}")
     input_ids = _ids(batch, length)
     for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
-        masked = _build(MoHDForCausalLM, MoHDConfig, fields, dtype, sparse_implementation="masked")
-        gather = _build(MoHDForCausalLM, MoHDConfig, fields, dtype, sparse_implementation="gather")
+        masked = _build("mohd", fields, dtype, sparse_implementation="masked")
+        gather = _build("mohd", fields, dtype, sparse_implementation="gather")
         gather.load_state_dict(masked.state_dict())
         gather.to_weight_layout(layout)
         logits_g, loss_g, grads_g = _step(gather, input_ids)
@@ -193,26 +177,22 @@ def test_mohd_gather_paths_equal_masked_in_float64_and_float32(fields, batch, le
             torch.testing.assert_close(grad, grads_m[name], rtol=tol, atol=tol, msg=f"{dtype} grad {name}")
 
 
-def _greedy(model, prompt, use_cache: bool):
-    return model.generate(prompt, max_new_tokens=4, do_sample=False, use_cache=use_cache, pad_token_id=0)
-
-
 @settings(max_examples=20, deadline=None, suppress_health_check=SLOW_OK)
 @given(fields=mohd_configs(), implementation=st.sampled_from(["gather", "masked"]), batch=st.integers(1, 2))
 def test_mohd_cached_greedy_equals_uncached(fields, implementation, batch):
     note(f"MoHDConfig(**{fields}, sparse_implementation={implementation!r}); batch={batch}")
-    model = _build(MoHDForCausalLM, MoHDConfig, fields, sparse_implementation=implementation)
+    model = _build("mohd", fields, sparse_implementation=implementation)
     prompt = _ids(batch, 5, seed=1)
-    assert torch.equal(_greedy(model, prompt, True), _greedy(model, prompt, False))
+    assert torch.equal(greedy(model, prompt, 4, use_cache=True), greedy(model, prompt, 4, use_cache=False))
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=SLOW_OK)
 @given(fields=latent_moe_configs(), batch=st.integers(1, 2))
 def test_latent_moe_cached_greedy_equals_uncached(fields, batch):
     note(f"LatentMoEConfig(**{fields}); batch={batch}")
-    model = _build(LatentMoEForCausalLM, LatentMoEConfig, fields)
+    model = _build("latent_moe", fields)
     prompt = _ids(batch, 5, seed=1)
-    assert torch.equal(_greedy(model, prompt, True), _greedy(model, prompt, False))
+    assert torch.equal(greedy(model, prompt, 4, use_cache=True), greedy(model, prompt, 4, use_cache=False))
 
 
 def _built_parameters(model) -> int:
@@ -223,9 +203,9 @@ def _built_parameters(model) -> int:
 @given(fields=mohd_configs())
 def test_mohd_accounting_equals_built_parameters(fields):
     note(f"MoHDConfig(**{fields})")
-    config = MoHDConfig(**fields)
+    config = FAMILIES["mohd"].config(**fields)
     with torch.device("meta"):
-        model = MoHDForCausalLM(config)
+        model = FAMILIES["mohd"].model_class(config)
     assert config.num_parameters() == _built_parameters(model)
     # a token reads n_a / N of the sparsified projections (whole biases on the input side), the rest whole, the LM
     # head, and not the embedding lookup
@@ -251,9 +231,9 @@ def test_mohd_accounting_equals_built_parameters(fields):
 @given(fields=latent_moe_configs())
 def test_latent_moe_accounting_equals_built_parameters(fields):
     note(f"LatentMoEConfig(**{fields})")
-    config = LatentMoEConfig(**fields)
+    config = FAMILIES["latent_moe"].config(**fields)
     with torch.device("meta"):
-        model = LatentMoEForCausalLM(config)
+        model = FAMILIES["latent_moe"].model_class(config)
     assert config.num_parameters() == _built_parameters(model)
     layers = model.model.layers
     skipped = 0 if config.tie_word_embeddings else model.model.embed_tokens.weight.numel()
@@ -285,15 +265,15 @@ def _assert_round_trip_exact(model) -> None:
 @given(mohd=mohd_configs(), latent_moe=latent_moe_configs())
 def test_save_load_round_trip_is_exact(mohd, latent_moe):
     note(f"MoHDConfig(**{mohd}); LatentMoEConfig(**{latent_moe})")
-    _assert_round_trip_exact(_build(MoHDForCausalLM, MoHDConfig, mohd, torch.float32))
-    _assert_round_trip_exact(_build(LatentMoEForCausalLM, LatentMoEConfig, latent_moe, torch.float32))
+    _assert_round_trip_exact(_build("mohd", mohd, torch.float32))
+    _assert_round_trip_exact(_build("latent_moe", latent_moe, torch.float32))
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=SLOW_OK)
 @given(fields=latent_moe_configs(nemotron_h=True))
 def test_nemotron_h_export_equals_transformers_model(fields):
     note(f"LatentMoEConfig(**{fields})")
-    model = _build(LatentMoEForCausalLM, LatentMoEConfig, fields, torch.float32)
+    model = _build("latent_moe", fields, torch.float32)
     nemotron = to_nemotron_h(model)
     assert type(nemotron).__module__.startswith("transformers.models.nemotron_h")
     prompt = _ids(2, 7, seed=3)
@@ -339,26 +319,25 @@ _BASE_SPECIFIC = {
 
 @st.composite
 def invalid_configurations(draw):
-    """(config class, drawn valid kwargs, field, a value invalid for it there) for either family."""
+    """(family name, drawn valid kwargs, field, a value invalid for it there) for either family."""
     from test_reliability import LATENT_MOE_BAD, MOHD_BAD
 
-    cls, base, table = draw(
-        st.sampled_from(
-            [(MoHDConfig, mohd_configs(), MOHD_BAD), (LatentMoEConfig, latent_moe_configs(), LATENT_MOE_BAD)]
-        )
+    name, base, table = draw(
+        st.sampled_from([("mohd", mohd_configs(), MOHD_BAD), ("latent_moe", latent_moe_configs(), LATENT_MOE_BAD)])
     )
     base = draw(base)
     field = draw(st.sampled_from(sorted(table)))
     fixed = [v for v in table[field] if isinstance(v, (list, dict)) or (field, v) not in _BASE_SPECIFIC]
     values = fixed + _relative_bad_values(field, base)
-    return cls, base, field, draw(st.sampled_from(values))
+    return name, base, field, draw(st.sampled_from(values))
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=SLOW_OK)
 @given(case=invalid_configurations())
 def test_one_invalid_field_on_a_random_valid_configuration_raises_value_error_naming_it(case):
-    cls, base, field, value = case
-    note(f"{cls.__name__}(**{base}) with {field}={value!r}")
-    cls(**base)
+    name, base, field, value = case
+    family = FAMILIES[name]
+    note(f"{family.config_class.__name__}(**{base}) with {field}={value!r}")
+    family.config(**base)
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
-        cls(**{**base, field: value})
+        family.config(**{**base, field: value})

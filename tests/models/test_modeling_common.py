@@ -3,188 +3,45 @@ transformers' `ModelTesterMixin` runs its common checks for every model. Oracles
 warnings, parallel plan), the uncached forward, each family's reference path (MoHD masked, LatentMoE eager experts),
 an fp32 recomputation of the router logits, and the saved model itself.
 
-To add a common check: take the `family` fixture and build models with `family.model(...)`; put what differs between
-the families (config fields, the fast and the reference path) in `ModelFamily`.
+To add a common check: take the `family` fixture (`tests/conftest.py`) and build models with `family.model(...)`; put
+what differs between the families (config fields, the fast and the reference path) in `ModelFamily` (`tests/utils.py`).
+The suite uses the families through their public API only: checks of the pieces behind it are in
+`test_modeling_shared_pieces.py` (modeling_common.py) and the family files.
 """
 
 import copy
 import os
 import re
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from fnmatch import fnmatch
 
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig
+from transformers import LlamaForCausalLM, Qwen3MoeConfig
 from transformers.cache_utils import DynamicCache
 from transformers.distributed import DistributedConfig
 from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 
-import hf_mohd  # noqa: F401  (registers the Auto classes)
-from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
-from hf_mohd.models.modeling_common import ReLUSquared, TopKRouter, activation
-from hf_mohd.models.modeling_latent_moe import LatentMoEExpertsBase, LatentMoERouter
-from hf_mohd.models.modeling_mohd import MoHDRouter
-from tests.utils import reallocate_parameters
+from hf_mohd import RoutingCache
+from tests.utils import (
+    FAMILIES,
+    VOCAB,
+    gradients,
+    greedy,
+    input_ids,
+    llama_config,
+    reallocate_parameters,
+    routers,
+    routers_by_key,
+    run_python_without_hf_mohd,
+)
 
 
 # The shared model files every family's remote code imports (the forwards of both families live in modeling_common.py)
 REMOTE_CODE_SIBLINGS = {"modeling_common.py", "configuration_common.py", "routing_cache.py"}
 
 
-VOCAB = 97
-# The LLaMA part of every tiny config; `LlamaForCausalLM` of these fields is the oracle of the LLaMA behaviours.
-LLAMA_FIELDS = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """How to build tiny models of one family.
-
-    Args:
-        name: test id.
-        config_class, model_class: the family's config and causal LM.
-        router_class: the router module (its forward returns the recorded logits first).
-        fields: config fields on top of `LLAMA_FIELDS`.
-        unaligned_fields: fields giving widths whose bytes in bf16/fp16 are not a multiple of 16 (36 scalars).
-        fast_and_reference: (fast, reference) keyword overrides of the same model: two execution paths that must
-            agree (`model(**overrides)`).
-        prepare: applied to each built model (e.g. pick the experts implementation).
-        assistant_fields: overrides of a smaller draft model for assisted decoding.
-        code_files: the remote-code files `save_pretrained` copies next to the weights.
-        saved_fields: overrides of the model of the save / reload checks (every optional module present).
-        perturb: applied to that model before saving (e.g. a non-zero router bias buffer).
-        bad_configs: (overrides of `config()`, regex of the `ValueError` message) of the family's own fields; the
-            LLaMA fields both families share are in `LLAMA_BAD_CONFIGS`.
-    """
-
-    name: str
-    config_class: type
-    model_class: type
-    router_class: type
-    fields: dict
-    unaligned_fields: dict
-    fast_and_reference: tuple[dict, dict]
-    prepare: Callable = field(default=lambda model, **overrides: model)
-    assistant_fields: dict = field(default_factory=lambda: {"num_hidden_layers": 1})
-    code_files: tuple = ()
-    saved_fields: dict = field(default_factory=dict)
-    perturb: Callable = field(default=lambda model: None)
-    bad_configs: tuple = ()
-
-    def config(self, **overrides):
-        return self.config_class(**{**LLAMA_FIELDS, **self.fields, **overrides})
-
-    def model(self, seed: int = 0, dtype=torch.float64, **overrides):
-        """A tiny model in eval mode; float64 by default (no top-k ties between paths); routers spread (std 0.5)
-        so that routing matters."""
-        build = {k: v for k, v in overrides.items() if k != "experts_implementation"}
-        torch.manual_seed(seed)
-        model = self.model_class(self.config(**build)).to(dtype).eval()
-        model = self.prepare(model, **overrides)
-        with torch.no_grad():
-            for module in model.modules():
-                if isinstance(module, self.router_class):
-                    module.weight.normal_(0, 0.5)
-        return model
-
-
-def _perturb_correction_bias(model) -> None:
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, LatentMoERouter):
-                module.e_score_correction_bias.normal_(0, 0.1)
-
-
-def _prepare_latent_moe(model, experts_implementation="eager", **overrides):
-    model.set_experts_implementation(experts_implementation)
-    return model
-
-
-FAMILIES = {
-    "mohd": ModelFamily(
-        name="mohd",
-        config_class=MoHDConfig,
-        model_class=MoHDForCausalLM,
-        router_class=MoHDRouter,
-        fields=dict(num_sub_dims=8, num_shared_sub_dims=3, num_routed_sub_dims_per_tok=2),
-        # hidden 144 in 4 sub-dimensions: s = 36 (SmolLM2-135M's 576 at 16 sub-dimensions)
-        unaligned_fields=dict(hidden_size=144, num_sub_dims=4, num_shared_sub_dims=1, num_routed_sub_dims_per_tok=2),
-        fast_and_reference=({"sparse_implementation": "gather"}, {"sparse_implementation": "masked"}),
-        code_files=("modeling_mohd.py", "configuration_mohd.py", "accounting.py", "mohd_sparse.py"),
-        saved_fields={"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
-        bad_configs=(
-            ({"num_sub_dims": 7}, "`hidden_size`"),
-            ({"num_shared_sub_dims": 9}, "`num_shared_sub_dims`"),
-            ({"num_shared_sub_dims": -1}, "`num_shared_sub_dims`"),
-            ({"num_routed_sub_dims_per_tok": 6}, "`num_routed_sub_dims_per_tok`"),
-            ({"num_shared_sub_dims": 0, "num_routed_sub_dims_per_tok": 0}, "`num_routed_sub_dims_per_tok`"),
-            ({"sparse_modules": ["attention", "moe"]}, "`sparse_modules`"),
-            ({"sparse_modules": ["ffn", "ffn"]}, "`sparse_modules`"),
-            ({"activation_scaling": "sqrt"}, "`activation_scaling`"),
-            ({"routed_gate": "sigmoid"}, "`routed_gate`"),
-            ({"group_fusion": "dense"}, "`group_fusion`"),
-            ({"sparse_implementation": "triton"}, "`sparse_implementation`"),
-            ({"router_aux_loss_coef": -0.1}, "`router_aux_loss_coef`"),
-        ),
-    ),
-    "latent_moe": ModelFamily(
-        name="latent_moe",
-        config_class=LatentMoEConfig,
-        model_class=LatentMoEForCausalLM,
-        router_class=LatentMoERouter,
-        fields=dict(
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            moe_latent_size=8,
-            moe_shared_expert_intermediate_size=24,
-            per_layer_config={1: {"num_experts": 6, "num_experts_per_tok": 3, "moe_latent_size": None}},
-        ),
-        # latent width and expert width 36
-        unaligned_fields=dict(hidden_size=144, moe_latent_size=36, moe_intermediate_size=36, per_layer_config=None),
-        fast_and_reference=({"experts_implementation": "grouped_mm"}, {"experts_implementation": "eager"}),
-        prepare=_prepare_latent_moe,
-        assistant_fields={"num_hidden_layers": 1, "per_layer_config": None},
-        code_files=("modeling_latent_moe.py", "configuration_latent_moe.py", "accounting.py"),
-        saved_fields={
-            "tie_word_embeddings": True,
-            "router_score_func": "sigmoid",
-            "experts_implementation": "grouped_mm",
-        },
-        perturb=_perturb_correction_bias,
-        # layer 0 takes the global fields; `fields` overrides layer 1 (replaced where a case sets per_layer_config)
-        bad_configs=(
-            ({"num_experts_per_tok": 9}, r"layer 0: `num_experts_per_tok`"),
-            ({"per_layer_config": {1: {"num_experts_per_tok": 9}}}, r"layer 1: `num_experts_per_tok`"),
-            ({"per_layer_config": {1: {"mixer_type": "mamba"}}}, r"layer 1: `mixer_type`"),
-            ({"per_layer_config": {1: {"moe_latent_size": 0}}}, r"layer 1: `moe_latent_size`"),
-            ({"per_layer_config": {0: {"moe_shared_expert_intermediate_size": -1}}}, r"layer 0: `moe_shared_expert"),
-            ({"per_layer_config": {1: {"hidden_size": 96}}}, r"per_layer_config\[1\]`.*hidden_size"),
-            ({"per_layer_config": {1: {"mlp_gated": False}}}, r"per_layer_config\[1\]`.*mlp_gated"),
-            ({"per_layer_config": {1: {"skip": ["mlp"]}}}, r"per_layer_config\[1\]`.*skip"),
-            ({"per_layer_config": {0: {"num_experts": 0}}}, r"layer 0: `num_experts`"),
-            ({"router_score_func": "relu"}, r"`router_score_func`"),
-            ({"position_embedding_type": "alibi"}, r"`position_embedding_type`"),
-            ({"router_bias_update_rate": -1.0}, r"`router_bias_update_rate`"),
-            ({"routed_scaling_factor": 0.0}, r"`routed_scaling_factor`"),
-        ),
-    ),
-}
 # Bad values of the LLaMA fields both configs validate with the same rules (configuration_common.check_llama_fields).
 LLAMA_BAD_CONFIGS = (
     ({"num_key_value_heads": 3}, "`num_attention_heads`"),
@@ -204,19 +61,9 @@ BAD_CONFIG_CASES = [
 ]
 
 
-@pytest.fixture(params=list(FAMILIES))
-def family(request) -> ModelFamily:
-    return FAMILIES[request.param]
-
-
-def input_ids(batch=2, length=9, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch, length), generator=generator)
-
-
 def llama(**overrides) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**{**LLAMA_FIELDS, **overrides})).eval()
+    return LlamaForCausalLM(llama_config(**overrides)).eval()
 
 
 def caught_warnings(fn, *args, **kwargs):
@@ -297,9 +144,8 @@ def test_router_logits_fp32_under_autocast(family):
     model = family.model(dtype=torch.float32)
     inputs = []
     hooks = [
-        module.register_forward_pre_hook(lambda module, args: inputs.append((module, args[0])))
-        for module in model.modules()
-        if isinstance(module, family.router_class)
+        router.register_forward_pre_hook(lambda module, args: inputs.append((module, args[0])))
+        for router in routers(model)
     ]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(input_ids(), output_router_logits=True)
@@ -313,37 +159,26 @@ def test_router_logits_fp32_under_autocast(family):
         torch.testing.assert_close(logits, expected.reshape(logits.shape), atol=1e-6, rtol=1e-6)
 
 
-def test_routers_of_both_families_share_one_forward(family):
-    """One router base (`TopKRouter`): a family overrides only scoring, selection scores, gates and the observe
-    hook, so the fp32 logits, the replay lookup, the gathering of gates and the routing record exist once."""
-    assert issubclass(family.router_class, TopKRouter)
-    overridden = {name for name in vars(family.router_class) if callable(getattr(family.router_class, name))}
-    assert overridden - {"__init__", "_apply", "_count_load"} <= {"score", "selection_scores", "gates", "observe"}
-    assert family.router_class.forward is TopKRouter.forward
-
-
 def test_routing_replay_reproduces_logits_and_keeps_indices(family):
     """Replaying a forward's own routing record reproduces its logits exactly; with other router weights the replay
     keeps the recorded ids, recomputes the gates from the new routers (which get a gradient), while the model's own
     routing now differs."""
-    from hf_mohd.models.routing_cache import RoutingCache
-
     model = family.model()
     ids = input_ids()
     cache = RoutingCache(config=model.config)
     logits = model(ids, cache=cache, use_cache=True).logits
     record = cache.routing_record
     torch.testing.assert_close(model(ids, routing_replay=record).logits, logits, atol=0, rtol=0)
-    routers = [module for module in model.modules() if isinstance(module, TopKRouter)]
+    model_routers = routers(model)
     with torch.no_grad():
-        for router in routers:
+        for router in model_routers:
             router.weight.mul_(-1)
     new_cache = RoutingCache(config=model.config)
     model(ids, routing_replay=record, cache=new_cache, use_cache=True).logits.sum().backward()
     for key, entry in record.items():
         torch.testing.assert_close(new_cache.routing_record[key].indices, entry.indices)
         assert not torch.allclose(new_cache.routing_record[key].weights, entry.weights), key
-    assert all(router.weight.grad.abs().sum() > 0 for router in routers)
+    assert all(router.weight.grad.abs().sum() > 0 for router in model_routers)
     own = RoutingCache(config=model.config)
     model(ids, cache=own, use_cache=True)
     assert any(not torch.equal(own.routing_record[key].indices, entry.indices) for key, entry in record.items())
@@ -380,8 +215,6 @@ def test_outputs_hidden_states_attentions_and_logits_to_keep(family):
 
 def test_sdpa_equals_eager(family):
     """fp32, as LLaMA's own check: eager attention takes its softmax in fp32 whatever the model dtype."""
-    from hf_mohd.models.routing_cache import RoutingCache
-
     eager = family.model(dtype=torch.float32, attn_implementation="eager")
     sdpa = family.model(dtype=torch.float32, attn_implementation="sdpa")
     assert sdpa.config._attn_implementation == "sdpa"
@@ -399,7 +232,8 @@ def test_gradient_checkpointing_same_gradients(family):
         if checkpointing:
             model.activation_checkpointing_enable()
         model(ids, labels=ids, output_router_logits=True).loss.backward()
-        grads.append({n: p.grad for n, p in model.named_parameters()})
+        grads.append(gradients(model))
+    assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
 
@@ -460,8 +294,6 @@ def test_trust_remote_code_reload_in_fresh_process(family, tmp_path):
     """A process without hf_mohd installed loads the saved folder with `trust_remote_code=True`: the classes come
     from the copied files, generate records every router, the logits equal the saving process's, and the config's
     accounting (the copied accounting.py) counts the parameters the model holds."""
-    from tests.utils import run_python_without_hf_mohd
-
     model = family.model(dtype=torch.float32, **family.saved_fields)
     family.perturb(model)
     model.save_pretrained(tmp_path)
@@ -494,14 +326,8 @@ def test_trust_remote_code_reload_in_fresh_process(family, tmp_path):
 # --- generation -----------------------------------------------------------------------------------------------
 
 
-def greedy(model, ids, **kwargs):
-    return model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **kwargs)
-
-
 def test_generate_uses_plain_dynamic_cache_only_when_asked(family):
     """`generate` records the routing (a `RoutingCache`) by default and keeps a cache the caller passes as it is."""
-    from hf_mohd.models.routing_cache import RoutingCache
-
     model = family.model()
     ids = input_ids(batch=1, length=4)
     user_cache = DynamicCache(config=model.config)
@@ -512,16 +338,9 @@ def test_generate_uses_plain_dynamic_cache_only_when_asked(family):
     assert type(greedy(model, ids, return_dict_in_generate=True).cache) is RoutingCache
 
 
-def routers_by_key(model) -> dict:
-    """(layer index, router name) -> the `TopKRouter` of that key."""
-    return {(m.layer_idx, m.router_name): m for m in model.modules() if isinstance(m, TopKRouter)}
-
-
 def test_cached_generation_equals_uncached_and_record_matches_full_forward(family):
     """Cached greedy generation gives the uncached tokens and logits, and its routing record (B, S - 1, k) per router
     equals the routing of one forward over the same tokens."""
-    from hf_mohd.models.routing_cache import RoutingCache
-
     model = family.model()
     ids = input_ids(batch=2, length=5)
     options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
@@ -550,40 +369,6 @@ def test_assisted_and_prompt_lookup_decoding_equal_greedy(family):
     reference = greedy(model, ids, use_cache=False)
     torch.testing.assert_close(greedy(model, ids, assistant_model=assistant), reference)
     torch.testing.assert_close(greedy(model, ids, prompt_lookup_num_tokens=3), reference)
-
-
-def test_routing_record_follows_crop_reorder_and_batch_ops(family):
-    """The record holds each router's top-k of every position and follows `crop`, `reorder_cache`,
-    `batch_repeat_interleave` and `batch_select_indices`; decoding after a crop appends where the cache continues."""
-    from hf_mohd.models.modeling_common import topk_lower_index
-    from hf_mohd.models.routing_cache import RoutingCache
-
-    model = family.model()
-    ids = input_ids(batch=3, length=6)
-    cache = RoutingCache(config=model.config)
-    out = model(ids, cache=cache, use_cache=True, output_router_logits=True)
-    record = {key: value.indices.clone() for key, value in cache.routing_record.items()}
-    routers = routers_by_key(model)
-    assert set(record) == set(routers)
-    for logits, (key, router) in zip(out.router_logits, sorted(routers.items()), strict=True):
-        scores = router.selection_scores(router.score(logits.view(3, 6, -1)))
-        torch.testing.assert_close(record[key], topk_lower_index(scores, router.top_k) + router.index_offset)
-    cache.crop(-2)
-    assert cache.get_seq_length() == 4
-    for key, value in cache.routing_record.items():
-        torch.testing.assert_close(value.indices, record[key][:, :4])
-    beam_idx = torch.tensor([2, 0, 0])
-    cache.reorder_cache(beam_idx)
-    for key, value in cache.routing_record.items():
-        torch.testing.assert_close(value.indices, record[key][beam_idx, :4])
-    cache.batch_repeat_interleave(2)
-    cache.batch_select_indices(torch.tensor([0, 5]))
-    for key, value in cache.routing_record.items():
-        torch.testing.assert_close(value.indices, record[key][beam_idx][[0, 2], :4])
-    assert cache.layers[0].keys.shape[0] == 2
-    model(ids[[0, 1], 4:5], cache=cache, use_cache=True)
-    for key, router in routers.items():
-        assert cache.get_routing(*key).indices.shape == (2, 5, router.top_k) and cache.get_seq_length() == 5
 
 
 def test_left_padded_batch_equals_each_sequence_alone(family):
@@ -622,7 +407,7 @@ def logits_and_gradients(model, ids, decode: bool):
         out = model(ids, labels=ids)
         loss = out.loss
     loss.backward()
-    return out.logits.double(), {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.double(), {name: grad.double() for name, grad in gradients(model).items()}
 
 
 @pytest.mark.parametrize("dtype", list(DTYPE_TOLERANCE), ids=str)
@@ -704,21 +489,6 @@ def test_keep_in_fp32_modules_are_all_in_the_model(family_name, overrides):
     assert has_bias == (overrides.get("router_score_func") == "sigmoid")
 
 
-def test_sigmoid_correction_bias_loads_in_fp32_with_bf16_weights(tmp_path):
-    """LatentMoE only (MoHD has no fp32 buffer): the bias survives `from_pretrained(dtype=torch.bfloat16)` exactly."""
-    model = FAMILIES["latent_moe"].model(dtype=torch.float32, router_score_func="sigmoid")
-    bias = 1.0 + 1e-3 * torch.arange(8, dtype=torch.float32)  # 1.001 .. 1.007 round to 1.0 or 1.0078 in bf16
-    with torch.no_grad():
-        model.model.layers[0].mlp.gate.e_score_correction_bias.copy_(bias)
-    model.save_pretrained(tmp_path)
-    loaded = LatentMoEForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
-    router = loaded.model.layers[0].mlp.gate
-    assert router.weight.dtype == torch.bfloat16 and loaded.lm_head.weight.dtype == torch.bfloat16
-    assert router.e_score_correction_bias.dtype == torch.float32
-    assert torch.equal(router.e_score_correction_bias, bias)
-    assert loaded._get_dtype_plan(torch.bfloat16) == {"e_score_correction_bias": torch.float32}
-
-
 # --- tensor-parallel plan -------------------------------------------------------------------------------------
 
 
@@ -765,17 +535,7 @@ TENSOR_PARALLEL_FIELDS = {
 }
 
 
-def _full_gradients(model) -> dict[str, torch.Tensor]:
-    """{parameter name: its whole gradient}, sharded gradients gathered (a collective: every rank calls it)."""
-    grads = {}
-    for name, param in model.named_parameters():
-        if param.grad is not None:
-            grad = param.grad
-            grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
-    return grads
-
-
-def _greedy(model, ids) -> tuple[torch.Tensor, torch.Tensor]:
+def _greedy_steps(model, ids) -> tuple[torch.Tensor, torch.Tensor]:
     """4 greedy tokens (B, T + 4) and the logits of each decoding step (4, B, V): steps of 2 tokens run MoHD's
     host-ids gather path against the key/value cache, the prompt its grouped path."""
     out = model.generate(
@@ -794,7 +554,7 @@ def _tensor_parallel_outputs(model, ids) -> dict:
     model.eval()
     with torch.no_grad():
         logits = model(ids).logits
-    generated = _greedy(model, ids)
+    generated = _greedy_steps(model, ids)
     model.train()
     model(ids, labels=ids).loss.backward()
     layouts = {
@@ -804,7 +564,7 @@ def _tensor_parallel_outputs(model, ids) -> dict:
         )
         for name, param in model.named_parameters()
     }
-    return {"logits": logits, "generated": generated, "grads": _full_gradients(model), "layouts": layouts}
+    return {"logits": logits, "generated": generated, "grads": gradients(model), "layouts": layouts}
 
 
 def _tensor_parallel_rank(rank: int, family_name: str, folder: str, init_file: str) -> None:
@@ -827,6 +587,11 @@ def _tensor_parallel_rank(rank: int, family_name: str, folder: str, init_file: s
     from hf_mohd.training import exit_process
 
     exit_process(0)
+
+
+def is_experts_module(module) -> bool:
+    """A routed-experts module: it holds fused (E, out, in) expert weights, 3-D parameters of its own."""
+    return any(param.ndim == 3 for param in module.parameters(recurse=False))
 
 
 def _expected_placements(family_name: str, run: str, parameter: str):
@@ -876,7 +641,7 @@ def test_parallel_plans_cover_every_expert_and_match_modules(family_name):
                 assert tp_plan[name] == style[placements[0]], name
         for target, source in model.all_tied_weights_keys.items():
             assert (target in tp_plan) == (source in tp_plan), (target, source)
-        experts = [(n, m) for n, m in model.named_modules() if isinstance(m, LatentMoEExpertsBase)]
+        experts = [(n, m) for n, m in model.named_modules() if is_experts_module(m)]
         assert bool(experts) == (family_name == "latent_moe")
         for module_name, module in experts:
             assert module_name not in tp_plan and ep_plan[module_name] == "ep_dispatch_experts"
@@ -899,31 +664,6 @@ def test_parallel_plans_cover_every_expert_and_match_modules(family_name):
             }.items() <= model.ep_plan.items()
 
 
-def test_latent_moe_plans_follow_the_config():
-    """A config without dense layers, shared expert or gated experts gets no rule for them, and a config with all of
-    them gets each rule (the rule lists as written out by hand; transformers warns on a rule that matches nothing)."""
-    fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_experts=4, num_experts_per_tok=2)
-    fields |= dict(moe_intermediate_size=32, intermediate_size=64, vocab_size=100)
-    attention = ["layers.*.self_attn.q_proj", "layers.*.self_attn.k_proj", "layers.*.self_attn.v_proj"]
-    attention += ["layers.*.self_attn.o_proj"]
-    bare = LatentMoEConfig(**fields)
-    assert sorted(bare.base_model_tp_plan) == sorted(attention)
-    assert sorted(bare.base_model_ep_plan) == sorted(
-        ["layers.*.mlp.experts", "layers.*.mlp.experts.gate_up_proj", "layers.*.mlp.experts.down_proj"]
-    )
-    mixed = LatentMoEConfig(
-        **fields, per_layer_config={0: {"mixer_type": "mlp"}}, moe_shared_expert_intermediate_size=16
-    )
-    mlp = ["layers.*.mlp.gate_proj", "layers.*.mlp.up_proj", "layers.*.mlp.down_proj"]
-    shared = [f"layers.*.mlp.shared_experts.{name}" for name in ("gate_proj", "up_proj", "down_proj")]
-    assert sorted(mixed.base_model_tp_plan) == sorted(attention + mlp + shared)
-    ungated = LatentMoEConfig(**fields, mlp_gated=False, hidden_act="relu2")
-    assert sorted(ungated.base_model_ep_plan) == sorted(
-        ["layers.*.mlp.experts", "layers.*.mlp.experts.up_proj", "layers.*.mlp.experts.down_proj"]
-    )
-    assert "base_model_ep_plan" not in ungated.to_dict() and "base_model_tp_plan" not in ungated.to_dict()
-
-
 @pytest.mark.slow
 def test_tensor_parallel_on_two_processes_equals_one(family, tmp_path):
     """`from_pretrained(distributed_config=DistributedConfig(tp_plan="auto"))` on 2 gloo processes shards attention
@@ -933,15 +673,15 @@ def test_tensor_parallel_on_two_processes_equals_one(family, tmp_path):
     LatentMoE runs a second time with `ep_size=2` (whole experts per rank, `base_model_ep_plan`)."""
     fields = TENSOR_PARALLEL_FIELDS[family.name]
     model = family.model(dtype=torch.float32, tie_word_embeddings=True, vocab_size=96, **fields)  # 96: 2 shards
-    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    ids = input_ids(batch=2, length=7, vocab_size=96)
     model.save_pretrained(tmp_path)
     torch.save(ids, tmp_path / "ids.pt")
     with torch.no_grad():
         expected_logits = model(ids).logits
-    expected_tokens, expected_step_logits = _greedy(model, ids)
+    expected_tokens, expected_step_logits = _greedy_steps(model, ids)
     model.train()
     model(ids, labels=ids).loss.backward()
-    expected_grads = _full_gradients(model)
+    expected_grads = gradients(model)
     torch.multiprocessing.spawn(
         _tensor_parallel_rank, args=(family.name, str(tmp_path), str(tmp_path / "init")), nprocs=2
     )
@@ -959,119 +699,3 @@ def test_tensor_parallel_on_two_processes_equals_one(family, tmp_path):
             assert result["grads"].keys() == expected_grads.keys()
             for name, grad in result["grads"].items():
                 torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-5, msg=f"{run} {name}")
-
-
-def test_relu_squared_equals_transformers_and_works_in_place_only_where_asked_outside_autograd():
-    """relu2 equals transformers' `ReLUSquaredActivation` bit for bit, with the same gradient; outside autograd
-    `inplace=True` overwrites its input (no temporaries) and the default leaves it; inside autograd neither does."""
-    from transformers.activations import ReLUSquaredActivation
-
-    assert isinstance(activation("relu2"), ReLUSquared) and type(activation("silu")).__name__ == "SiLUActivation"
-    x = torch.randn(64, 96, dtype=torch.float64)
-    reference = ReLUSquaredActivation()(x)
-    with torch.no_grad():
-        scratch = x.clone()
-        out = ReLUSquared(inplace=True)(scratch)
-        assert torch.equal(out, reference) and out.data_ptr() == scratch.data_ptr()
-        scratch = x.clone()
-        out = ReLUSquared()(scratch)  # not in place: the input (a module output a hook may hold) stays
-        assert torch.equal(out, reference) and torch.equal(scratch, x)
-    leaf = x.clone().requires_grad_(True)
-    out = ReLUSquared(inplace=True)(leaf)
-    assert torch.equal(out, reference) and torch.equal(leaf.detach(), x)
-    grad = torch.randn_like(x)
-    out.backward(grad)
-    expected = x.clone().requires_grad_(True)
-    ReLUSquaredActivation()(expected).backward(grad)
-    torch.testing.assert_close(leaf.grad, expected.grad, rtol=1e-15, atol=0)
-    torch.testing.assert_close(leaf.grad, 2 * grad * x.clamp_min(0), rtol=1e-15, atol=0)
-    assert torch.autograd.gradcheck(ReLUSquared(), (torch.randn(5, 7, dtype=torch.float64, requires_grad=True),))
-
-
-def test_gated_mlp_product_in_place_only_where_no_hook_can_hold_the_activation():
-    """The SwiGLU product `act(gate) * up` overwrites act(gate) outside autograd (one temporary fewer) and equals
-    the out-of-place product bit for bit; a forward hook on `act_fn` (a module or a global hook) keeps seeing
-    silu(gate), not the product; under autograd act(gate) is never overwritten."""
-    from hf_mohd.models.modeling_common import MLP
-
-    mlp = MLP(LlamaConfig(hidden_size=32, intermediate_size=48, hidden_act="silu"))
-    gate, up = torch.randn(5, 48, dtype=torch.float64), torch.randn(5, 48, dtype=torch.float64)
-    expected = F.silu(gate) * up
-    with torch.no_grad():
-        out = mlp.activate(gate, up)
-        assert torch.equal(out, expected)
-        kept = []
-        for register in (mlp.act_fn.register_forward_hook, torch.nn.modules.module.register_module_forward_hook):
-            handle = register(lambda module, args, output: kept.append(output))
-            out = mlp.activate(gate, up)
-            handle.remove()
-            assert torch.equal(out, expected) and torch.equal(kept.pop(), F.silu(gate))
-        hidden = torch.randn(5, 32, dtype=torch.float64)
-        mlp = mlp.double()
-        dense = mlp.down_proj(F.silu(mlp.gate_proj(hidden)) * mlp.up_proj(hidden))
-        assert torch.equal(mlp(hidden), dense)
-    leaf = gate.clone().requires_grad_(True)
-    kept = []
-    handle = mlp.act_fn.register_forward_hook(lambda module, args, output: kept.append(output))
-    out = mlp.activate(leaf, up)
-    handle.remove()
-    out.sum().backward()
-    assert torch.equal(out.detach(), expected) and torch.equal(kept[0].detach(), F.silu(gate))
-    torch.testing.assert_close(leaf.grad, up * torch.sigmoid(gate) * (1 + gate * (1 - torch.sigmoid(gate))))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("wanted", ["both", "gate", "up"])
-def test_fused_silu_gated_product_equals_the_composition_bit_for_bit(dtype, wanted):
-    """Under autograd the SwiGLU product is one node (`SiLUGatedProductFunction`, which keeps gate and up only): its
-    output and both input gradients equal autograd's `silu(gate) * up` to the bit, also when only one input needs a
-    gradient, in fp32 and bf16; a hook on `act_fn` (module or global, forward or pre-forward) brings the composition
-    back, and the hook sees silu(gate)."""
-    from hf_mohd.models.modeling_common import MLP, SiLUGatedProductFunction
-
-    mlp = MLP(LlamaConfig(hidden_size=32, intermediate_size=48, hidden_act="silu"))
-    assert mlp.fused_silu_product
-    generator = torch.Generator().manual_seed(0)
-    gate0, up0 = (torch.randn(3, 7, 48, generator=generator).to(dtype) for _ in range(2))
-    grad = torch.randn(3, 7, 48, generator=generator).to(dtype)
-
-    def run(function):
-        gate = gate0.clone().requires_grad_(wanted in ("both", "gate"))
-        up = up0.clone().requires_grad_(wanted in ("both", "up"))
-        out = function(gate, up)
-        out.backward(grad)
-        return out.detach(), gate.grad, up.grad, out.grad_fn
-
-    expected = run(lambda gate, up: F.silu(gate) * up)
-    fused = run(mlp.activate)
-    assert type(fused[3]).__name__ == "SiLUGatedProductFunctionBackward"
-    for got, want in zip(fused[:3], expected[:3], strict=True):
-        assert (got is None and want is None) or torch.equal(got, want)
-    kept = []
-    for register in (
-        mlp.act_fn.register_forward_hook,
-        torch.nn.modules.module.register_module_forward_hook,
-    ):
-        handle = register(lambda module, args, output: kept.append(output.detach()))
-        hooked = run(mlp.activate)
-        handle.remove()
-        assert type(hooked[3]).__name__ == "MulBackward0" and torch.equal(kept.pop(), F.silu(gate0))
-        assert all(
-            (g is None and w is None) or torch.equal(g, w) for g, w in zip(hooked[:3], expected[:3], strict=True)
-        )
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
-    assert type(run(mlp.activate)[3]).__name__ == "MulBackward0"
-    handle.remove()
-    # the rule itself, away from the module: float64 gradcheck of both inputs
-    gate64, up64 = (torch.randn(4, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    assert torch.autograd.gradcheck(SiLUGatedProductFunction.apply, (gate64, up64))
-
-
-def test_non_silu_or_ungated_mlp_keeps_the_composition():
-    """Only a gated MLP with a silu activation takes the fused node: gelu and relu2 MLPs keep their own composition."""
-    from hf_mohd.models.modeling_common import MLP
-
-    assert not MLP(LlamaConfig(hidden_size=32, intermediate_size=48, hidden_act="gelu")).fused_silu_product
-    ungated = LlamaConfig(hidden_size=32, intermediate_size=48, hidden_act="relu2")
-    ungated.mlp_gated = False
-    assert not MLP(ungated).fused_silu_product

@@ -1,6 +1,7 @@
 """LatentMoE model tests (fast tier, tiny configs), each against an oracle: transformers' NemotronHMoE and
 MixtralSparseMoeBlock on the same weights, the eager experts path, a per-token reference MoE, the uncached forward,
-hand-computed losses and bias updates, the parameters actually built, or the saved model itself."""
+hand-computed losses and bias updates, the parameters actually built, the parallel plans written out by hand, or the
+saved model itself."""
 
 import math
 
@@ -11,8 +12,7 @@ from transformers import MixtralConfig, NemotronHConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
 
-import hf_mohd  # noqa: F401  (registers the Auto classes)
-from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, RoutingRecord
+from hf_mohd import LatentMoEForCausalLM, RoutingRecord
 from hf_mohd.models.modeling_common import MLP
 from hf_mohd.models.modeling_latent_moe import (
     LatentMoEBlock,
@@ -20,68 +20,37 @@ from hf_mohd.models.modeling_latent_moe import (
     LatentMoERouter,
     LatentMoEUngatedExperts,
 )
+from tests.utils import FAMILIES, gradients, input_ids
 
 
-VOCAB = 97
-SHAPE = dict(
-    vocab_size=VOCAB,
+LATENT_MOE = FAMILIES["latent_moe"]
+# The tiny model of this file, on the family's fields: width 32, three layers. Layer 0 dense, layer 1 uniform
+# LatentMoE (the family's fields), layer 2 a standard MoE with its own N, K, m and no shared expert.
+TINY = dict(
     hidden_size=32,
     intermediate_size=48,
     num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    moe_latent_size=8,
-    moe_shared_expert_intermediate_size=24,
-)
-# Layer 0 dense, layer 1 uniform LatentMoE, layer 2 a standard MoE with its own N, K, m and no shared expert.
-HETEROGENEOUS = {
-    0: {"mixer_type": "mlp"},
-    2: {
-        "num_experts": 6,
-        "num_experts_per_tok": 3,
-        "moe_intermediate_size": 12,
-        "moe_latent_size": None,
-        "moe_shared_expert_intermediate_size": 0,
+    per_layer_config={
+        0: {"mixer_type": "mlp"},
+        2: {
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 12,
+            "moe_latent_size": None,
+            "moe_shared_expert_intermediate_size": 0,
+        },
     },
-}
+)
 
 
-def latent_config(**overrides) -> LatentMoEConfig:
-    fields = dict(SHAPE, per_layer_config=HETEROGENEOUS)
-    fields.update(overrides)
-    return LatentMoEConfig(**fields)
+def latent_config(**overrides):
+    return LATENT_MOE.config(**{**TINY, **overrides})
 
 
-def make_model(
-    seed: int = 0, dtype=torch.float64, experts_implementation="eager", **overrides
-) -> LatentMoEForCausalLM:
-    """A tiny heterogeneous LatentMoE model; float64 with eager experts (no top-k ties, no grouped_mm kernel)."""
-    torch.manual_seed(seed)
-    model = LatentMoEForCausalLM(latent_config(**overrides)).to(dtype).eval()
-    model.set_experts_implementation(experts_implementation)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("gate.weight"):
-                param.normal_(0, 0.5)  # spread router scores so that routing matters
-            elif name.endswith("bias"):
-                param.normal_(0, 0.02)
-    return model
-
-
-def input_ids(batch=2, length=9, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch, length), generator=generator)
-
-
-def greedy(model, ids, **kwargs):
-    return model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **kwargs)
+def make_model(seed: int = 0, dtype=torch.float64, **overrides) -> LatentMoEForCausalLM:
+    """The tiny heterogeneous model; float64 with eager experts (no top-k ties, no grouped_mm kernel) unless
+    `experts_implementation` says otherwise; routers spread, random biases."""
+    return LATENT_MOE.spread_model(seed, dtype, **{**TINY, **overrides})
 
 
 # --- layer oracles -------------------------------------------------------------------------------------------
@@ -100,11 +69,12 @@ def test_experts_implementations_agree_in_logits_and_gradients(mlp_gated, router
         assert model.config._experts_implementation == implementation
         logits = model(ids).logits
         logits.square().mean().backward()
-        results[implementation] = (logits, {n: p.grad for n, p in model.named_parameters() if "experts" in n})
+        results[implementation] = (logits, {n: g for n, g in gradients(model).items() if "experts" in n})
     reference_logits, reference_grads = results["eager"]
     for implementation in ("batched_mm", "grouped_mm"):
         logits, grads = results[implementation]
         torch.testing.assert_close(logits, reference_logits, atol=1e-5, rtol=1e-4)
+        assert grads.keys() == reference_grads.keys()
         for name, grad in reference_grads.items():
             torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-4, msg=f"{implementation} {name}")
 
@@ -153,8 +123,11 @@ def _nemotron_pair(latent_size):
         topk_group=1,
     )
     nemotron_config._experts_implementation = "eager"
-    config = LatentMoEConfig(
-        **dict(SHAPE, num_hidden_layers=1, num_experts_per_tok=3, moe_latent_size=latent_size),
+    config = latent_config(
+        num_hidden_layers=1,
+        num_experts_per_tok=3,
+        moe_latent_size=latent_size,
+        per_layer_config=None,
         hidden_act="relu2",
         mlp_gated=False,
         router_score_func="sigmoid",
@@ -196,7 +169,7 @@ def test_block_equals_nemotron_h_moe(latent_size):
 
 
 def test_block_without_latent_equals_mixtral_and_reference_moe():
-    config = LatentMoEConfig(**dict(SHAPE, num_hidden_layers=1, moe_latent_size=None))
+    config = latent_config(num_hidden_layers=1, moe_latent_size=None, per_layer_config=None)
     config._experts_implementation = "eager"
     torch.manual_seed(0)
     block = LatentMoEBlock(config, layer_idx=0).double()
@@ -457,6 +430,21 @@ def test_correction_bias_stays_fp32_through_dtype_casts():
     assert router.e_score_correction_bias[0].item() == torch.tensor(0.123456789).item()
 
 
+def test_sigmoid_correction_bias_loads_in_fp32_with_bf16_weights(tmp_path):
+    """The correction bias (MoHD has no fp32 buffer) survives `from_pretrained(dtype=torch.bfloat16)` exactly."""
+    model = LATENT_MOE.model(dtype=torch.float32, router_score_func="sigmoid")
+    bias = 1.0 + 1e-3 * torch.arange(8, dtype=torch.float32)  # 1.001 .. 1.007 round to 1.0 or 1.0078 in bf16
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate.e_score_correction_bias.copy_(bias)
+    model.save_pretrained(tmp_path)
+    loaded = LatentMoEForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    router = loaded.model.layers[0].mlp.gate
+    assert router.weight.dtype == torch.bfloat16 and loaded.lm_head.weight.dtype == torch.bfloat16
+    assert router.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(router.e_score_correction_bias, bias)
+    assert loaded._get_dtype_plan(torch.bfloat16) == {"e_score_correction_bias": torch.float32}
+
+
 def test_gradient_checkpointing_same_gradients_and_load_signs():
     ids = input_ids()
     grads, loads = [], []
@@ -466,8 +454,9 @@ def test_gradient_checkpointing_same_gradients_and_load_signs():
         if checkpointing:
             model.activation_checkpointing_enable()
         model(ids, labels=ids).loss.backward()
-        grads.append({n: p.grad for n, p in model.named_parameters()})
+        grads.append(gradients(model))
         loads.append(model.update_router_biases())
+    assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
     # Recomputed forwards count again, every token once more: loads double, the sign (all the update uses) holds.
@@ -482,3 +471,40 @@ def test_router_is_recorded_and_exposed():
     assert [tuple(t.shape) for t in out.router_logits] == [(18, 8), (18, 6)]
     assert len(out.hidden_states) == 4
     assert sum(isinstance(m, LatentMoERouter) for m in model.modules()) == 2
+
+
+# --- parallel plans -------------------------------------------------------------------------------------------
+
+
+def test_latent_moe_plans_follow_the_config():
+    """A config without dense layers, shared expert or gated experts gets no rule for them, and a config with all of
+    them gets each rule (the rule lists as written out by hand; transformers warns on a rule that matches nothing)."""
+    # the family's fields without shared expert, latent width or per-layer shapes (the config's defaults)
+    fields = LATENT_MOE.defaults(
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "pad_token_id",
+        "moe_latent_size",
+        "moe_shared_expert_intermediate_size",
+    )
+    fields |= dict(
+        num_experts=4, moe_intermediate_size=32, intermediate_size=64, vocab_size=100, per_layer_config=None
+    )
+    attention = ["layers.*.self_attn.q_proj", "layers.*.self_attn.k_proj", "layers.*.self_attn.v_proj"]
+    attention += ["layers.*.self_attn.o_proj"]
+    bare = LATENT_MOE.config(**fields)
+    assert sorted(bare.base_model_tp_plan) == sorted(attention)
+    assert sorted(bare.base_model_ep_plan) == sorted(
+        ["layers.*.mlp.experts", "layers.*.mlp.experts.gate_up_proj", "layers.*.mlp.experts.down_proj"]
+    )
+    mixed = LATENT_MOE.config(
+        **fields | {"per_layer_config": {0: {"mixer_type": "mlp"}}, "moe_shared_expert_intermediate_size": 16}
+    )
+    mlp = ["layers.*.mlp.gate_proj", "layers.*.mlp.up_proj", "layers.*.mlp.down_proj"]
+    shared = [f"layers.*.mlp.shared_experts.{name}" for name in ("gate_proj", "up_proj", "down_proj")]
+    assert sorted(mixed.base_model_tp_plan) == sorted(attention + mlp + shared)
+    ungated = LATENT_MOE.config(**fields, mlp_gated=False, hidden_act="relu2")
+    assert sorted(ungated.base_model_ep_plan) == sorted(
+        ["layers.*.mlp.experts", "layers.*.mlp.experts.up_proj", "layers.*.mlp.experts.down_proj"]
+    )
+    assert "base_model_ep_plan" not in ungated.to_dict() and "base_model_tp_plan" not in ungated.to_dict()

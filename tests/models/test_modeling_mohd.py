@@ -1,5 +1,6 @@
-"""MoHD model tests (fast tier, tiny configs), each against an oracle: LlamaForCausalLM, the masked reference
-path, the uncached forward, a hand-computed loss, or the saved model itself."""
+"""MoHD model tests (fast tier, tiny configs), each against an oracle: LlamaForCausalLM, the uncached forward, a
+hand-computed loss, or the saved model itself. The execution paths against each other (gather against the masked
+reference): `tests/test_mohd_sparse.py`."""
 
 import math
 
@@ -7,52 +8,20 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import hf_mohd  # noqa: F401  (registers the Auto classes)
 from hf_mohd import MoHDConfig, MoHDForCausalLM, RoutingCache
 from hf_mohd.models.accounting import model_accounting
 from hf_mohd.models.configuration_mohd import MOHD_PRESETS
 from hf_mohd.models.modeling_common import load_balancing_loss
+from tests.utils import FAMILIES, VOCAB, input_ids, llama_config
 
 
-VOCAB = 97
-LLAMA_SHAPE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-
-def mohd_config(**overrides) -> MoHDConfig:
-    fields = dict(LLAMA_SHAPE, num_sub_dims=8, num_shared_sub_dims=3, num_routed_sub_dims_per_tok=2)
-    fields.update(overrides)
-    return MoHDConfig(**fields)
+MOHD = FAMILIES["mohd"]
 
 
 def make_model(seed: int = 0, dtype=torch.float64, **overrides) -> MoHDForCausalLM:
-    """A tiny MoHD model with perturbed (non-identity) fusion and non-zero biases, in float64 (no top-k ties)."""
-    torch.manual_seed(seed)
-    model = MoHDForCausalLM(mohd_config(**overrides)).to(dtype).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "group_fusion" in name:
-                param.add_(0.1 * torch.randn_like(param))
-            elif name.endswith("bias"):
-                param.normal_(0, 0.02)
-            elif "router" in name:
-                param.normal_(0, 0.5)  # spread router probabilities so routing matters
-    return model
-
-
-def input_ids(batch=2, length=9, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch, length), generator=generator)
+    """A tiny MoHD model with perturbed (non-identity) fusion, non-zero biases and spread routers, in float64 (no top-k
+    ties)."""
+    return MOHD.spread_model(seed, dtype, **overrides)
 
 
 # --- LLaMA invariant -----------------------------------------------------------------------------------------
@@ -61,7 +30,7 @@ def input_ids(batch=2, length=9, seed=0):
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 def test_all_shared_equals_llama(tied, attn_implementation):
-    config = mohd_config(
+    config = MOHD.config(
         num_shared_sub_dims=8,
         num_routed_sub_dims_per_tok=0,
         activation_scaling="none",
@@ -71,7 +40,7 @@ def test_all_shared_equals_llama(tied, attn_implementation):
     torch.manual_seed(0)
     model = MoHDForCausalLM._from_config(config, attn_implementation=attn_implementation).eval()
     llama = LlamaForCausalLM._from_config(
-        LlamaConfig(**LLAMA_SHAPE, tie_word_embeddings=tied), attn_implementation=attn_implementation
+        llama_config(tie_word_embeddings=tied), attn_implementation=attn_implementation
     ).eval()
     missing, unexpected = llama.load_state_dict(model.state_dict(), strict=False)
     assert not missing and not unexpected
@@ -89,8 +58,7 @@ def _folded_into_llama(model: MoHDForCausalLM) -> LlamaForCausalLM:
     times alpha, then mixed by the group fusion F (y = (F kron I_s) alpha mask (W x + b))."""
     config = model.config
     llama = LlamaForCausalLM(
-        LlamaConfig(
-            **LLAMA_SHAPE,
+        llama_config(
             attention_bias=config.attention_bias,
             mlp_bias=config.mlp_bias,
             tie_word_embeddings=config.tie_word_embeddings,
@@ -155,37 +123,7 @@ def test_static_sub_dimensions_equal_the_llama_they_fold_into(implementation, bi
     assert torch.equal(generated, llama.generate(ids[:1], max_new_tokens=5, do_sample=False))
 
 
-# --- execution paths -----------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        {},
-        {"routed_gate": "normalized", "attention_bias": True, "mlp_bias": True},
-        {"group_fusion": "none", "activation_scaling": "none"},
-        {"num_shared_sub_dims": 0, "num_routed_sub_dims_per_tok": 3},
-        {"sparse_modules": ["ffn"]},
-        {"sparse_modules": ["attention"]},
-    ],
-)
-def test_masked_and_gather_agree_in_logits_and_gradients(overrides):
-    reference = make_model(sparse_implementation="masked", **overrides)
-    fast = make_model(sparse_implementation="gather", **overrides)
-    fast.load_state_dict(reference.state_dict())
-    ids = input_ids()
-    outputs = []
-    for model in (reference, fast):
-        model.zero_grad()
-        out = model(ids, labels=ids, output_router_logits=True)
-        out.loss.backward()
-        outputs.append((out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    (ref_out, ref_grads), (fast_out, fast_grads) = outputs
-    torch.testing.assert_close(fast_out.logits, ref_out.logits, atol=1e-10, rtol=1e-10)
-    assert ref_grads.keys() == fast_grads.keys()
-    assert any("router" in name for name in ref_grads), "routers must receive gradient through the gates"
-    for name in ref_grads:
-        torch.testing.assert_close(fast_grads[name], ref_grads[name], atol=1e-10, rtol=1e-8, msg=name)
+# --- sub-dimension blocks ------------------------------------------------------------------------------------
 
 
 def test_inactive_blocks_do_not_change_outputs():
@@ -208,7 +146,7 @@ def test_activation_scaling_and_fusion_values():
     assert sub_dims.activation_scale == 8 / 5  # N / (N_s + k)
     assert make_model(activation_scaling="none").model.layers[0].mlp.sub_dims.activation_scale == 1.0
     torch.manual_seed(0)
-    fresh = MoHDForCausalLM(mohd_config())
+    fresh = MoHDForCausalLM(MOHD.config())
     torch.testing.assert_close(fresh.model.layers[1].self_attn.sub_dims.group_fusion.weight, torch.eye(8))
 
 
@@ -240,19 +178,6 @@ def test_model_aux_loss_enters_loss():
     plain = model(ids, attention_mask=mask, labels=ids)
     assert plain.aux_loss is None
     torch.testing.assert_close(out.loss, plain.loss + 0.5 * expected_aux.to(plain.loss.dtype))
-
-
-# --- generation and the routing cache ------------------------------------------------------------------------
-
-
-def greedy(model, ids, **kwargs):
-    return model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **kwargs)
-
-
-# --- Llama features ------------------------------------------------------------------------------------------
-
-
-# --- save / load ---------------------------------------------------------------------------------------------
 
 
 # --- configuration, presets, accounting ---------------------------------------------------------------------
@@ -334,7 +259,7 @@ def _activated_from_modules(model) -> int:
     ],
 )
 def test_accounting_matches_built_model(overrides):
-    config = mohd_config(**overrides)
+    config = MOHD.config(**overrides)
     model = MoHDForCausalLM(config)
     cost = config.accounting(context_length=16)
     assert cost == model_accounting(config, 16) and cost.total_params == config.num_parameters()
@@ -378,7 +303,7 @@ def test_llama_config_accounting_equals_llama_model():
     from torch.utils.flop_counter import FlopCounterMode
 
     for overrides in ({}, {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}):
-        config = LlamaConfig(**LLAMA_SHAPE, **overrides)
+        config = llama_config(**overrides)
         config._attn_implementation = "eager"
         model = LlamaForCausalLM(config).eval()
         cost = model_accounting(config, context_length=5)
@@ -388,83 +313,3 @@ def test_llama_config_accounting_equals_llama_model():
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             model(input_ids=input_ids(batch=1, length=5), use_cache=False)
         assert counter.get_total_flops() == 5 * cost.flops_per_token
-
-
-@pytest.mark.parametrize("length", [1, 3, 9], ids=["host-ids", "host-ids-batch", "grouped"])
-def test_set_sparse_implementation_switches_the_strategy_of_a_loaded_model(tmp_path, length):
-    """`set_sparse_implementation` switches every sublayer between the strategies of `MoHDSparseInterface` on a loaded
-    model (as `set_experts_implementation` does for experts), with the same logits; a strategy registered there is
-    selectable by name (here one that records its plans), and unknown names are refused."""
-    from hf_mohd.models.mohd_sparse import MoHDGatherStrategy, MoHDMaskedStrategy, MoHDSparseInterface
-
-    make_model(sparse_implementation="masked").save_pretrained(tmp_path)
-    model = MoHDForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
-    strategies = lambda: {type(m.sub_dims.strategy) for m in model.modules() if hasattr(m, "sub_dims")}  # noqa: E731
-    assert strategies() == {MoHDMaskedStrategy}
-    ids = input_ids(length=length)
-    with torch.no_grad():
-        masked = model(ids).logits
-        model.set_sparse_implementation("gather")
-        assert strategies() == {MoHDGatherStrategy}
-        assert model.model.layers[0].self_attn.q_proj.weight.stride(0) == 1  # block-major for the gather strategy
-        gather = model(ids).logits
-    assert model.config.sparse_implementation == "masked"  # the saved default is unchanged
-    torch.testing.assert_close(gather, masked, atol=1e-10, rtol=0)
-
-    planned = []
-
-    class RecordingStrategy(MoHDMaskedStrategy):
-        def plan(self, indices, weights):
-            planned.append(indices.shape[0])
-            return super().plan(indices, weights)
-
-    MoHDSparseInterface.register("recording", RecordingStrategy)
-    try:
-        model.set_sparse_implementation("recording")
-        with torch.no_grad():
-            torch.testing.assert_close(model(ids).logits, masked, atol=1e-10, rtol=0)
-        assert planned == [ids.numel()] * 2 * model.config.num_hidden_layers  # attention and FFN of every layer
-    finally:
-        del MoHDSparseInterface._global_mapping["recording"]
-    with pytest.raises(ValueError, match="`implementation` must be one of \\['masked', 'gather'\\]"):
-        model.set_sparse_implementation("dense")
-
-
-def test_projections_that_are_not_plain_linears_take_the_masked_strategy():
-    """A sublayer with a projection that is not a plain `nn.Linear` (here a subclass standing for a PEFT or a
-    quantised layer, whose forward adds 1) is planned by the masked strategy in `route`, the one place of that
-    rule, so the gather strategy never reads a `.weight` that is not what the module computes."""
-    from hf_mohd.models.mohd_sparse import MoHDMaskedPlan, MoHDSpansPlan
-
-    class Shifted(torch.nn.Linear):
-        def forward(self, x):
-            return super().forward(x) + 1.0
-
-    model = make_model(sparse_implementation="gather")
-    attention = model.model.layers[0].self_attn
-    hidden = torch.randn(1, 1, model.config.hidden_size, dtype=torch.float64)
-    projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
-    assert isinstance(attention.sub_dims.route(hidden, projections), MoHDSpansPlan)
-    reference = make_model(sparse_implementation="masked")
-    shifted = Shifted(model.config.hidden_size, attention.o_proj.out_features, bias=False, dtype=torch.float64)
-    for m in (model, reference):
-        shifted_copy = Shifted(shifted.in_features, shifted.out_features, bias=False, dtype=torch.float64)
-        shifted_copy.weight.data.copy_(m.model.layers[0].self_attn.q_proj.weight)
-        m.model.layers[0].self_attn.q_proj = shifted_copy
-    attention = model.model.layers[0].self_attn
-    projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
-    assert isinstance(attention.sub_dims.route(hidden, projections), MoHDMaskedPlan)
-    with torch.no_grad():
-        torch.testing.assert_close(model(input_ids()).logits, reference(input_ids()).logits, atol=1e-10, rtol=0)
-
-
-@pytest.mark.parametrize("length", [1, 3, 9], ids=["host-ids", "host-ids-batch", "grouped"])
-def test_no_shared_sub_dimension_gather_equals_masked(length):
-    """N_s = 0: the router's ids carry no offset, so they are the top-k slice of a sort; the gather plans flatten
-    them, which needs them contiguous (a found-by-hypothesis regression)."""
-    fields = dict(num_sub_dims=4, num_shared_sub_dims=0, num_routed_sub_dims_per_tok=2)
-    gather = make_model(sparse_implementation="gather", **fields)
-    masked = make_model(sparse_implementation="masked", **fields)
-    ids = input_ids(batch=1, length=length)
-    with torch.no_grad():
-        torch.testing.assert_close(gather(ids).logits, masked(ids).logits, atol=1e-10, rtol=0)
