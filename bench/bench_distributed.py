@@ -20,7 +20,7 @@ figure is the trainer's own `tokens_per_s` (wall clock, all processes' tokens) o
 window, read from `log.jsonl`. On a 2-core machine this measures the cost of sharding and gloo communication, not
 scaling: the two processes share the cores a 2-thread process would use.
 
-    python bench/bench_distributed.py --output bench/results/distributed.json
+    python -m bench.bench_distributed --output bench/results/distributed.json
 """
 
 import argparse
@@ -33,10 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import command_line, git_commit, machine_description, write_results  # noqa: E402
+from bench.common import command_line, git_commit, machine_description, write_results
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,14 +56,13 @@ LAUNCHERS = {
 
 
 def corpus(path: Path) -> str:
-    """The Wikipedia sample of the gensim wheel as .jsonl (the demo's data, docs/design.md section 8)."""
-    sys.path.insert(0, str(ROOT / "conversion"))
-    import evaluate_perplexity
+    """The first 40 articles of the Wikipedia sample of the gensim wheel as .jsonl (`hf_mohd.corpora`, layout "lines",
+    the text the committed results/distributed.json trained on; docs/design.md section 8)."""
+    from hf_mohd.corpora import wikipedia_articles
 
-    _, texts = evaluate_perplexity.wikipedia_articles(40, first=True)
     with open(path, "w") as handle:
-        for text in texts:
-            handle.write(json.dumps({"text": text}) + "\n")
+        for article in wikipedia_articles("lines")[:40]:
+            handle.write(json.dumps({"text": article.text}) + "\n")
     return str(path)
 
 

@@ -24,25 +24,21 @@ repetitions round-robin (`common.measure_interleaved`), every repetition stored.
 
 MoE style in both: Nemotron 3 (non-gated relu2 experts, sigmoid routing with correction bias, shared expert).
 
-    python bench/bench_latent_moe.py            # fixed shape, writes bench/results/latent_moe.json and .png
-    python bench/bench_latent_moe.py --quick    # 2 layers, batch 2 x seq 128 (development)
+    python -m bench.bench_latent_moe            # fixed shape, writes bench/results/latent_moe.json and .png
+    python -m bench.bench_latent_moe --quick    # 2 layers, batch 2 x seq 128 (development)
 """
 
 import os
-import sys
 from pathlib import Path
 
 import torch
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM  # noqa: E402
-from hf_mohd.interop.nemotron_h import nemotron_h_config_from_latent_moe  # noqa: E402
-from hf_mohd.models.accounting import layer_accounting, model_accounting  # noqa: E402
-from hf_mohd.models.modeling_latent_moe import LatentMoEBlock  # noqa: E402
+from bench import common
+from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM
+from hf_mohd.interop.nemotron_h import nemotron_h_config_from_latent_moe
+from hf_mohd.models.accounting import layer_accounting, model_accounting
+from hf_mohd.models.modeling_latent_moe import LatentMoEBlock
 
 
 # Standard fine-grained MoE at the bench width, and its alpha = 4 latent transform (Nemotron 3 uses alpha = 4).

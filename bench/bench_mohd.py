@@ -23,26 +23,22 @@ Ceilings come from `hf_mohd.models.accounting.model_accounting`: forward FLOPs p
 (T + 1) / 2, plus the LM head). Times are medians of `--reps` repetitions run round-robin over the four models
 (`common.measure_interleaved`, every repetition stored); peak memory comes from one run of each model alone.
 
-    python bench/bench_mohd.py            # fixed shape, writes bench/results/mohd.json and mohd.png
-    python bench/bench_mohd.py --quick    # 2 layers, batch 2 x seq 128 (development)
-    python bench/bench_mohd.py --blocks 8 3 1   # the wider-block variant beside it: 8 blocks of 128, 3 shared, top-1
+    python -m bench.bench_mohd            # fixed shape, writes bench/results/mohd.json and mohd.png
+    python -m bench.bench_mohd --quick    # 2 layers, batch 2 x seq 128 (development)
+    python -m bench.bench_mohd --blocks 8 3 1   # the wider-block variant beside it: 8 blocks of 128, 3 shared, top-1
                                                 # (also 50% active), writes bench/results/mohd_blocks8.json
 """
 
 import os
-import sys
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-from hf_mohd.models.accounting import model_accounting  # noqa: E402
-from hf_mohd.models.configuration_mohd import MoHDConfig  # noqa: E402
-from hf_mohd.models.modeling_mohd import MoHDForCausalLM  # noqa: E402
+from bench import common
+from hf_mohd.models.accounting import model_accounting
+from hf_mohd.models.configuration_mohd import MoHDConfig
+from hf_mohd.models.modeling_mohd import MoHDForCausalLM
 
 
 PRESET = "compression_50"

@@ -20,17 +20,18 @@ repetitions run round-robin. Under compilation MoHD's few-token plan reads the b
 (`MoHDGatherFewTokensPlan`), not host ids. Ratios: compiled MoHD vs eager MoHD, vs compiled Llama, and eager MoHD vs
 eager Llama, on the process CPU clock by default.
 
-    python bench/bench_mohd_compiled.py --reps 3     # results/mohd_compiled.json
+    python -m bench.bench_mohd_compiled --reps 3     # results/mohd_compiled.json
 """
 
 import os
 import tempfile
 import time
 
-import common
 import torch
-from bench_mohd_decode import build_and_reload
 from transformers import StaticCache
+
+from bench import common
+from bench.bench_mohd_decode import build_and_reload
 
 
 NAMES = ("llama", "mohd")

@@ -37,23 +37,23 @@ Ceiling: weight bytes read per decoded token (activated decoder weights plus the
 `model_accounting(...).decode_weight_bytes_per_token`; a model's fraction of its ceiling is its speedup over Llama
 divided by its byte ratio to Llama.
 
-    python bench/bench_mohd_decode.py --reps 5          # results/mohd_decode.json and .png
-    python bench/bench_mohd_decode.py --quick           # 2 layers, development only
+    python -m bench.bench_mohd_decode --reps 5          # results/mohd_decode.json and .png
+    python -m bench.bench_mohd_decode --quick           # 2 layers, development only
 """
 
 import os
 import tempfile
 import time
 
-import common
 import torch
-from bench_mohd import PRESET, llama_config
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 import hf_mohd  # noqa: F401  (registers "mohd" with the Auto classes)
+from bench import common
+from bench.bench_mohd import PRESET, llama_config
 from hf_mohd import MoHDConfig, MoHDForCausalLM
 from hf_mohd.models.accounting import model_accounting
-from hf_mohd.models.modeling_mohd import small_gemms_compute_bound
+from hf_mohd.models.mohd_sparse import small_gemms_compute_bound
 
 
 MODELS = ("llama", "mohd", "mohd_row_major", "mohd_union", "mohd_per_block", "llama_active")

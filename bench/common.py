@@ -23,7 +23,6 @@ before each measurement through `/proc/self/clear_refs` (Linux); the figure incl
 import argparse
 import ctypes
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -295,7 +294,10 @@ def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> dict:
 
 
 def command_line() -> str:
-    return " ".join([Path(sys.executable).name, *sys.argv])
+    """The command that runs this process: `python -m bench.<module> ...` for a module run with -m."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    program = ["-m", spec.name] if spec is not None and spec.name else sys.argv[:1]
+    return " ".join([Path(sys.executable).name, *program, *sys.argv[1:]])
 
 
 def git_commit() -> str | None:
@@ -307,9 +309,10 @@ def git_commit() -> str | None:
 
 
 def write_results(path: Path, payload: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
-    return path
+    """`payload` as indented JSON at `path`, written atomically (`hf_mohd.atomic_folder.write_json_atomically`)."""
+    from hf_mohd.atomic_folder import write_json_atomically
+
+    return write_json_atomically(path, payload)
 
 
 def fmt_ratio(value: float | None) -> str:

@@ -22,8 +22,8 @@ Benchmarks (CUDA events, medians of `--reps`): MoHD `compression_50` vs LlamaFor
 hidden 2048 (prefill B8 x T1024 in bf16, a bf16-autocast training step, batch-1 greedy `generate` in bf16), and
 LatentMoE vs the standard MoE at equal activated MACs (prefill). Results go to `--output` (JSON) and stdout.
 
-    python bench/gpu_check.py --output gpu_check.json          # CUDA required
-    python bench/gpu_check.py --device cpu --quick             # smoke run of the same code on a CPU
+    python -m bench.gpu_check --output gpu_check.json          # CUDA required
+    python -m bench.gpu_check --device cpu --quick             # smoke run of the same code on a CPU
 """
 
 import argparse

@@ -7,9 +7,9 @@
 #
 # It installs the pinned libraries (transformers 5.24 and the Hub client it needs, which a CUDA image may lack or
 # hold at an older version) from those wheels into a private folder put first on PYTHONPATH, with hf-mohd from this
-# checkout, records the versions, then runs bench/gpu_check.py: CUDA correctness (gather == masked, bf16-autocast
-# training with fp32 router logits, generate) and the benchmark ratios at a GPU-sized shape. Any failure, including
-# CUDA missing, exits non-zero: nothing is skipped.
+# checkout, records the versions, then runs bench/gpu_check.py (`python3 -m bench.gpu_check`): CUDA correctness
+# (gather == masked, bf16-autocast training with fp32 router logits, generate) and the benchmark ratios at a GPU-sized
+# shape. Any failure, including CUDA missing, exits non-zero: nothing is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=bench/gpu_wheels
@@ -30,5 +30,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$PWD:$SITE" HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1 PYTHONUNBUFFERED=1
 python3 -c "import torch; assert torch.cuda.is_available(), 'CUDA not available'; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
 OUTPUT=${OUT:-bench/results}/gpu_check.json
-python3 bench/gpu_check.py --output "$OUTPUT"
+python3 -m bench.gpu_check --output "$OUTPUT"
 echo "wrote $OUTPUT"

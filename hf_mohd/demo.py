@@ -2,8 +2,8 @@
 
 Steps, each a small function below:
 
-1. Corpus: the English Wikipedia sample inside the PyPI `gensim` wheel (docs/design.md section 8), markup stripped with
-   `gensim.corpora.wikicorpus.filter_wiki`, redirects dropped; written as JSONL with its provenance and licence.
+1. Corpus: the English Wikipedia sample inside the PyPI `gensim` wheel (docs/design.md section 8), read and cleaned by
+   `hf_mohd.corpora` (layout "paragraphs"), redirects dropped; written as JSONL with its provenance and licence.
 2. One byte-level BPE tokenizer trained on the training split, shared by the three models.
 3. Three models sized so that a token reads the same number of decoder parameters: a dense Llama (the base shape),
    MoHD with the paper's `expansion_x2` preset of that base (twice the width, half of it active per token), and
@@ -12,16 +12,15 @@ Steps, each a small function below:
    `AutoModelForCausalLM` (logits checked against the trained model), evaluated (held-out perplexity and a limited
    lm-eval run on the offline suite) and asked for a greedy sample.
 5. Report folder: `report.md` (table, provenance, timings, machine load), `results.json`, `loss_curves.png`,
-   `routing_load.png`, written into a staging sibling and renamed into place when complete (an interrupted run leaves
-   no report folder, or the previous complete one).
+   `routing_load.png`, written into a staging sibling and renamed into place when complete
+   (`hf_mohd.atomic_folder.write_folder_atomically`: an interrupted run leaves no report folder, or the previous
+   complete one).
 """
 
-import bz2
 import dataclasses
 import json
 import math
 import os
-import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,12 +28,13 @@ from pathlib import Path
 
 import torch
 
-from .atomic_folder import staged_folder
+from .atomic_folder import write_folder_atomically
+from .corpora import wikipedia_corpus
+from .models.accounting import parameter_counts
 from .training import TrainConfig, train, train_config_from_dict
 from .training.data import load_documents, pack, split_documents, train_bpe_tokenizer
 
 
-WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 PROMPT = "The history of the city"
 DEMO_MODELS = ("llama-dense", "mohd", "latent-moe")
 
@@ -111,53 +111,6 @@ class DemoConfig:
         )
 
 
-# 1. Corpus ------------------------------------------------------------------------------------------------------
-
-
-def wikipedia_corpus(folder: str) -> tuple[str, dict]:
-    """Write the gensim Wikipedia sample as JSONL ({"title", "text"} per article); return (path, provenance)."""
-    import gensim
-    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
-
-    source = os.path.join(os.path.dirname(gensim.__file__), WIKI_FILE)
-    if not os.path.exists(source):
-        raise FileNotFoundError(
-            f"{source} is missing: the demo corpus ships in the PyPI gensim wheel (pip install gensim)."
-        )
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "enwiki_sample.jsonl")
-    pages = redirects = characters = 0
-    with bz2.open(source) as xml, open(path, "w", encoding="utf-8") as out:
-        for title, markup, _page_id in extract_pages(xml):
-            pages += 1
-            text = clean_wiki(filter_wiki(markup))
-            if markup.lstrip().lower().startswith("#redirect") or len(text) < 200:
-                redirects += 1
-                continue
-            characters += len(text)
-            out.write(json.dumps({"title": title, "text": text}) + "\n")
-    provenance = {
-        "source": f"gensim {gensim.__version__} wheel (PyPI), {WIKI_FILE}",
-        "origin": "English Wikipedia dump enwiki-latest-pages-articles1.xml-p000000010p000030302 (shortened)",
-        "licence": "CC BY-SA (Wikipedia text; https://creativecommons.org/licenses/by-sa/4.0/), attribution: "
-        "Wikipedia contributors",
-        "processing": "gensim.corpora.wikicorpus.filter_wiki, bold/italic quotes and heading '=' removed, "
-        "redirects and pages under 200 characters dropped",
-        "pages": pages,
-        "articles": pages - redirects,
-        "characters": characters,
-    }
-    return path, provenance
-
-
-def clean_wiki(text: str) -> str:
-    """Remove what `filter_wiki` leaves: ''' and '' emphasis, == heading == marks, runs of blank lines."""
-    text = re.sub(r"'{2,}", "", text)
-    text = re.sub(r"^=+\s*(.*?)\s*=+\s*$", r"\1", text, flags=re.M)
-    text = re.sub(r"\n{3,}", "\n\n", text)
-    return text.strip()
-
-
 # 2-3. Models at matched activated parameters -------------------------------------------------------------------------
 
 
@@ -206,23 +159,6 @@ def architectures(demo: DemoConfig) -> dict[str, dict]:
         },
     }
     return {name: models[name] for name in demo.models}
-
-
-def parameter_counts(model) -> dict[str, int]:
-    """Total parameters (built), and decoder parameters one token reads (embedding and LM head excluded).
-
-    Decoder and activated counts come from `hf_mohd.models.accounting.model_accounting`, one accounting for MoHD,
-    LatentMoE and Llama (docs/design.md sections 3 and 4).
-    """
-    from .models.accounting import model_accounting
-
-    accounting = model_accounting(model.config)
-    return {
-        "total": sum(p.numel() for p in model.parameters()),
-        "embedding": model.get_input_embeddings().weight.numel(),
-        "decoder": accounting.decoder_params,
-        "activated_decoder": accounting.activated_decoder_params,
-    }
 
 
 def train_config(demo: DemoConfig, name: str, architecture: dict, corpus: str, tokenizer_dir: str) -> TrainConfig:
@@ -498,7 +434,7 @@ def run_demo(demo: DemoConfig) -> str:
     timing["load average (1 min) at start / end"] = f"{load_start[0]:.1f} / {os.getloadavg()[0]:.1f}"
     timing["torch threads"] = torch.get_num_threads()
     # written into a staging sibling renamed into place: an interrupted run leaves no partial report folder
-    with staged_folder(Path(report_dir)) as staging:
+    with write_folder_atomically(Path(report_dir)) as staging:
         plot_losses(results, os.path.join(staging, "loss_curves.png"))
         plot_routing(results, os.path.join(staging, "routing_load.png"))
         with open(os.path.join(staging, "results.json"), "w", encoding="utf-8") as handle:

@@ -137,22 +137,22 @@ def lm_eval_to_eval_results(results: Mapping[str, Any], *, task_type: str = PIPE
     return out
 
 
-def parameter_counts(config) -> dict[str, int]:
-    """Total and activated parameters of a MoHD or LatentMoE config, without building the model
-    (`hf_mohd.models.accounting.model_accounting`: activated = decoder parameters a token reads plus the LM head),
-    with the embedding, and the router and group-fusion parameters where the model has any.
+def _card_parameters(config) -> dict[str, int]:
+    """The card's parameter rows, from `hf_mohd.models.accounting.parameter_counts` (counted from the config, without
+    building the model): total, activated (decoder parameters a token reads plus the LM head), embedding, and the
+    router and group-fusion parameters where the model has any.
 
     Raises:
         ValueError: a config the accounting does not cover (a mixture-of-experts of another family).
     """
-    from .models.accounting import model_accounting
+    from .models.accounting import parameter_counts
 
-    acc = model_accounting(config)
-    counts = {"total": acc.total_params, "activated": acc.activated_params, "embedding": acc.embedding_params}
-    for name, value in (("router", acc.router_params), ("group fusion", acc.fusion_params)):
-        if value:
-            counts[name] = value
-    return counts
+    counts = parameter_counts(config)
+    rows = {"total": counts["total"], "activated": counts["activated"], "embedding": counts["embedding"]}
+    for name, key in (("router", "router"), ("group fusion", "fusion")):
+        if counts[key]:
+            rows[name] = counts[key]
+    return rows
 
 
 def _fmt(value: Any) -> str:
@@ -215,12 +215,12 @@ def render_model_card(
         A `huggingface_hub.ModelCard`; `card.data` is its `ModelCardData`, `str(card)` the README text.
 
     Raises:
-        ValueError: a config the accounting does not cover (`parameter_counts`), or `eval_results` without numeric
-            metrics.
+        ValueError: a config the accounting does not cover (`hf_mohd.models.accounting.parameter_counts`), or
+            `eval_results` without numeric metrics.
     """
     config = getattr(model_or_config, "config", model_or_config)
     family = config.model_type
-    counts = parameter_counts(config)
+    counts = _card_parameters(config)
     values = config.to_dict()  # serialisable values (e.g. `per_layer_config` as its sparse {layer: overrides} map)
     name = repo_id or getattr(config, "name_or_path", "") or f"{family}-model"
     model_name = name.rstrip("/").split("/")[-1] or f"{family}-model"
@@ -272,4 +272,4 @@ def render_model_card(
     )
 
 
-__all__ = ["lm_eval_to_eval_results", "parameter_counts", "render_model_card", "template_text"]
+__all__ = ["lm_eval_to_eval_results", "render_model_card", "template_text"]

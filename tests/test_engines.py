@@ -67,7 +67,7 @@ def test_gguf_export_rejects_what_llama_cpp_cannot_load(tmp_path, overrides, err
     with pytest.raises(error, match=f"`{field}`"):
         export_to_gguf(model, tmp_path / "out.gguf", converter_dir=tmp_path / "no-converter")
     model.save_pretrained(tmp_path / "model")
-    assert cli_main(["nemotron-h", "gguf", str(tmp_path / "model"), str(tmp_path / "out.gguf")]) == 6  # a config field
+    assert cli_main(["export", "gguf", str(tmp_path / "model"), str(tmp_path / "out.gguf")]) == 6  # a config field
     assert not (tmp_path / "out.gguf").exists()
 
 
@@ -141,10 +141,10 @@ def require_engine():
 
 
 def small_corpus(path: Path, characters=12_000) -> Path:
-    """The first paragraphs (at least 200 characters each) of the gensim Wikipedia sample (`hf_mohd.demo`), one JSONL
+    """The first paragraphs (at least 200 characters each) of the gensim Wikipedia sample (`hf_mohd.corpora`), one JSONL
     document each, about 3,000 SmolLM2 tokens: small enough that 300 steps of a 64-wide model learn it well enough
     for a greedy continuation with many distinct tokens, which is what an engine comparison needs."""
-    from hf_mohd.demo import wikipedia_corpus
+    from hf_mohd.corpora import wikipedia_corpus
 
     articles, _ = wikipedia_corpus(str(path.parent / "wikipedia"))
     kept, total = [], 0
@@ -275,7 +275,7 @@ def gguf_files(trained, tmp_path_factory):
     files = {}
     for outtype in LOGIT_TOLERANCE:
         files[outtype] = out / f"model-{outtype}.gguf"
-        argv = ["nemotron-h", "gguf", str(folder), str(files[outtype]), "--outtype", outtype]
+        argv = ["export", "gguf", str(folder), str(files[outtype]), "--outtype", outtype]
         assert cli_main(argv) == 0
     return files
 

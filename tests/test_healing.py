@@ -126,7 +126,8 @@ def test_unit_gates_make_full_activation_the_dense_source(tmp_path):
             model(input_ids=input_ids, labels=input_ids).loss.backward()
             routers = [m.weight.grad for m in model.modules() if type(m).__name__ == "MoHDRouter"]
             assert routers and all(grad is not None and grad.abs().max() > 0 for grad in routers)
-    assert errors["unit"] < 1e-10 < 1e-3 < errors["softmax"]
+    # float64: the unit-gate error is rounding (the rotary tables are float32 in both models, as in LLaMA)
+    assert errors["unit"] < 1e-6 < 1e-3 < errors["softmax"]
 
 
 def test_fitted_compensation_is_the_mean_contribution_of_skipped_blocks(tmp_path):

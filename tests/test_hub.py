@@ -13,11 +13,11 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 from huggingface_hub.repocard_data import model_index_to_eval_results
-from utils import BLOCK_HF_MOHD
 
-from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
+from hf_mohd import LatentMoEForCausalLM, MoHDForCausalLM
 from hf_mohd.hub import prepare_files, remote_code_files
 from hf_mohd.training.data import train_bpe_tokenizer
+from tests.utils import BLOCK_HF_MOHD, FAMILIES
 
 
 TEXT = [
@@ -36,29 +36,30 @@ def tiny_tokenizer():
     return train_bpe_tokenizer(TEXT, vocab_size=300)
 
 
+MOHD, LATENT_MOE = FAMILIES["mohd"], FAMILIES["latent_moe"]
+# The LLaMA fields these models leave at the config's defaults (all key/value heads, no pad id); the vocabulary takes
+# the tokenizer's 300 tokens
+UNSET_LLAMA_FIELDS = ("num_key_value_heads", "max_position_embeddings", "pad_token_id")
+
+
 def tiny_mohd() -> MoHDForCausalLM:
-    torch.manual_seed(0)
-    config = MoHDConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4
-    )
-    return MoHDForCausalLM(config).eval()
+    """The config's default sub-dimensions, initial weights, float32."""
+    unset = MOHD.defaults(*UNSET_LLAMA_FIELDS, "num_sub_dims", "num_shared_sub_dims", "num_routed_sub_dims_per_tok")
+    return MOHD.build(dtype=torch.float32, vocab_size=320, **unset)
 
 
 def tiny_latent_moe() -> LatentMoEForCausalLM:
-    torch.manual_seed(0)
-    config = LatentMoEConfig(
+    """One expert shape in both layers, initial weights, float32, the config's experts implementation."""
+    return LATENT_MOE.build(
+        dtype=torch.float32,
+        experts_implementation=None,
         vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_experts=8,
-        num_experts_per_tok=2,
         moe_intermediate_size=32,
         moe_latent_size=16,
         moe_shared_expert_intermediate_size=32,
+        per_layer_config=None,
+        **LATENT_MOE.defaults(*UNSET_LLAMA_FIELDS),
     )
-    return LatentMoEForCausalLM(config).eval()
 
 
 def save_with_tokenizer(model, folder):
@@ -91,6 +92,7 @@ def test_prepare_files_completes_a_bare_folder(tmp_path):
         "configuration_mohd.py",
         "modeling_mohd.py",
         "modeling_common.py",
+        "mohd_sparse.py",
         "routing_cache.py",
     }
     assert set(code) | {"model.safetensors", "config.json", "generation_config.json", "README.md"} <= set(files)

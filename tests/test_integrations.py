@@ -2,10 +2,9 @@
 loss), `pipeline("text-generation")`, and lm-evaluation-harness's own CLI on a saved folder (offline, local task).
 
 Real text: the Wikipedia sample that the `gensim` wheel ships (`gensim/test/test_data/enwiki-latest-pages-articles1
-.xml-...-shortened.bz2`, CC BY-SA), markup stripped with `gensim.corpora.wikicorpus.filter_wiki` (docs/design.md section 8).
+.xml-...-shortened.bz2`, CC BY-SA), read and cleaned by `hf_mohd.corpora` (docs/design.md section 8).
 """
 
-import bz2
 import glob
 import importlib.util
 import json
@@ -24,26 +23,16 @@ from hf_mohd.model_card import render_model_card
 from hf_mohd.training.data import pack, train_bpe_tokenizer
 
 
-WIKI_SAMPLE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 SEQ_LEN = 64
 
 
 def wiki_articles(count: int) -> list[str]:
-    """The first `count` non-redirect articles of gensim's Wikipedia sample, as plain text."""
-    gensim_spec = importlib.util.find_spec("gensim")
-    if gensim_spec is None:
+    """The first `count` articles of gensim's Wikipedia sample, as plain text (`hf_mohd.corpora`)."""
+    if importlib.util.find_spec("gensim") is None:
         pytest.skip("gensim (the `demo` extra) carries the real text sample")
-    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+    from hf_mohd.corpora import wikipedia_articles
 
-    path = os.path.join(gensim_spec.submodule_search_locations[0], WIKI_SAMPLE)
-    articles = []
-    for _, text, _ in extract_pages(bz2.BZ2File(path)):
-        if text.lower().startswith("#redirect"):
-            continue
-        articles.append(filter_wiki(text).replace("'''", "").replace("''", ""))
-        if len(articles) == count:
-            return articles
-    return articles
+    return [article.text for article in wikipedia_articles()[:count]]
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +250,7 @@ def test_repository_cites_only_what_it_ships():
 
     root = Path(__file__).resolve().parents[1]
     outside = re.compile("DESIGN" + r" section|\.\./" + "shared|[Ii]ssue" + r" [0-9]+")
-    folders = ("hf_mohd", "tests", "bench", "conversion", "configs", "model_cards", "scripts", "docs")
+    folders = ("hf_mohd", "tests", "bench", "experiments", "configs", "model_cards", "scripts", "docs")
     files = [root / "README.md", *(p for f in folders for p in (root / f).rglob("*") if p.is_file())]
     hits = []
     for path in files:

@@ -8,29 +8,21 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, NemotronHConfig, NemotronHForCausalLM
 
-import hf_mohd  # noqa: F401  (registers the Auto classes)
-from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM
+from hf_mohd import LatentMoEForCausalLM
 from hf_mohd.cli import main as cli_main
 from hf_mohd.interop import NemotronHInteropError, export_to_nemotron_h, import_from_nemotron_h
+from tests.utils import FAMILIES, VOCAB, input_ids
 
 
-VOCAB = 97
+LATENT_MOE = FAMILIES["latent_moe"]
+# Overrides of the family's tiny config: the choices Nemotron-H can express (no RoPE, a non-gated relu2 MLP, sigmoid
+# routing), width 32 in heads of 8, three layers of which layer 0 is dense
 NEMOTRON_STYLE = dict(
-    vocab_size=VOCAB,
+    LATENT_MOE.defaults("max_position_embeddings"),
     hidden_size=32,
     intermediate_size=48,
     num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=8,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    moe_latent_size=8,
-    moe_shared_expert_intermediate_size=24,
     hidden_act="relu2",
     mlp_gated=False,
     router_score_func="sigmoid",
@@ -41,8 +33,8 @@ NEMOTRON_STYLE = dict(
 
 
 def latent_moe_model(seed=0, **overrides) -> LatentMoEForCausalLM:
-    torch.manual_seed(seed)
-    model = LatentMoEForCausalLM(LatentMoEConfig(**{**NEMOTRON_STYLE, **overrides})).eval()
+    """float32, the config's experts implementation; routers and their correction biases spread."""
+    model = LATENT_MOE.build(seed, torch.float32, experts_implementation=None, **{**NEMOTRON_STYLE, **overrides})
     with torch.no_grad():
         for router in model.routers():
             router.weight.normal_(0, 0.5)  # spread scores: no near-ties between the two routers' top-K
@@ -78,10 +70,6 @@ def nemotron_h_model(blocks, latent_size=8, seed=0) -> NemotronHForCausalLM:
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0, 0.2)
     return model
-
-
-def input_ids(batch=2, length=9, seed=0):
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("from_folder", [False, True])
@@ -160,8 +148,8 @@ def test_export_of_non_nemotron_choices_raises(tmp_path, overrides, field):
 def test_cli_export_and_import(tmp_path):
     model = latent_moe_model(per_layer_config=None)
     model.save_pretrained(tmp_path / "latent")
-    assert cli_main(["nemotron-h", "export", str(tmp_path / "latent"), str(tmp_path / "nemotron")]) == 0
-    assert cli_main(["nemotron-h", "export", str(tmp_path / "latent"), str(tmp_path / "nemotron")]) == 8  # exists
+    assert cli_main(["export", "nemotron-h", str(tmp_path / "latent"), str(tmp_path / "nemotron")]) == 0
+    assert cli_main(["export", "nemotron-h", str(tmp_path / "latent"), str(tmp_path / "nemotron")]) == 8  # exists
     assert cli_main(["nemotron-h", "import", str(tmp_path / "nemotron"), str(tmp_path / "back")]) == 0
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     ids = input_ids()

@@ -107,6 +107,7 @@ MOHD_BAD = {
     "routed_gate": ["sigmoid"],
     "group_fusion": ["dense"],
     "sparse_implementation": ["triton"],
+    "dropped_block_compensation": ["yes", 1],
 }
 LATENT_MOE_BAD = {
     **COMMON_BAD,
@@ -540,10 +541,9 @@ def test_interrupted_conversion_output_is_never_under_the_destination(tmp_path, 
 def test_killed_conversion_leaves_only_a_hidden_partial_folder(tmp_path, llama_folder):
     """SIGKILL mid-write (no cleanup runs): the destination does not exist; the partial folder is a hidden sibling."""
     script = f"""
-        import os, signal, sys
+        import os, signal
         import torch
         import transformers.modeling_utils
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_reliability import MOHD_BASES
         from hf_mohd import MoHDConfig, MoHDForCausalLM
         from hf_mohd.conversion import load_dense_llama, save_converted
@@ -561,7 +561,9 @@ def test_killed_conversion_leaves_only_a_hidden_partial_folder(tmp_path, llama_f
     import sys
     import textwrap
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "HF_HUB_OFFLINE": "1"}
+    # the repository root and tests/ (for test_reliability's MOHD_BASES) on the child's import path
+    path = os.pathsep.join([str(Path(__file__).parents[1]), str(Path(__file__).parent)])
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, timeout=300)
     assert done.returncode == -9, done.stderr.decode()[-3000:]
     left = [p.name for p in tmp_path.iterdir()]
@@ -621,6 +623,71 @@ def test_interrupted_final_model_write_is_never_under_final(tmp_path, monkeypatc
             save_final_model(accelerator, _tiny_mohd(1), tokenizer, str(final))
     assert _folder_bytes(final) == before and [p.name for p in final.parent.iterdir()] == ["final"]
     assert torch.equal(AutoModelForCausalLM.from_pretrained(final).lm_head.weight, _tiny_mohd(0).lm_head.weight)
+
+
+def test_atomic_file_write_replaces_only_when_complete(tmp_path, monkeypatch):
+    """`write_text_atomically` / `write_json_atomically` (results, summaries, resume markers): an interrupted write
+    leaves the previous file byte-identical and no temporary sibling; a complete one replaces it (mode from the
+    umask, parent folders created)."""
+    import os
+
+    from hf_mohd import atomic_folder
+    from hf_mohd.atomic_folder import write_json_atomically, write_text_atomically
+
+    path = tmp_path / "results" / "summary.json"
+    write_json_atomically(path, {"loss": 1.5})
+    assert path.read_text() == '{\n  "loss": 1.5\n}\n'
+    real_replace = os.replace
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(atomic_folder.os, "replace", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            write_text_atomically(path, "half")
+    assert os.replace is real_replace
+    assert path.read_text() == '{\n  "loss": 1.5\n}\n' and [p.name for p in path.parent.iterdir()] == ["summary.json"]
+    write_text_atomically(path, "new")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.read_text() == "new" and path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_folder_moved_into_place_replaces_the_old_one_only_when_complete(tmp_path):
+    """`move_folder_into_place` (the trainer's checkpoints) and `write_folder_atomically`: the old folder stays until
+    the new one is in place; an exception in the block removes the staging folder and keeps the old folder."""
+    from hf_mohd.atomic_folder import move_folder_into_place, write_folder_atomically
+
+    out = tmp_path / "step_0000002"
+    with write_folder_atomically(out) as staging:
+        (staging / "a.txt").write_text("first")
+    staging = tmp_path / ".tmp_step_0000002"
+    staging.mkdir()
+    (staging / "a.txt").write_text("second")
+    move_folder_into_place(staging, out)
+    assert (out / "a.txt").read_text() == "second" and [p.name for p in tmp_path.iterdir()] == [out.name]
+    with pytest.raises(RuntimeError), write_folder_atomically(out) as staging:
+        (staging / "a.txt").write_text("third")
+        raise RuntimeError("interrupted")
+    assert (out / "a.txt").read_text() == "second" and [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+def test_no_file_edits_sys_path():
+    """Scripts of bench/ and experiments/ are modules of importable packages (`python -m bench.bench_mohd`), tests
+    import them the same way: no file puts a folder on `sys.path` (reading it, as the import audit does, is fine)."""
+    root = Path(__file__).resolve().parents[1]
+    edit = re.compile(r"sys\.path\s*(\.\s*(insert|append|extend)\s*\(|\[[^]]*\]\s*=|\+=|=(?!=))")
+    folders = ("hf_mohd", "tests", "bench", "experiments", "scripts", "configs")
+    hits = [
+        f"{path.relative_to(root)}:{number}"
+        for path in [p for folder in folders for p in (root / folder).rglob("*.py")]
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if edit.search(line)
+    ]
+    assert not hits, hits
+    for folder in ("bench", "bench/replication", "experiments", "experiments/smollm2"):
+        assert (root / folder / "__init__.py").is_file(), folder
 
 
 # --- remote-code files: what they import and open -----------------------------------------------------------------

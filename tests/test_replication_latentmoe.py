@@ -2,21 +2,12 @@
 the swap of the ID-guided allocation, and every compared arm keeps the matched cost (hand-computed values and the
 library's `allocate_two_regime` as the oracle)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+from bench.replication import study_latentmoe as lmoe
 from hf_mohd.models.accounting import layer_fields, mixer_accounting, model_accounting
 from hf_mohd.shaping import allocate_two_regime
 
-
-_SPEC = importlib.util.spec_from_file_location(
-    "replication_study_latentmoe",
-    Path(__file__).resolve().parents[1] / "bench" / "replication" / "study_latentmoe.py",
-)
-lmoe = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(lmoe)
 
 VOCAB = 2048
 

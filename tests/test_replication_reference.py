@@ -1,19 +1,13 @@
 """The count-based reference lines of the replication runs (bench/replication/reference.py) against hand-computed
 values and the normalisation every probability model must have."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from bench.replication import reference
 
-_SPEC = importlib.util.spec_from_file_location(
-    "replication_reference", Path(__file__).resolve().parents[1] / "bench" / "replication" / "reference.py"
-)
-reference = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(reference)
 
 TRAIN = np.array([[0, 1, 0, 1, 2]])  # pairs (0,1) (1,0) (0,1) (1,2); token 3 never seen
 

@@ -1,20 +1,14 @@
 """The statistics of the replication verdicts (bench/replication/verdicts.py) against scipy's tests and hand-computed
 values."""
 
-import importlib.util
 import math
 import statistics
-from pathlib import Path
 
 import pytest
 from scipy import stats
 
+from bench.replication import verdicts
 
-_SPEC = importlib.util.spec_from_file_location(
-    "replication_verdicts", Path(__file__).resolve().parents[1] / "bench" / "replication" / "verdicts.py"
-)
-verdicts = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(verdicts)
 
 A = [4.31, 4.35, 4.29]
 B = [4.40, 4.38, 4.45]

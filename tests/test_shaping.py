@@ -560,7 +560,7 @@ def test_allocation_maps_proxy_depth_and_reports_infeasible_bounds():
 def test_cli_commands(tmp_path, capsys, tiny_llama):
     standard = tmp_path / "standard.json"
     standard.write_text(json.dumps(STANDARD))
-    assert cli_main(["latent-accounting", str(standard), "--json"]) == 0
+    assert cli_main(["accounting", str(standard)]) == 0
     assert json.loads(capsys.readouterr().out)["total_params"] == model_accounting(STANDARD).total_params
 
     assert cli_main(["alpha-transform", str(standard), "--alpha", "4", "--output", str(tmp_path / "latent")]) == 0
@@ -603,7 +603,7 @@ def test_cli_commands(tmp_path, capsys, tiny_llama):
 
 
 def test_cli_accounting_of_a_latent_moe_and_a_mohd_folder(tmp_path, capsys):
-    """`hf-mohd accounting` (JSON) and `hf-mohd latent-accounting` (table) read a saved folder of either family:
+    """`hf-mohd accounting` (JSON, and `--table`) reads a saved folder of either family:
     the numbers are the config's own accounting, and the total is what the built model holds."""
     from hf_mohd import MoHDConfig, MoHDForCausalLM
     from hf_mohd.models.configuration_latent_moe import LatentMoEConfig
@@ -625,7 +625,7 @@ def test_cli_accounting_of_a_latent_moe_and_a_mohd_folder(tmp_path, capsys):
         assert printed == json.loads(json.dumps(model_accounting(config, 10).as_dict()))
         assert printed["total_params"] == model_class(config).num_parameters()
         assert printed["flops_per_token"] == config.flops_per_token(10)
-        assert cli_main(["latent-accounting", str(tmp_path / name)]) == 0
+        assert cli_main(["accounting", str(tmp_path / name), "--table"]) == 0
         table = capsys.readouterr().out
         assert f"total parameters           {printed['total_params']:,}" in table
         assert len(table.splitlines()) == 2 + config.num_hidden_layers + 7
@@ -635,7 +635,7 @@ def test_cli_accounting_of_a_latent_moe_and_a_mohd_folder(tmp_path, capsys):
 @pytest.mark.parametrize(
     "command, expected",
     [
-        ("latent-accounting", "2 K l"),
+        ("accounting", "2 K l"),
         ("alpha-transform", "N' = alpha N"),
         ("propose-shape", "min(l, m)"),
         ("intrinsic-dim", "TwoNN"),

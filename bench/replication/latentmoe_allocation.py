@@ -10,19 +10,14 @@ mapped to the 4-layer target by relative depth), l and m multiples of 4 (the def
 model) and the default 5% tolerance. The two uniform endpoints use the narrow and the wide shape in every layer.
 Seeds 0 and 1, all seed-0 runs first.
 
-    nice -n 19 python bench/replication/latentmoe_allocation.py
+    nice -n 19 python -m bench.replication.latentmoe_allocation
 
-(needs bench/results/replication/id_profile.json from `bench/replication/id_profile.py`).
+(needs bench/results/replication/id_profile.json from `python -m bench.replication.id_profile`).
 """
 
 import json
-import sys
-from pathlib import Path
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import latentmoe_shapes  # noqa: E402
-import runner  # noqa: E402
+from bench.replication import latentmoe_shapes, runner
 
 
 COMPARISON = "latentmoe_allocation"
@@ -66,7 +61,7 @@ if __name__ == "__main__":
         baseline="uniform_wide",
         meta={
             "claim": "ID-guided narrow-prefix / wide-rest allocation beats both uniform endpoints (arXiv 2610.14644)",
-            "command": "nice -n 19 python bench/replication/latentmoe_allocation.py",
+            "command": "nice -n 19 python -m bench.replication.latentmoe_allocation",
             "allocation": chosen.summary(),
         },
     )

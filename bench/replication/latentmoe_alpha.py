@@ -11,15 +11,10 @@ with the library's `alpha_transform_fields`. Two seeds for alpha = 4; alpha = 2 
 alpha = 4 whose shared expert is not narrowed (does the narrower shared expert explain the gap?), and one pair with
 the initialisation std raised from 0.02 to 1/sqrt(D) = 0.125 (see `WIDE_INIT`).
 
-    nice -n 19 python bench/replication/latentmoe_alpha.py
+    nice -n 19 python -m bench.replication.latentmoe_alpha
 """
 
-import sys
-from pathlib import Path
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import runner  # noqa: E402
+from bench.replication import runner
 
 
 COMPARISON = "latentmoe_alpha"
@@ -136,7 +131,7 @@ if __name__ == "__main__":
         baseline="standard_moe",
         meta={
             "claim": "alpha-transform (l = D/alpha, N and K times alpha, m fixed) keeps cost and improves quality",
-            "command": "nice -n 19 python bench/replication/latentmoe_alpha.py",
+            "command": "nice -n 19 python -m bench.replication.latentmoe_alpha",
             "mixer_accounting_per_layer": accounting(),
         },
     )

@@ -8,16 +8,10 @@ paper, the shared-expert width m_s absorbs the change of the latent projections 
 and activated MACs stay within 0.3% of each other. The l = 16 point is item 4a's alpha = 4 run (reused).
 Seeds 0 and 1, all seed-0 runs first.
 
-    nice -n 19 python bench/replication/latentmoe_shapes.py
+    nice -n 19 python -m bench.replication.latentmoe_shapes
 """
 
-import sys
-from pathlib import Path
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import latentmoe_alpha  # noqa: E402
-import runner  # noqa: E402
+from bench.replication import latentmoe_alpha, runner
 
 
 COMPARISON = "latentmoe_shapes"
@@ -92,7 +86,7 @@ if __name__ == "__main__":
         baseline="l16_m64",
         meta={
             "claim": "U-shaped validation loss over l/m at fixed l*m, minimum near square (arXiv 2610.14644 3.2)",
-            "command": "nice -n 19 python bench/replication/latentmoe_shapes.py",
+            "command": "nice -n 19 python -m bench.replication.latentmoe_shapes",
             "shapes": accounting(),
             "reused_runs": "l16_m64 is item 4a's latent_moe_alpha4",
         },

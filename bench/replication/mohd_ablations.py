@@ -11,16 +11,10 @@ width (d) and activated fraction (8 of 16 blocks, or the same half for 8 and 32 
 The preset run and the dense reference are item 2's runs (reused, not retrained). Seeds 0 and 1 (the issue asks
 for one; the runner trains every seed-0 run first, so a cut-short session still leaves a complete single-seed set).
 
-    nice -n 19 python bench/replication/mohd_ablations.py
+    nice -n 19 python -m bench.replication.mohd_ablations
 """
 
-import sys
-from pathlib import Path
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import mohd_vs_dense  # noqa: E402
-import runner  # noqa: E402
+from bench.replication import mohd_vs_dense, runner
 
 
 COMPARISON = "mohd_ablations"
@@ -55,7 +49,7 @@ if __name__ == "__main__":
         baseline="preset_16sub_75shared_both",
         meta={
             "claim": "best at 16 sub-dimensions and 75% shared; attention more sensitive to sparsity than the FFN",
-            "command": "nice -n 19 python bench/replication/mohd_ablations.py",
+            "command": "nice -n 19 python -m bench.replication.mohd_ablations",
             "reused_runs": "preset_16sub_75shared_both and llama_dense are item 2's runs",
         },
     )

@@ -6,15 +6,10 @@ project's presets (`MOHD_PRESETS`, docs/design.md section 3): compression_50 = w
 routed active; expansion_x2 = width 2d, 16 sub-dimensions of 2d/16, 6 shared + 2 routed active (activated width d).
 Two seeds each; plus one seed of a dense Llama at the expanded width (128), the model expansion x2 approximates.
 
-    nice -n 19 python bench/replication/mohd_vs_dense.py
+    nice -n 19 python -m bench.replication.mohd_vs_dense
 """
 
-import sys
-from pathlib import Path
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import runner  # noqa: E402
+from bench.replication import runner
 
 
 COMPARISON = "mohd_vs_dense"
@@ -72,6 +67,6 @@ if __name__ == "__main__":
         baseline="llama_dense",
         meta={
             "claim": "MoHD: compression keeps ~99% of dense quality; expansion x2 improves on dense (arXiv 2412.05644)",
-            "command": "nice -n 19 python bench/replication/mohd_vs_dense.py",
+            "command": "nice -n 19 python -m bench.replication.mohd_vs_dense",
         },
     )

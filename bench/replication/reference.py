@@ -13,12 +13,11 @@ that block (a bigram sees only the previous one), in nats per token.
   context never seen in training (where NLTK divides by zero) backs off to P_cont(w). The default d is Ney's
   estimate n1 / (n1 + 2 n2) from the bigram count-of-counts.
 
-    python bench/replication/reference.py      # bench/results/replication/reference.json
+    python -m bench.replication.reference      # bench/results/replication/reference.json
 """
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -103,10 +102,9 @@ def runner_reference_losses() -> dict:
     """Both references on the replication runner's fixed split, tokenizer and sequence length (its held-out blocks
     are the ones every run's final evaluation scores), fitted on the whole training split and on its first blocks
     as many as one run's budget trains on (max_steps x micro_batch_size blocks)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import runner
     from transformers import AutoTokenizer
 
+    from bench.replication import runner
     from hf_mohd.training.data import pack, split_documents
 
     info = runner.prepare_data()
@@ -137,6 +135,10 @@ def runner_reference_losses() -> dict:
 
 
 if __name__ == "__main__":
+    from hf_mohd.atomic_folder import write_text_atomically
+
     text = json.dumps(runner_reference_losses(), indent=2)
     print(text)
-    (Path(__file__).resolve().parent.parent / "results" / "replication" / "reference.json").write_text(text + "\n")
+    write_text_atomically(
+        Path(__file__).resolve().parent.parent / "results" / "replication" / "reference.json", text + "\n"
+    )

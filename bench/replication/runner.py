@@ -4,7 +4,7 @@ Every comparison script defines its variants as functions `seed -> TrainConfig` 
 and calls `run_comparison`. All runs of all comparisons share:
 
 - the corpus: the English Wikipedia sample of the PyPI `gensim` wheel, as loaded by the main demo
-  (`hf_mohd.demo.wikipedia_corpus`);
+  (`hf_mohd.corpora.wikipedia_corpus`, layout "paragraphs");
 - one fixed document-level split (10% of the articles held out, chosen with `SPLIT_SEED`) and one byte-level BPE
   tokenizer trained on the training articles. The trainer cuts its held-out split with the *run* seed
   (`hf_mohd.training.data.split_documents`); to keep the held-out articles and the packed training blocks identical
@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from hf_mohd.atomic_folder import write_text_atomically
 
 
 HERE = Path(__file__).resolve().parent
@@ -68,7 +70,7 @@ def _texts_of(path: Path) -> list[str]:
 
 def prepare_data() -> dict:
     """Corpus, fixed split and tokenizer (built once under runs/replication/data; returns paths and provenance)."""
-    from hf_mohd.demo import wikipedia_corpus
+    from hf_mohd.corpora import wikipedia_corpus
     from hf_mohd.training.data import pack, split_documents, train_bpe_tokenizer
 
     folder = RUNS / "data"
@@ -92,7 +94,7 @@ def prepare_data() -> dict:
         "train_tokens_packed": int(pack(train_texts, tokenizer, BUDGET["seq_len"]).numel()),
         "held_out_tokens_packed": int(pack(eval_texts, tokenizer, BUDGET["seq_len"]).numel()),
     }
-    info_path.write_text(json.dumps(info, indent=1), encoding="utf-8")
+    write_text_atomically(info_path, json.dumps(info, indent=1))
     return info
 
 
@@ -152,15 +154,9 @@ def dense_architecture(**overrides) -> dict:
     return {"model_type": "llama", **BASE, **overrides}
 
 
-def parameter_counts(model) -> dict:
-    """Total, embedding, decoder and activated decoder parameters (`hf_mohd.demo.parameter_counts`)."""
-    from hf_mohd.demo import parameter_counts as counts
-
-    return counts(model)
-
-
 def run_one(config, force: bool = False) -> dict:
     """Train one config (or reuse its summary); returns the summary dict."""
+    from hf_mohd.models.accounting import parameter_counts
     from hf_mohd.training import train
 
     summary_path = Path(config.output_dir) / "summary.json"
@@ -198,7 +194,7 @@ def run_one(config, force: bool = False) -> dict:
         "loadavg_1min_start_end": [load_before, os.getloadavg()[0]],
         "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    summary_path.write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    write_text_atomically(summary_path, json.dumps(summary, indent=1))  # its presence marks the run done
     return summary
 
 
@@ -356,7 +352,7 @@ def run_comparison(
     results = aggregate(comparison, variants, seeds, summaries, baseline, {"title": title, **(meta or {})})
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{comparison}{suffix}.json"
-    out.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    write_text_atomically(out, json.dumps(results, indent=1) + "\n")
     plot(results, out.with_suffix(".png"))
     for name, row in results["variants"].items():
         if not row["done"]:

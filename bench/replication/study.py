@@ -46,13 +46,13 @@ output projections changes Adam's effective step, a confound of every MoHD-vs-de
 Every run is resumable (trainer checkpoints every 250 steps; a finished run keeps its `summary.json`), and several
 workers may share the queue (`--workers 2` starts two processes of one torch thread each; a lock file per run keeps
 them apart). `--scale K` multiplies the training tokens by K (results and runs get a `_xK` suffix): the same suite at
-10x is `python bench/replication/study.py --scale 10 --threads 8` on a CUDA machine (the trainer picks the device).
+10x is `python -m bench.replication.study --scale 10 --threads 8` on a CUDA machine (the trainer picks the device).
 
 Other studies on the same data, budget, queue and statistics define a `Suite` (their arms, jobs, sweeps and
 comparisons) and call `main(suite)`: `study_latentmoe.py` is the LatentMoE part.
 
-    nice -n 10 python bench/replication/study.py --workers 2      # train what is missing, then write the results
-    python bench/replication/study.py --report                    # results JSON, plots, table from what exists
+    nice -n 10 python -m bench.replication.study --workers 2      # train what is missing, then write the results
+    python -m bench.replication.study --report                    # results JSON, plots, table from what exists
 """
 
 import argparse
@@ -66,11 +66,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.replication import runner, verdicts
+from hf_mohd.atomic_folder import write_json_atomically, write_text_atomically
+
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import runner  # noqa: E402
-import verdicts  # noqa: E402
 
 
 RESULTS = HERE.parent / "results" / "replication"
@@ -324,17 +324,14 @@ def data(scale: int) -> dict:
             "train": pack(train_texts, tokenizer, seq_len),
         }
         torch.save(blocks, blocks_path)
-        tmp = train_path.with_suffix(".tmp")
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.writelines(json.dumps({"text": text}) + "\n" for text in train_texts)
-        os.replace(tmp, train_path)
+        write_text_atomically(train_path, "".join(json.dumps({"text": text}) + "\n" for text in train_texts))
     blocks = torch.load(blocks_path)
     return {"info": info, "train_path": str(train_path), "blocks": blocks}
 
 
 def references(scale: int) -> dict:
     """Unigram and Kneser-Ney bigram losses of the training blocks on the validation and verdict sets."""
-    import reference
+    from bench.replication import reference
 
     path = runs_dir(scale) / "data" / "references.json"
     if path.exists():
@@ -403,9 +400,9 @@ def run_one(
     """
     import resource
 
-    from hf_mohd.demo import parameter_counts
+    from hf_mohd.evaluation.perplexity import evaluate_perplexity
+    from hf_mohd.models.accounting import parameter_counts
     from hf_mohd.training import train
-    from hf_mohd.training.trainer import evaluate_perplexity
 
     arms = ARMS if arms is None else arms
     loaded = data(scale)
@@ -438,16 +435,13 @@ def run_one(
         "machine": _machine(),
         **extra,
     }
-    tmp = folder / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1), encoding="utf-8")
-    os.replace(tmp, folder / "summary.json")
+    write_json_atomically(folder / "summary.json", summary, indent=1)
     return summary
 
 
 def _machine() -> dict:
-    """CPU model, cores, load average, library versions (`bench/common.machine_description`)."""
-    sys.path.insert(0, str(HERE.parent))
-    import common
+    """CPU model, cores, load average, library versions (`bench.common.machine_description`)."""
+    from bench import common
 
     return common.machine_description()
 
@@ -565,7 +559,7 @@ class Suite:
     the runs in priority order as (arm, lr or None for the family's rate, seed); `swept` the families with a sweep
     over `lr_grid`; `comparisons` as `COMPARISONS`; `post_train[arm](model, loaded)` a measurement merged into that
     arm's summaries; `extend(scale, results)` adds fields to the results JSON and returns extra markdown. `name` is
-    the results' file stem, `script` the module run by `--workers` processes.
+    the results' file stem, `script` the module (`python -m` name) run by `--workers` processes.
     """
 
     name: str
@@ -583,7 +577,7 @@ class Suite:
 MOHD = Suite(
     name="study_v2",
     title="MoHD vs dense past the n-gram regime (width-128 base, 2.05M tokens, 3 seeds)",
-    script=__file__,
+    script="bench.replication.study",
     arms=lambda scale: ARMS,
     jobs=jobs,
     swept=SWEPT,
@@ -670,8 +664,7 @@ def report(scale: int, suite: "Suite | None" = None) -> dict:
         # 2-core Intel Xeon, training only, never during a timing)
         "machine_of_report": _machine(),
         "status": "complete" if len(complete) == len(suite_arms) else "partial",
-        "command": f"nice -n 10 python bench/replication/{Path(suite.script).name} --workers 2"
-        + ("" if scale == 1 else f" --scale {scale}"),
+        "command": f"nice -n 10 python -m {suite.script} --workers 2" + ("" if scale == 1 else f" --scale {scale}"),
         "base_shape": BASE,
         "budget": {
             **BUDGET,
@@ -850,14 +843,15 @@ def main(suite: "Suite | None" = None, description: str | None = None) -> None:
     references(args.scale)
     command = [
         sys.executable,
-        str(suite.script),
+        "-m",
+        suite.script,
         "--worker",
         "--scale",
         str(args.scale),
         "--threads",
         str(args.threads),
     ]
-    processes = [subprocess.Popen(command) for _ in range(args.workers)]
+    processes = [subprocess.Popen(command, cwd=runner.REPO) for _ in range(args.workers)]  # where `bench` imports
     codes = [process.wait() for process in processes]
     if any(codes):
         raise SystemExit(f"a worker failed (exit codes {codes}); rerun the same command to resume")

@@ -49,22 +49,17 @@ aux-loss-free bias update at rate 0.01, as round 1):
 Every LatentMoE arm uses the `lmoe_alpha4` family's rate (chosen on the validation set of the 4-layer sweep, also for
 the 8-layer arms); the standard MoE has its own sweep, so the alpha comparison does not favour either model's rate.
 
-    nice -n 10 python bench/replication/study_latentmoe.py --workers 2     # train what is missing, then report
-    python bench/replication/study_latentmoe.py --report                   # results from what exists
-    nice -n 10 python bench/replication/study_latentmoe.py --measure-cost  # CPU seconds per run, both widths
+    nice -n 10 python -m bench.replication.study_latentmoe --workers 2     # train what is missing, then report
+    python -m bench.replication.study_latentmoe --report                   # results from what exists
+    nice -n 10 python -m bench.replication.study_latentmoe --measure-cost  # CPU seconds per run, both widths
 """
 
 import json
 import sys
 import time
 from functools import cache
-from pathlib import Path
 
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import latentmoe_shapes  # noqa: E402
-import study  # noqa: E402
+from bench.replication import latentmoe_shapes, study
 
 
 WIDTH = 128
@@ -423,7 +418,7 @@ def extend(scale: int, results: dict) -> str:
 SUITE = study.Suite(
     name="study_v2_latentmoe",
     title=f"LatentMoE claims past the n-gram regime (width-{WIDTH} base, 2.05M tokens, 3 seeds)",
-    script=__file__,
+    script="bench.replication.study_latentmoe",
     arms=arms,
     jobs=jobs,
     swept=(FAMILY, STANDARD),

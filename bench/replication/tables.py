@@ -1,6 +1,6 @@
 """Markdown tables of the committed replication results (bench/results/replication/*.json).
 
-    python bench/replication/tables.py
+    python -m bench.replication.tables
 
 prints the tables that bench/results/REPLICATION.md quotes and writes them to bench/results/replication/tables.md,
 so that every number in the write-up can be regenerated from the JSON files.

@@ -1,5 +1,6 @@
 """Subcommands of `hf-mohd`; each module exposes `register(subparsers)` (see `hf_mohd/cli.py`), which adds its
-commands with `add_command` (a command's help is its run function's docstring).
+commands with `add_command` (a command's help is its run function's docstring); an old command name kept for one
+release is added with `add_deprecated_alias`.
 
 Keep imports of heavy optional packages inside the command function so that `hf-mohd --help` stays fast.
 
@@ -15,6 +16,7 @@ import argparse
 import inspect
 import json
 import os
+import sys
 
 
 # One exit status per kind of bad input (README "What bad input gives" lists them).
@@ -63,6 +65,30 @@ def add_command(subparsers, name: str, run, **parser_options) -> argparse.Argume
     summary, _, details = inspect.cleandoc(run.__doc__ or "").partition("\n\n")
     parser = subparsers.add_parser(name, help=summary, description=details or None, **parser_options)
     parser.set_defaults(func=run)
+    return parser
+
+
+def add_deprecated_alias(subparsers, name: str, run, replacement: str, old: str | None = None, **parser_options):
+    """Adds `name`, an old command name kept for one release, which calls `run(args)` as the command `replacement`
+    (e.g. "hf-mohd export gguf") does, and returns its parser (give it the same arguments). `old`: the old command
+    in full (default "hf-mohd NAME"), for the note.
+
+    Its help says "Deprecated alias of `replacement`", then `run`'s docstring. Errors are the command's own (same
+    lines, same exit statuses); after a successful run one `note:` line on stderr names the replacement.
+    """
+    summary, _, details = inspect.cleandoc(run.__doc__ or "").partition("\n\n")
+    notice = f"Deprecated alias of `{replacement}` (kept for one release)."
+    old = old or f"hf-mohd {name}"
+
+    def aliased(args) -> int:
+        status = run(args)
+        if not status:
+            print(f"note: `{old}` is a deprecated alias of `{replacement}`; use that.", file=sys.stderr)
+        return status
+
+    description = f"{notice} {summary}" + (f"\n\n{details}" if details else "")
+    parser = subparsers.add_parser(name, help=notice, description=description, **parser_options)
+    parser.set_defaults(func=aliased)
     return parser
 
 

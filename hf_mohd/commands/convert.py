@@ -1,8 +1,8 @@
 """`hf-mohd convert`: turn a dense LLaMA checkpoint (safetensors folder or GGUF file) into MoHD or LatentMoE.
 
 `hf-mohd convert mohd SOURCE OUTPUT --preset compression_50` and `hf-mohd convert latent-moe SOURCE OUTPUT ...`
-(`--carve` splits the dense FFNs into experts instead of upcycling them);
-`conversion/llama_to_mohd.py` and `conversion/llama_to_latent_moe.py` in the repository call the same functions.
+(`--carve` splits the dense FFNs into experts instead of upcycling them).
+
 The commands only parse arguments: the work, every check included, is `hf_mohd.conversion.convert_mohd` /
 `convert_latent_moe` (docs/design.md section 6); a `ConversionError` is raised as a `CommandError` of its `kind`
 (one line `error: ...`, exit status 2 bad options, 3 missing source, 4 not a LLaMA checkpoint, 5 damaged file,
@@ -43,7 +43,7 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--perplexity-json",
         nargs="+",
-        help="Results of conversion/evaluate_perplexity.py to quote in the model card (perplexity table and command).",
+        help="Results of experiments/smollm2/evaluate_perplexity.py to quote in the model card (perplexity table and command).",
     )
     parser.add_argument("--overwrite", action="store_true", help="Replace OUTPUT if it exists.")
     parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors shard (default 5GB).")
@@ -51,7 +51,7 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Arguments of LLaMA -> MoHD (shared by `hf-mohd convert mohd` and `conversion/llama_to_mohd.py`)."""
+    """Arguments of LLaMA -> MoHD (of `hf-mohd convert mohd`)."""
     _add_common_arguments(parser)
     parser.add_argument(
         "--preset",
@@ -112,7 +112,7 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def add_latent_moe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Arguments of LLaMA -> LatentMoE upcycling (`hf-mohd convert latent-moe`, `conversion/llama_to_latent_moe.py`)."""
+    """Arguments of LLaMA -> LatentMoE upcycling (`hf-mohd convert latent-moe`)."""
     _add_common_arguments(parser)
     parser.add_argument("--num-experts", type=int, default=8, help="N, routed experts per layer (default 8).")
     parser.add_argument("--num-experts-per-tok", type=int, default=2, help="K, routed experts per token (default 2).")

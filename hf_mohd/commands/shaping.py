@@ -1,5 +1,5 @@
-"""Shaping and allocation commands of arXiv 2610.14644 (docs/design.md section 4): `hf-mohd latent-accounting`,
-`alpha-transform`, `propose-shape`, `intrinsic-dim` and `allocate`.
+"""Shaping and allocation commands of arXiv 2610.14644 (docs/design.md section 4): `hf-mohd alpha-transform`,
+`propose-shape`, `intrinsic-dim` and `allocate` (the accounting of a shape is `hf-mohd accounting`).
 
 Every command reads local files only. Bad input raises `CommandError` (one line `error: <path or option>: ...`,
 see `hf_mohd.commands`): a missing file exits with 3, a file of the wrong kind with 4, an unreadable one with 5; a
@@ -17,13 +17,6 @@ from . import CommandError, add_command, check_model_folder, read_config_json, r
 
 
 def register(subparsers) -> None:
-    p = _command(subparsers, "latent-accounting", run_accounting)
-    p.add_argument("config", help="config.json of a LatentMoE (or MoHD, LLaMA) model, or the folder holding it.")
-    p.add_argument(
-        "--context-length", type=int, default=2048, help="Keys per query for attention-score FLOPs, as `accounting`."
-    )
-    p.add_argument("--json", action="store_true", help="Print JSON instead of a table (the numbers of `accounting`).")
-
     p = _command(subparsers, "alpha-transform", run_alpha_transform)
     p.add_argument("config", help="config.json (or folder) of a standard MoE (moe_latent_size unset).")
     p.add_argument("--alpha", type=float, required=True, help="Compression factor (4 in Nemotron 3).")
@@ -114,22 +107,6 @@ def _write_json(data, output: str, default_name: str) -> str:
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=2, sort_keys=True)
     return path
-
-
-def run_accounting(args) -> int:
-    """Per-layer and total params, FLOPs per token and all-to-all payload of a config (a table).
-
-    Accounting of a LatentMoE (or MoHD, LLaMA) config.json (arXiv 2610.14644 appendix B.2): per layer
-    c N l m routed + 2 D l latent + D N router + c D m_s shared parameters (c = 3 gated, 2 not),
-    mixer FLOPs 2 (c K l m + 2 D l + D N + c D m_s) per token,
-    all-to-all 2 K l scalars per token (2 K D without a latent).
-    """
-    from hf_mohd.models.accounting import model_accounting
-    from hf_mohd.shaping.config_io import format_accounting
-
-    accounting = model_accounting(read_config_json(args.config), args.context_length)
-    print(json.dumps(accounting.as_dict(), indent=2) if args.json else format_accounting(accounting))
-    return 0
 
 
 def run_alpha_transform(args) -> int:

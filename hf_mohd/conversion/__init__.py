@@ -1,8 +1,8 @@
 """Conversion of dense LLaMA checkpoints into MoHD and LatentMoE models (docs/design.md section 6), including the
 carving of dense FFNs into experts (`carve`).
 
-The functions live in the package, so an installed `hf-mohd` converts without the repository; `conversion/*.py`
-and `hf-mohd convert` are thin command-line wrappers around `convert_mohd` and `convert_latent_moe`.
+The functions live in the package, so an installed `hf-mohd` converts without the repository; `hf-mohd convert` is
+a thin command-line wrapper around `convert_mohd`, `convert_latent_moe` and `convert_carved_latent_moe`.
 """
 
 from .carve import (

@@ -67,8 +67,8 @@ included), h = act(W_gate x) * (W_up x) (I,) the FFN's intermediate activation, 
    `carved_routing_recall` measures |router top-K ∩ oracle top-K| / K on held-out tokens (a random router: K / N).
 
 Default calibration text (`carving_calibration_ids`): the first `CALIBRATION_ARTICLES` articles of the English
-Wikipedia sample that `hf_mohd.demo.wikipedia_corpus` reads from the PyPI `gensim` wheel (CC BY-SA); the held-out
-text of the conversion evaluations (`conversion/evaluate_perplexity.py`) is the *last* `HELD_OUT_ARTICLES` articles.
+Wikipedia sample that `hf_mohd.corpora.wikipedia_corpus` reads from the PyPI `gensim` wheel (CC BY-SA); the held-out
+text of the conversion evaluations (`experiments/smollm2/evaluate_perplexity.py`) is the *last* `HELD_OUT_ARTICLES` articles.
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def carved_config_from_llama(
 
 
 def default_calibration_text(folder: str | Path, num_articles: int = CALIBRATION_ARTICLES) -> tuple[Path, str]:
-    """Write the first `num_articles` articles of the Wikipedia sample (`hf_mohd.demo.wikipedia_corpus`, the
+    """Write the first `num_articles` articles of the Wikipedia sample (`hf_mohd.corpora.wikipedia_corpus`, the
     package's real-text reader) to `folder`/calibration.txt, one blank line between articles.
 
     Returns:
@@ -296,7 +296,7 @@ def default_calibration_text(folder: str | Path, num_articles: int = CALIBRATION
             last `HELD_OUT_ARTICLES` articles that evaluations hold out.
     """
     try:
-        from ..demo import wikipedia_corpus
+        from ..corpora import wikipedia_corpus
 
         corpus, _ = wikipedia_corpus(str(folder))
     except (ImportError, FileNotFoundError) as err:

