@@ -147,6 +147,8 @@ class MoHDSubDimensions(nn.Module):
             self.input_compensation = nn.ParameterDict(
                 {name: nn.Parameter(torch.zeros(num_sub_dims, width)) for name, width in input_projections.items()}
             )
+            # the order of the sublayer's input projections (`project_in`'s linears); ParameterDict sorts its keys
+            self.input_projection_names = tuple(input_projections)
             self.output_compensation = nn.Parameter(torch.zeros(num_sub_dims, config.sub_dim_size))
         # set by `hf_mohd.conversion.compensation` while it measures calibration statistics, else None
         self.observer = None
@@ -191,8 +193,8 @@ class MoHDSubDimensions(nn.Module):
     def project_in(self, hidden_states: torch.Tensor, plan, linears) -> list[torch.Tensor]:
         """(B, T, D) -> one (B, T, out) tensor per linear, reading only the active (gated) blocks; with
         tensor-parallel weights each rank's (B, T, out / P) slice (`MoHDTensorParallelProjections`). With dropped
-        block compensation, linear i also gets `inactive @ input_compensation[i]` ((M, N) x (N, out)), in the order
-        of `input_compensation` (the sublayer's projections).
+        block compensation, linear i also gets `inactive @ input_compensation[name i]` ((M, N) x (N, out)), the linears
+        being the sublayer's input projections in the order of `input_projection_names`.
 
         Raises:
             NotImplementedError: dropped block compensation on tensor-parallel weights.
@@ -208,7 +210,7 @@ class MoHDSubDimensions(nn.Module):
         else:
             outputs = tensor_parallel.project_in(flat, plan, linears)
         if self.input_compensation is not None:
-            compensations = self.input_compensation.values()
+            compensations = [self.input_compensation[name] for name in self.input_projection_names]
             outputs = [
                 out + plan.inactive.to(out.dtype) @ table.to(out.dtype)
                 for out, table in zip(outputs, compensations, strict=True)
