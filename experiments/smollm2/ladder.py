@@ -1,0 +1,258 @@
+#!/usr/bin/env python
+"""Healing that keeps the dense function, on SmolLM2-135M: the levers one at a time, at a fixed budget.
+
+Builds on `experiments.smollm2.heal` (its teacher, text split, held-out windows and 75% / 50% conversions) and adds:
+
+- students converted with `--routed-gate unit` (the router only selects, so every block active is the dense source
+  exactly), and copies of each student with dropped-block compensation fitted on the calibration text
+  (`hf_mohd.conversion.compensation`), whose training-free gain `prepare` records;
+- a ladder of healing arms at 75%, each adding one lever to the previous one (see `ARMS`): unit gates, nested
+  healing at the target k and at full activation (`distill.active_sub_dims`), a gradual schedule, compensation;
+- for every healed arm, the held-out perplexity at the target k and of the same weights with every block active.
+
+Every stage resumes (finished parts are read back from `--work-dir`, training resumes from its last checkpoint):
+
+    python -m experiments.smollm2.ladder prepare                  # heal's prepare, then the unit and compensated students
+    python -m experiments.smollm2.ladder train unit_nested_64k    # one arm of ARMS; two arms may run side by side
+    python -m experiments.smollm2.ladder report                   # experiments/smollm2/results/smollm2_healing_ladder.json
+
+The recipe of every arm is heal's 64k arm (`mohd75_all_64k`: AdamW at 2e-4, warmup 16 steps, cosine to 0.1 x at the
+budget, 4 x 256 tokens per step, KL to the teacher at T = 1, all weights train) with only the arm's lever changed.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from experiments.smollm2 import RESULTS_DIR, heal
+from experiments.smollm2 import evaluate_perplexity as ep
+from hf_mohd.atomic_folder import write_folder_atomically, write_json_atomically
+from hf_mohd.evaluation.perplexity import perplexity
+
+
+logger = logging.getLogger("experiments.smollm2.ladder")
+K = 1024
+# student -> (preset, routed gate, dropped-block compensation); "mohd75" / "mohd50" are heal's (normalized gates)
+STUDENTS = {
+    "mohd75u": ("compression_75", "unit", False),
+    "mohd50u": ("compression_50", "unit", False),
+    "mohd75c": ("compression_75", "normalized", True),
+    "mohd50c": ("compression_50", "normalized", True),
+    "mohd75uc": ("compression_75", "unit", True),
+    "mohd50uc": ("compression_50", "unit", True),
+}
+# arm -> (student, nested healing at full activation, schedule fraction, budget tokens); each adds one lever
+ARMS = {
+    "unit_64k": ("mohd75u", False, 0.0, 64 * K),
+    "unit_nested_64k": ("mohd75u", True, 0.0, 64 * K),
+    "unit_nested_schedule_64k": ("mohd75u", True, 0.25, 64 * K),
+    "unit_nested_compensated_64k": ("mohd75uc", True, 0.0, 64 * K),
+}
+BASELINE = ("mohd75_all_64k", "heal's recipe: normalized gates, target k only, no schedule, no compensation")
+
+
+def calibration_ids(work: Path, tokenizer) -> torch.Tensor:
+    """(rows, 256) token ids of heal's calibration text (the first 8 articles), at most 16,384 tokens: the text and
+    window the conversions' routers were fitted on."""
+    text = (work / "calibration.txt").read_text(encoding="utf-8")
+    return ep.token_windows(tokenizer, [text], 256, 16384)
+
+
+def prepare(work: Path) -> None:
+    """heal's prepare, then the unit-gate students and the compensated copies, with their held-out perplexity."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_mohd  # noqa: F401
+    from hf_mohd.cli import main as cli
+    from hf_mohd.conversion.compensation import fit_dropped_block_compensation
+
+    heal.prepare(work)
+    info = heal.read_json(work / "ladder_prepare.json", {})
+    tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
+    windows = heal.held_out_windows(tokenizer)
+    for name, (preset, gate, compensated) in STUDENTS.items():
+        folder = work / name
+        if not (folder / "config.json").exists():
+            started = heal.cpu_seconds()
+            base = heal.STUDENTS[preset] if gate == "normalized" else f"{heal.STUDENTS[preset]}u"
+            if not compensated:
+                code = cli(
+                    ["convert", "mohd", str(work / "teacher"), str(folder), "--preset", preset, "--rotate", "pca"]
+                    + ["--routers", "fitted", "--calibration-text", str(work / "calibration.txt")]
+                    + ["--activation-scaling", "none", "--routed-gate", gate, "--overwrite", "--quiet"]
+                )
+                if code:
+                    sys.exit(f"hf-mohd convert mohd failed for {name} (exit code {code})")
+                info[name] = {"cpu_seconds": round(heal.cpu_seconds() - started, 1)}
+            else:  # heal's student (or the unit one) with its compensation fitted on the calibration text
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(work / base), dtype=torch.float32, dropped_block_compensation=True
+                )
+                fit = fit_dropped_block_compensation(model, calibration_ids(work, tokenizer))
+                with write_folder_atomically(folder) as staging:
+                    model.save_pretrained(staging)
+                    tokenizer.save_pretrained(staging)
+                info[name] = {"fit": fit, "from": base, "cpu_seconds": round(heal.cpu_seconds() - started, 1)}
+                del model
+        if "perplexity" not in info.setdefault(name, {}):
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+            info[name]["perplexity"] = perplexity(model, windows, 4, desc=name)
+            logger.info("%s: held-out perplexity %.3f", name, info[name]["perplexity"])
+            if gate == "unit" and "perplexity_full_activation" not in info[name]:
+                model.set_active_sub_dims(model.config.num_routed_sub_dims)
+                info[name]["perplexity_full_activation"] = perplexity(model, windows, 4, desc=f"{name} full")
+            del model
+            info["machine"] = ep.machine()
+            write_json_atomically(work / "ladder_prepare.json", info)
+
+
+def evaluate(model, windows) -> dict:
+    """Held-out perplexity at the model's k and with every block active (the same weights)."""
+    k = model.config.num_routed_sub_dims_per_tok
+    result = {"target": perplexity(model, windows, 4, desc=f"k={k}")}
+    model.set_active_sub_dims(model.config.num_routed_sub_dims)
+    result["full_activation"] = perplexity(model, windows, 4, desc="k=N_r")
+    model.set_active_sub_dims(k)
+    return result
+
+
+def train_arm(work: Path, arm: str) -> None:
+    """Heal one arm to its budget (heal's 64k recipe with the arm's levers), then evaluate it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_mohd.training import latest_checkpoint, train, train_config_from_dict
+
+    student, nested, schedule, budget = ARMS[arm]
+    path = work / f"ladder_{arm}.json"
+    if path.exists():
+        logger.info("%s: done (%s)", arm, path)
+        return
+    config = json.loads((work / student / "config.json").read_text())
+    target, full = config["num_routed_sub_dims_per_tok"], config["num_sub_dims"] - config["num_shared_sub_dims"]
+    distill = {"teacher": str(work / "teacher"), "kl_weight": 1.0, "temperature": 1.0, "lm_weight": 0.0}
+    if nested:
+        distill["active_sub_dims"] = [target, full]
+    if schedule:
+        distill.update(schedule_fraction=schedule, schedule_curve="cubic")
+        distill.setdefault("active_sub_dims", [target])
+    out = work / "runs" / f"ladder_{arm}"
+    values = {
+        "output_dir": str(out),
+        "model": {"init_from": str(work / student), "trainable": "all"},
+        "data": {"path": str(work / "healing.jsonl"), "eval_fraction": 0.0, "seq_len": 256},
+        "optim": {"lr": 2e-4, "warmup_steps": 16, "weight_decay": 0.0, "min_lr_ratio": 0.1},
+        "distill": distill,
+        "max_steps": budget // heal.TOKENS_PER_STEP,
+        "micro_batch_size": 4,
+        "mixed_precision": "no",
+        "router_aux_loss": False,
+        "log_every": 8,
+        "save_every": 16,
+        "keep_checkpoints": 1,
+        "progress_bar": False,
+    }
+    resumed = out.exists() and latest_checkpoint(str(out)) is not None
+    started, wall = heal.cpu_seconds(), time.time()
+    result = train(train_config_from_dict(values))
+    train_cpu = heal.cpu_seconds() - started
+    tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
+    model = AutoModelForCausalLM.from_pretrained(str(out / "final"), dtype=torch.float32).eval()
+    record = {
+        "arm": arm,
+        "student": student,
+        "settings": {k: v for k, v in values.items() if k != "output_dir"},
+        "tokens": budget,
+        "perplexity": evaluate(model, heal.held_out_windows(tokenizer)),
+        "train_cpu_seconds_this_process": round(train_cpu, 1),
+        "train_wall_seconds_this_process": round(time.time() - wall, 1),
+        # a resumed run's process trained only the steps after its checkpoint: its seconds are a part of the arm's
+        "resumed": resumed,
+        "last_train_log": result.train_log[-1] if result.train_log else None,
+        "machine": ep.machine(),
+    }
+    write_json_atomically(path, record)
+    logger.info("%s: %s", arm, record["perplexity"])
+
+
+def report(work: Path, output: Path) -> dict:
+    """Gather the students' training-free numbers and every finished arm into one JSON; missing arms are listed."""
+    prepared = heal.read_json(work / "prepare.json", None)
+    ladder = heal.read_json(work / "ladder_prepare.json", None)
+    if prepared is None or ladder is None:
+        sys.exit(f"{work}: run the prepare stage first.")
+    dense = prepared["perplexity"]["teacher"]
+    students = {
+        name: {"perplexity": prepared["perplexity"][name], "ratio_to_dense": prepared["perplexity"][name] / dense}
+        for name in heal.STUDENTS.values()
+    }
+    for name in STUDENTS:
+        if name in ladder and "perplexity" in ladder[name]:
+            found = ladder[name]
+            students[name] = {
+                key: found[key] for key in ("perplexity", "perplexity_full_activation", "fit") if key in found
+            }
+            students[name]["ratio_to_dense"] = found["perplexity"] / dense
+    arms, missing = {}, []
+    for arm, (student, nested, schedule, budget) in ARMS.items():
+        found = heal.read_json(work / f"ladder_{arm}.json", None)
+        if found is None:
+            missing.append(arm)
+            continue
+        ppl = found["perplexity"]
+        arms[arm] = {
+            "student": student,
+            "nested_full_activation": nested,
+            "schedule_fraction": schedule,
+            "budget_tokens": budget,
+            "perplexity": ppl,
+            "ratio_to_dense": {key: value / dense for key, value in ppl.items()},
+            "train_cpu_seconds": found["train_cpu_seconds_this_process"],
+            "load_average_after": found["machine"]["load_average"],
+        }
+    baseline = heal.read_json(RESULTS_DIR / "smollm2_healing.json", {}).get("healing", {}).get(BASELINE[0])
+    result = {
+        "command": "python -m experiments.smollm2.ladder prepare|train ARM|report",
+        "complete": not missing,
+        "missing": missing,
+        "dense_perplexity": dense,
+        "held_out_tokens": prepared["held_out_tokens"],
+        "students": students,
+        "baseline": {"arm": BASELINE[0], "recipe": BASELINE[1], "points": baseline and baseline["points"]},
+        "arms": arms,
+        "machine": ep.machine(),
+        "torch_threads_per_run": 1,
+    }
+    write_json_atomically(output, result)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("stage", choices=("prepare", "train", "report"))
+    parser.add_argument("arm", nargs="?", choices=list(ARMS), help="train: an arm of ARMS.")
+    parser.add_argument("--work-dir", type=Path, default=Path("runs/heal_smollm2"))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1).")
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "smollm2_healing_ladder.json")
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(args.threads)
+    if args.stage == "prepare":
+        prepare(args.work_dir)
+    elif args.stage == "train":
+        if args.arm is None:
+            parser.error("train needs an arm")
+        train_arm(args.work_dir, args.arm)
+    else:
+        report(args.work_dir, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
