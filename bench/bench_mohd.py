@@ -16,7 +16,7 @@
 Models (fp32, CPU, sdpa attention), all built in this run from the fixed bench shape:
 - `llama`: transformers' `LlamaForCausalLM` of the same total width (the baseline);
 - `mohd_gather` / `mohd_masked`: MoHD at the 50% compression preset (16 blocks, 6 shared, top-2), same weights
-  (the gather model in its default block-major layout);
+  (the gather model as `__init__` builds it: contiguous, row-major weights);
 - `llama_active`: `LlamaForCausalLM` at the activated width (hidden 512, same heads and FFN; reference only).
 
 Ceilings come from `hf_mohd.models.accounting.model_accounting`: forward FLOPs per token (decoder at the mean causal context

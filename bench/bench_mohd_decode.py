@@ -15,7 +15,8 @@
 
 Models (fixed bench shape of `common.BENCH_SHAPE`, MoHD `compression_50` preset, fp32, sdpa):
 - `llama`: `LlamaForCausalLM` of the same total width, the baseline of every ratio.
-- `mohd`: `MoHDForCausalLM` as a user gets it from `from_pretrained` (gather path, block-major layout chosen at load).
+- `mohd`: `MoHDForCausalLM` as a user gets it from `from_pretrained` (gather path; `generate` stores its input-side
+  weights block-major before decoding).
 - `mohd_row_major`: the same checkpoint after `to_weight_layout("row_major")` (the plain `nn.Linear` layout), for
   reference.
 - `mohd_union`, `mohd_per_block`: the same checkpoint with `set_small_batch_plan("union")` / `("per_block")`, the
@@ -143,7 +144,9 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         models, configs = build_and_reload(shape, folder)
     layout = models["mohd"].model.layers[0].self_attn.q_proj.weight.stride()
-    print(f"mohd q_proj stride after from_pretrained: {layout} (block-major: stride[0] == 1)", flush=True)
+    print(
+        f"mohd q_proj stride after from_pretrained: {layout} (contiguous; generate makes it block-major)", flush=True
+    )
     compute_bound = small_gemms_compute_bound(torch.float32, torch.get_num_threads())
     auto_plan = "per_block" if compute_bound else "union"
     print(f"small-batch plan chosen by 'auto' here: {auto_plan} (few-row products compute-bound: {compute_bound})")

@@ -321,38 +321,28 @@ class MoHDPreTrainedModel(PreTrainedModel):
         "attentions": Attention,
     }
 
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, then the decoding layout `to_weight_layout("block_major")`.
-
-        Checkpoints on disk keep the standard row-major `nn.Linear` layout (`save_pretrained` writes contiguous
-        copies); the layout is chosen here, at load, as a BLAS library prepacks weights.
-        """
-        loaded = super().from_pretrained(*args, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, loading_info) with output_loading_info
-        model.to_weight_layout("block_major")
-        return loaded
-
-    def post_init(self):
-        super().post_init()
-        self.to_weight_layout("block_major")
+    # The layout `generate` stores the input-side weights in before decoding; `to_weight_layout` sets it.
+    decoding_weight_layout = "block_major"
 
     def to_weight_layout(self, layout: str = "block_major"):
         """Stores the input-side projections that each sublayer's strategy reads by blocks (the gather strategy: q/k/v,
         gate/up) in `layout`, in place, like `Module.to(memory_format=...)`: a storage format, not a hyperparameter
-        (results do not depend on it).
+        (results do not depend on it), and the layout `generate` keeps from then on.
 
-        "block_major" (default): column-major, `weight.t()` contiguous, so each s-column sub-dimension block is one
-        contiguous span and batch-1 decoding streams only the active blocks. "row_major": the plain `nn.Linear`
-        layout. Values, shapes, parameters, `state_dict` and saved checkpoints are the same for both; results agree up
-        to BLAS summation order. Masked-strategy sublayers and projections that are not plain `nn.Linear` are left
-        alone.
+        "block_major": column-major, `weight.t()` contiguous, so each s-column sub-dimension block is one contiguous
+        span and batch-1 decoding streams only the active blocks; `generate` stores the weights this way before it
+        decodes, unless told otherwise here. "row_major": the plain, contiguous `nn.Linear` layout, which a model has
+        after `__init__` and `from_pretrained` (so that `fully_shard`, DeepSpeed and `Trainer` with FSDP take it as
+        it is). Values, shapes, parameters, `state_dict` and saved checkpoints are the same for both; results agree
+        up to BLAS summation order. Masked-strategy sublayers, projections that are not plain `nn.Linear` and sharded
+        weights other than tensor-parallel ones are left alone.
 
         Raises:
             ValueError: `layout` is not one of "block_major", "row_major".
         """
         if layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"to_weight_layout: layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
+        self.decoding_weight_layout = layout
         for module in self.modules():
             sub_dims = getattr(module, "sub_dims", None)
             if isinstance(sub_dims, MoHDSubDimensions):
@@ -364,8 +354,8 @@ class MoHDPreTrainedModel(PreTrainedModel):
         """Switches every MoHD sublayer to a strategy of `MoHDSparseInterface` ("gather", "masked", or one registered
         there) on a loaded model, as `set_experts_implementation` switches experts. It is an execution choice like
         `to_weight_layout`: `config.sparse_implementation` stays the default a save records (choose another at load
-        with `from_pretrained(..., sparse_implementation=...)`). The strategies compute the same function; the
-        weights a strategy reads by blocks are stored block-major. The small-batch plan carries over.
+        with `from_pretrained(..., sparse_implementation=...)`). The strategies compute the same function; `generate`
+        stores the weights a strategy reads by blocks in its decoding layout. The small-batch plan carries over.
 
         Raises:
             ValueError: `implementation` is not registered in `MoHDSparseInterface`.
@@ -380,7 +370,6 @@ class MoHDPreTrainedModel(PreTrainedModel):
                 module.strategy = ALL_SPARSE_IMPLEMENTATIONS[implementation](self.config)
                 if small_batch_plan is not None and hasattr(module.strategy, "small_batch_plan"):
                     module.strategy.small_batch_plan = small_batch_plan
-        self.to_weight_layout("block_major")
 
     def set_small_batch_plan(self, plan: str = "auto") -> str:  # trf-ignore: TRF033 (execution choice)
         """How the gather strategy multiplies the picked blocks of 2 to `host_tokens` tokens on an eager CPU run
@@ -478,6 +467,14 @@ class MoHDForCausalLM(RoutedCausalLMMixin, MoHDPreTrainedModel, GenerationMixin)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`, after storing the input-side weights in the decoding layout
+        (`to_weight_layout(self.decoding_weight_layout)`, block-major unless set otherwise): decoding reads each
+        token's active blocks, which the block-major layout keeps contiguous. Parameters stay contiguous until then,
+        so sharding and training wrappers take the model as `__init__` and `from_pretrained` give it."""
+        self.to_weight_layout(self.decoding_weight_layout)
+        return super().generate(*args, **kwargs)
 
     def load_balancing_loss(self, router_logits, attention_mask=None, routing_replay=None) -> torch.Tensor | None:
         """Sub-dimension load-balance loss (paper section 3, step 7): Switch form per router, mean over

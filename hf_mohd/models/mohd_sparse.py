@@ -943,11 +943,11 @@ class MoHDGatherStrategy:
 
     Weight layout: the input side (q/k/v, gate/up) reads column blocks; in the row-major `nn.Linear` layout a block
     is s contiguous floats per row, which a CPU streams at a fraction of the contiguous bandwidth. MoHD models
-    therefore store those weights column-major (`MoHDPreTrainedModel.to_weight_layout("block_major")`, the default
-    after `__init__` and `from_pretrained`: same values and shapes, `weight.t()` contiguous), which makes every block
-    contiguous. The plans follow the layout each weight actually has, so a weight replaced by another layout (FSDP2's
-    unsharded parameters, a `load_state_dict(assign=True)`) stays exact, only slower: row-major input weights take
-    the dense product.
+    therefore decode with those weights column-major (`MoHDPreTrainedModel.to_weight_layout("block_major")`, which
+    `generate` applies before decoding: same values and shapes, `weight.t()` contiguous), which makes every block
+    contiguous; after `__init__` and `from_pretrained` they are plain contiguous tensors. The plans follow the layout
+    each weight actually has, so any layout is exact, only slower or faster: row-major input weights take the dense
+    product in the few-token plans.
 
     Attributes:
         few_tokens: most tokens of an index-tensor plan, N_r // k (while the blocks read are fewer than the routed

@@ -469,8 +469,8 @@ def train(config: TrainConfig) -> TrainResult:
     model = select_trainable(model, config.model)
     sharded = (DistributedType.FSDP, DistributedType.DEEPSPEED)
     if accelerator.distributed_type in sharded and hasattr(model, "to_weight_layout"):
-        # FSDP2 shards and DeepSpeed flattens (and views as bytes to broadcast) contiguous parameters only; MoHD
-        # keeps its input-side weights column-major for decoding.
+        # FSDP2 shards and DeepSpeed flattens (and views as bytes to broadcast) contiguous parameters only: a MoHD
+        # model that has decoded (`generate` stores its input-side weights block-major) goes back to row-major.
         model.to_weight_layout("row_major")
     optim = config.optim
     optimizer = torch.optim.AdamW(

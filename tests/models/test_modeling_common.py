@@ -283,13 +283,51 @@ def test_save_and_reload_exact(family, tmp_path):
     }
     for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-        assert a.stride() == b.stride(), name  # the same weight layout (block-major input side) after the reload
+        assert a.stride() == b.stride() and b.is_contiguous(), name  # contiguous after the reload, as saved
     reallocate_parameters(reloaded)  # the loaded views of the file may sum in another order (see its docstring)
     ids = input_ids()
     torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=0, rtol=0)
 
 
 @pytest.mark.slow
+def test_parameters_are_contiguous_and_fully_shard_takes_the_model(family, tmp_path):
+    """As transformers' `test_load_contiguous_weights`: every parameter of a new and of a reloaded model is contiguous,
+    so FSDP2's `fully_shard`, which refuses non-contiguous parameters, wraps the model as `from_pretrained` gives it
+    (here on a one-process gloo group) and a training step runs, with the loss of the unsharded model."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = family.model(dtype=torch.float32)
+    assert [name for name, param in model.named_parameters() if not param.is_contiguous()] == []
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert [name for name, param in reloaded.named_parameters() if not param.is_contiguous()] == []
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        ids = input_ids()
+        with torch.no_grad():
+            expected = model.train()(input_ids=ids, labels=ids).loss
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in reloaded.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(reloaded, mesh=mesh)
+        loss = reloaded.train()(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+        assert all(param.grad is not None for param in reloaded.parameters() if param.requires_grad)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_trust_remote_code_reload_in_fresh_process(family, tmp_path):
     """A process without hf_mohd installed loads the saved folder with `trust_remote_code=True`: the classes come
     from the copied files, generate records every router, the logits equal the saving process's, and the config's

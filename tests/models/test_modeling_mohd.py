@@ -283,10 +283,11 @@ def test_accounting_matches_built_model(overrides):
 def test_flops_per_token_equal_counted_matmuls_of_each_decoding_step(overrides):
     """FLOPs of each cached decoding step of the gather path (one token, which reads only its active blocks), as
     torch's FlopCounterMode counts its matmuls, are the accounting's FLOPs per token at a context of the t keys
-    cached so far plus its own (eager attention)."""
+    cached so far plus its own (eager attention). A decoding loop of forward calls stores the weights block-major
+    first, as `generate` does."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    model = make_model(sparse_implementation="gather", **overrides)
+    model = make_model(sparse_implementation="gather", **overrides).to_weight_layout("block_major")
     model.set_attn_implementation("eager")
     ids = input_ids(batch=1, length=4)
     cache = RoutingCache(config=model.config)
