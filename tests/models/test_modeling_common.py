@@ -328,6 +328,30 @@ def test_parameters_are_contiguous_and_fully_shard_takes_the_model(family, tmp_p
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_padding_matches_padding_free_with_position_ids(family, attention):
+    """As transformers' `test_eager_padding_matches_padding_free_with_position_ids`: two sequences (5 and 3 tokens)
+    right-padded with an attention mask, and packed into one row with position ids restarting at 0 (no mask, no
+    cache: transformers' masks then keep the sequences apart), give the same logits at every real token and the same
+    router aux loss (the padded batch's loss counts only the real tokens); `LlamaForCausalLM` does the same."""
+    model = family.model()
+    model.set_attn_implementation(attention)
+    first, second = input_ids(1, 5, seed=1)[0], input_ids(1, 3, seed=2)[0]
+    padded = torch.zeros(2, 5, dtype=torch.long)
+    padded[0], padded[1, :3] = first, second
+    mask = (torch.arange(5) < torch.tensor([[5], [3]])).long()
+    packed, positions = torch.cat([first, second])[None], torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])
+    with torch.no_grad():
+        padded_out = model(input_ids=padded, attention_mask=mask, use_cache=False, output_router_logits=True)
+        packed_out = model(input_ids=packed, position_ids=positions, use_cache=False, output_router_logits=True)
+    torch.testing.assert_close(padded_out.logits[0], packed_out.logits[0, :5], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(padded_out.logits[1, :3], packed_out.logits[0, 5:], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(padded_out.aux_loss, packed_out.aux_loss, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():  # the check is not vacuous: without the restart the second sequence sees the first
+        unpacked = model(input_ids=packed, use_cache=False).logits
+    assert (unpacked[0, 5:] - padded_out.logits[1, :3]).abs().max() > 1e-3
+
+
 def test_trust_remote_code_reload_in_fresh_process(family, tmp_path):
     """A process without hf_mohd installed loads the saved folder with `trust_remote_code=True`: the classes come
     from the copied files, generate records every router, the logits equal the saving process's, and the config's
