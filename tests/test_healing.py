@@ -198,3 +198,27 @@ def test_fitted_compensation_is_the_mean_contribution_of_skipped_blocks(tmp_path
         torch.testing.assert_close(reloaded(input_ids=calibration).logits, fitted, rtol=1e-10, atol=1e-10)
     with pytest.raises(ConversionError, match="dropped_block_compensation=True"):
         fit_dropped_block_compensation(plain, calibration)
+
+
+def test_accounting_counts_the_compensation_tables():
+    """With dropped-block compensation the accounting's parameter count is the built model's, and its FLOPs per
+    token are what FlopCounterMode counts in a decoding step (block-major, eager attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hf_mohd.models.routing_cache import RoutingCache
+
+    for sparse_modules in (["attention", "ffn"], ["ffn"]):
+        model = build(2, dropped_block_compensation=True, sparse_modules=sparse_modules).to_weight_layout(
+            "block_major"
+        )
+        assert model.config.num_parameters() == sum(p.numel() for p in model.parameters())
+        plain = build(2, sparse_modules=sparse_modules)
+        assert model.config.num_parameters() > plain.config.num_parameters()
+        model.set_attn_implementation("eager")
+        ids = torch.randint(3, 61, (1, 3), generator=torch.Generator().manual_seed(0))
+        cache = RoutingCache(config=model.config)
+        with torch.no_grad():
+            for step in range(3):
+                with FlopCounterMode(display=False) as counter:
+                    model(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True)
+                assert counter.get_total_flops() == model.config.flops_per_token(context_length=step + 1), step

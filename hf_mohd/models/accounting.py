@@ -45,8 +45,11 @@ K = `num_experts_per_tok`, m_s = `moe_shared_expert_intermediate_size`:
 MoHD layer (arXiv 2412.05644, docs/design.md section 3 "Layer definition"), N = `num_sub_dims`, N_s shared,
 k routed per token, n_a = N_s + k: a sparsified sublayer reads the n_a / N fraction of the input-side weight columns
 (q/k/v, gate/up) and output-side rows (o, down) and of the output-side biases, all of the input-side biases, its
-router (N_r x D, N_r = N - N_s; none when k = 0) and its group fusion (N x N; N D multiply-adds per token). A LLaMA
-config is a MoHD one with every block shared.
+router (N_r x D, N_r = N - N_s; none when k = 0) and its group fusion (N x N; N D multiply-adds per token). With
+`dropped_block_compensation` a sparsified sublayer also holds an (N, out) table per input-side projection and an
+(N, D / N) output table; a token reads the N - n_a rows of its skipped blocks, and the model adds the tables with one
+(N, out) product per input-side projection (2 N out FLOPs per token). A LLaMA config is a MoHD one with every block
+shared.
 
 Everything takes plain numbers, or a config-like object: a `PreTrainedConfig` (LatentMoE per-layer values read
 through `config.per_layer_config[i]`), any object with the field names as attributes, or a plain `dict` such as a
@@ -629,6 +632,9 @@ def _mohd_layers(config, context_length: int) -> tuple:
     n_active = n_shared + top_k
     sparse = set(_get(config, "sparse_modules", ()) or ()) if n_routed > 0 else set()
     fusion = _get(config, "group_fusion", "none") == "mix"
+    compensated = bool(_get(config, "dropped_block_compensation", False)) and top_k > 0
+    # the widths of each sublayer's input-side projections (q, k, v; gate, up): the compensation tables' columns
+    input_widths = {"attention": (heads + 2 * kv_heads) * head_dim, "ffn": 2 * _get(config, "intermediate_size")}
     sublayers = {
         "attention": attention_shapes(d, heads, kv_heads, head_dim, bool(_get(config, "attention_bias", False))),
         "ffn": mlp_shapes(d, _get(config, "intermediate_size"), True, bool(_get(config, "mlp_bias", False))),
@@ -638,13 +644,14 @@ def _mohd_layers(config, context_length: int) -> tuple:
         if name in sparse:
             active_weights = w_in * n_active // n + w_out * n_active // n
             routers, fusions = n_routed * d * (top_k > 0), n * n * fusion  # k = 0 builds no router
+            tables = (input_widths[name] + d // n) * compensated  # per block: the input tables' row, the output's
             sizes[name] = dict(
-                params=w_in + w_out + b_in + b_out,
-                activated=active_weights + b_in + b_out * n_active // n,
+                params=w_in + w_out + b_in + b_out + n * tables,
+                activated=active_weights + b_in + b_out * n_active // n + (n - n_active) * tables,
                 routers=routers,
                 fusions=fusions,
                 # the router reads the full width (N_r x D); the fusion mixes N blocks of width D / N (N D)
-                flops=2 * (active_weights + routers + n * d * fusion),
+                flops=2 * (active_weights + routers + n * d * fusion + n * input_widths[name] * compensated),
             )
         else:
             params = w_in + w_out + b_in + b_out
