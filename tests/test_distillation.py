@@ -230,3 +230,23 @@ def test_nested_healing_run_logs_its_ks_resumes_and_ends_at_the_target(tmp_path,
     resumed = train(distill_config(tmp_path, teacher_dir, student_dir, corpus, "resumed", **nested))
     assert [r["active_sub_dims"] for r in resumed.train_log] == logged
     assert [r["distill_kl"] for r in resumed.train_log] == pytest.approx([r["distill_kl"] for r in full.train_log])
+
+
+def test_nested_healing_of_a_student_with_per_layer_budgets(tmp_path, teacher_and_student):
+    """Nested healing at [3, 7] of a student whose layer 0 FFN has k = 5: the model's own k (3, its config's) runs
+    each sublayer at its configured k, and the healed model comes back with those budgets (saved and returned)."""
+    teacher_dir, student_dir = teacher_and_student
+    corpus = write_word_corpus(tmp_path / "corpus.jsonl")
+    uneven = tmp_path / "uneven"
+    model = AutoModelForCausalLM.from_pretrained(student_dir)
+    config = model.config.to_dict()
+    config["per_layer_config"] = {0: {"ffn_routed_sub_dims_per_tok": 5}}
+    type(model)(type(model.config).from_dict(config)).save_pretrained(uneven)
+    AutoTokenizer.from_pretrained(student_dir).save_pretrained(uneven)
+    nested = {"max_steps": 2, "distill.active_sub_dims": [3, 7], "save_final": True}
+    result = train(distill_config(tmp_path, teacher_dir, uneven, corpus, "uneven_run", **nested))
+    assert [r["active_sub_dims"] for r in result.train_log] == [[3, 7], [3, 7]]
+    for healed in (result.model, AutoModelForCausalLM.from_pretrained(tmp_path / "uneven_run" / "final")):
+        ks = {name: module.top_k for name, module in healed.named_modules() if name.endswith("sub_dims.router")}
+        assert ks["model.layers.0.mlp.sub_dims.router"] == 5
+        assert {k for name, k in ks.items() if name != "model.layers.0.mlp.sub_dims.router"} == {3}

@@ -1,4 +1,5 @@
-"""Healing pieces that keep the dense function: changing k of a loaded MoHD model (`set_active_sub_dims`).
+"""Healing pieces that keep the dense function: changing k of a loaded MoHD model (`set_active_sub_dims`), uneven
+budgets (each layer and sublayer kind at its own k) and the dropped-block compensation.
 
 Oracle: a model built with that k in its config, holding the same weights (the same function by construction), on
 both execution strategies, for forward, the aux loss and greedy decoding.
@@ -83,7 +84,9 @@ def test_set_active_sub_dims_full_activation_differs_from_the_target():
 @pytest.mark.parametrize("bad", [0, 7, -1, 2.0, True, "2"])
 def test_set_active_sub_dims_refuses_bad_k(bad):
     model = build(2)
-    with pytest.raises(ValueError, match=r"num_routed_sub_dims_per_tok must be an int in \[1, 6\]"):
+    with pytest.raises(
+        ValueError, match=r"num_routed_sub_dims_per_tok must be None \(the config's\) or an int in \[1, 6\]"
+    ):
         model.set_active_sub_dims(bad)
     assert model.active_sub_dims_per_tok == 2
 
@@ -222,3 +225,213 @@ def test_accounting_counts_the_compensation_tables():
                 with FlopCounterMode(display=False) as counter:
                     model(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True)
                 assert counter.get_total_flops() == model.config.flops_per_token(context_length=step + 1), step
+
+
+# Uneven budgets: each layer and sublayer kind with its own k (`attention_routed_sub_dims_per_tok`,
+# `ffn_routed_sub_dims_per_tok`, per layer through `per_layer_config`).
+
+BUDGETS = {  # (layer, sublayer) -> k; layer 1's attention keeps the top-level value 2, its FFN the per-kind value 5
+    (0, "attention"): 1,
+    (0, "ffn"): 6,
+    (1, "attention"): 2,
+    (1, "ffn"): 5,
+}
+UNEVEN = dict(
+    ffn_routed_sub_dims_per_tok=5,
+    per_layer_config={0: {"attention_routed_sub_dims_per_tok": 1, "ffn_routed_sub_dims_per_tok": 6}},
+)
+
+
+def sub_dims_of(model) -> dict:
+    layers = model.model.layers
+    return {
+        (idx, kind): getattr(layers[idx], "self_attn" if kind == "attention" else "mlp").sub_dims
+        for idx in range(len(layers))
+        for kind in ("attention", "ffn")
+    }
+
+
+@pytest.mark.parametrize("implementation", ["gather", "masked"])
+def test_per_layer_budgets_equal_each_sublayer_at_its_own_k(tmp_path, implementation):
+    """A config with per-layer and per-kind k builds each sublayer at its k: the logits, aux loss and greedy tokens
+    equal those of the uniform k = 2 model with the same weights whose sublayers are each set to the budget's k
+    (`set_top_k`, checked above against models built with that k); a save and reload keeps the budgets, and
+    `set_active_sub_dims(None)` restores them after a uniform k."""
+    model = build(2, sparse_implementation=implementation, **UNEVEN)
+    oracle = build(2, sparse_implementation=implementation)
+    oracle.load_state_dict(model.state_dict())
+    for key, sub_dims in sub_dims_of(oracle).items():
+        sub_dims.set_top_k(BUDGETS[key])
+    assert {key: sub.router.top_k for key, sub in sub_dims_of(model).items()} == BUDGETS
+    assert model.active_sub_dims_per_tok is None
+    input_ids = torch.randint(3, 61, (2, 7), generator=torch.Generator().manual_seed(1))
+    (logits, aux, tokens), (want_logits, want_aux, want_tokens) = outputs(model, input_ids), outputs(oracle, input_ids)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(aux, want_aux, rtol=1e-10, atol=1e-10)
+    assert torch.equal(tokens, want_tokens)
+    uniform = build(2, sparse_implementation=implementation)
+    uniform.load_state_dict(model.state_dict())
+    assert (outputs(uniform, input_ids)[0] - logits).abs().max() > 1e-3  # the budgets change the function
+
+    model.save_pretrained(tmp_path)
+    reloaded = MoHDForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    assert {key: sub.router.top_k for key, sub in sub_dims_of(reloaded).items()} == BUDGETS
+    reloaded.set_active_sub_dims(6)
+    assert reloaded.active_sub_dims_per_tok == 6
+    reloaded.set_active_sub_dims(None)
+    assert {key: sub.router.top_k for key, sub in sub_dims_of(reloaded).items()} == BUDGETS
+    torch.testing.assert_close(outputs(reloaded, input_ids)[0], logits, rtol=1e-10, atol=1e-10)
+
+
+def test_per_layer_budgets_aux_loss_counts_each_router_at_its_k():
+    """The load-balance loss of uneven budgets is the mean over routers of each router's Switch loss at its own k,
+    computed here one router at a time from the recorded logits (f_j = picks of j / (tokens k), P_j = mean p_j,
+    L = N_r sum_j f_j P_j)."""
+    model = build(2, **UNEVEN)
+    input_ids = torch.randint(3, 61, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = model(input_ids=input_ids, output_router_logits=True)
+    losses = []
+    for logits, k in zip(out.router_logits, BUDGETS.values(), strict=True):
+        probs = torch.softmax(logits, dim=-1)
+        picks = torch.zeros(probs.shape[-1], dtype=probs.dtype)
+        for row in probs:  # top-k by hand, ties to the lower index
+            picks[sorted(range(len(row)), key=lambda j: (-row[j].item(), j))[:k]] += 1
+        losses.append(probs.shape[-1] * (picks / (probs.shape[0] * k) * probs.mean(0)).sum())
+    torch.testing.assert_close(out.aux_loss, torch.stack(losses).mean(), rtol=1e-12, atol=1e-12)
+
+
+def test_per_layer_budgets_accounting_and_a_sublayer_without_router():
+    """The accounting counts each sublayer at its k: per layer, the attention FLOPs are those of the uniform config
+    with the attention's k and the FFN FLOPs those of the uniform config with the FFN's k; a sublayer at k = 0 has no
+    router, and the total equals the built model's parameters; a parsed `config.json` dict counts the same."""
+    from hf_mohd.models.accounting import model_accounting
+
+    config = MoHDConfig(
+        **{
+            **FIELDS,
+            **UNEVEN,
+            "per_layer_config": {0: {"attention_routed_sub_dims_per_tok": 1, "ffn_routed_sub_dims_per_tok": 0}},
+        }
+    )
+    budgets = {**BUDGETS, (0, "ffn"): 0}
+    cost = config.accounting(16)
+    for layer in cost.layers:
+        for kind, field in (("attention", "attention_flops"), ("ffn", "mixer_flops")):
+            uniform = MoHDConfig(**{**FIELDS, "num_routed_sub_dims_per_tok": budgets[(layer.layer_idx, kind)]})
+            assert getattr(layer, field) == getattr(uniform.accounting(16).layers[layer.layer_idx], field), (
+                layer,
+                kind,
+            )
+    model = MoHDForCausalLM(config)
+    assert model.model.layers[0].mlp.sub_dims.router is None
+    assert cost.total_params == config.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert model_accounting(config.to_dict(), 16) == cost
+    # additivity of what a token reads: swapping the two kinds' k between two layers keeps the sum
+    swapped = MoHDConfig(**{**FIELDS, "attention_routed_sub_dims_per_tok": 4, "ffn_routed_sub_dims_per_tok": 1})
+    straight = MoHDConfig(**{**FIELDS, "attention_routed_sub_dims_per_tok": 1, "ffn_routed_sub_dims_per_tok": 4})
+    one = [MoHDConfig(**{**FIELDS, "num_routed_sub_dims_per_tok": k}).num_active_parameters() for k in (1, 4)]
+    assert swapped.num_active_parameters() + straight.num_active_parameters() == sum(one)
+    assert straight.num_active_parameters() != swapped.num_active_parameters()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"per_layer_config": {1: {"ffn_routed_sub_dims_per_tok": 7}}}, r"layer 1: `ffn_routed_sub_dims_per_tok`"),
+        ({"attention_routed_sub_dims_per_tok": -1}, r"layer 0: `attention_routed_sub_dims_per_tok`"),
+        ({"per_layer_config": {0: {"num_routed_sub_dims_per_tok": 3}}}, r"cannot vary per layer"),
+        ({"per_layer_config": {0: {"num_sub_dims": 4}}}, r"allowed fields: \['attention_routed_sub_dims_per_tok'"),
+    ],
+)
+def test_per_layer_budgets_refuse_bad_values(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        MoHDConfig(**{**FIELDS, **overrides})
+
+
+def test_sublayer_errors_are_each_sublayer_lowered_alone():
+    """e_u(k) of `sublayer_errors` against an independent measurement: a model with only that sublayer at k (through
+    `per_layer_config`, the others at N_r) run on the same ids, its sublayer output against the full model's, over
+    the residual stream the sublayer adds to (the layer input for attention, plus the attention output for the
+    FFN), summed over the batches."""
+    from hf_mohd.conversion.budgets import sublayer_errors
+
+    model = build(2, routed_gate="unit")
+    ids = torch.randint(3, 61, (5, 6), generator=torch.Generator().manual_seed(3))
+    errors, tokens = sublayer_errors(model, ids, batch_size=2)
+    assert tokens == 30 and set(errors) == set(BUDGETS)
+    assert {key: sub.router.top_k for key, sub in sub_dims_of(model).items()} == dict.fromkeys(BUDGETS, 2)
+
+    def measured(per_layer):
+        run = build(6, routed_gate="unit", per_layer_config=per_layer)
+        run.load_state_dict(model.state_dict())
+        captured = {}
+        layer = run.model.layers[1]
+        layer.self_attn.register_forward_hook(lambda m, a, out: captured.__setitem__("attn", out[0]))
+        layer.mlp.register_forward_hook(lambda m, a, out: captured.__setitem__("mlp", out))
+        rows = []
+        for start in range(0, 5, 2):
+            with torch.no_grad():
+                hidden = run(input_ids=ids[start : start + 2], output_hidden_states=True).hidden_states[1]
+            rows.append((captured["attn"], captured["mlp"], hidden))
+        return rows
+
+    full = measured({})
+    for kind, k in (("attention", 1), ("ffn", 4)):
+        lowered = measured({1: {f"{kind}_routed_sub_dims_per_tok": k}})
+        num = den = 0.0
+        for (attn, mlp, hidden), (attn_k, mlp_k, _) in zip(full, lowered, strict=True):
+            num += ((attn_k - attn) if kind == "attention" else (mlp_k - mlp)).pow(2).sum().item()
+            den += (hidden if kind == "attention" else hidden + attn).pow(2).sum().item()
+        assert errors[(1, kind)][k - 1] == pytest.approx(num / den, rel=1e-9), kind
+        assert errors[(1, kind)][k - 1] > 0 and errors[(1, kind)][-1] == 0.0
+
+
+def test_greedy_budgets_on_a_hand_table():
+    """Two units, N_r = 3, w = 1 and 2, budget 2 (1 + 2) = 6: from (3, 3) = 9, lowering B 3 -> 2 costs 0.05 / 2 =
+    0.025 per parameter against A's 0.1, then B 2 -> 1 costs 0.15 / 2 = 0.075 against 0.1: (3, 1) = 5 <= 6."""
+    from hf_mohd.conversion.budgets import greedy_budgets
+
+    errors = {"A": [0.5, 0.1, 0.0], "B": [0.2, 0.05, 0.0]}
+    assert greedy_budgets(errors, {"A": 1, "B": 2}, 6.0) == ({"A": 3, "B": 1}, ["B", "B"])
+    assert greedy_budgets(errors, {"A": 1, "B": 2}, 9.0) == ({"A": 3, "B": 3}, [])
+    assert greedy_budgets(errors, {"A": 1, "B": 2}, 3.0)[0] == {"A": 1, "B": 1}
+
+
+def test_allocation_keeps_the_parameter_budget_and_is_saved(tmp_path):
+    """The allocation reads at most the parameters per token of the uniform model at the mean k (the accounting of
+    the applied config against the uniform one), is uneven on this model, and a save and reload keeps it."""
+    from hf_mohd.conversion.budgets import allocate_routed_sub_dims, apply_routed_budgets
+
+    model = build(2, routed_gate="unit")
+    ids = torch.randint(3, 61, (4, 8), generator=torch.Generator().manual_seed(4))
+    allocation = allocate_routed_sub_dims(model, ids, 3, batch_size=2)
+    assert allocation.active_block_params <= allocation.budget_block_params
+    assert len(set(allocation.budgets.values())) > 1
+    apply_routed_budgets(model, allocation)
+    uniform = MoHDConfig(**{**FIELDS, "num_routed_sub_dims_per_tok": 3})
+    assert model.config.num_active_parameters() <= uniform.num_active_parameters()
+    assert {key: sub.router.top_k for key, sub in sub_dims_of(model).items()} == allocation.budgets
+    model.save_pretrained(tmp_path)
+    reloaded = MoHDForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert {key: sub.router.top_k for key, sub in sub_dims_of(reloaded).items()} == allocation.budgets
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=1e-10, atol=1e-10)
+
+
+def test_nested_backward_runs_the_own_k_at_the_per_layer_budgets():
+    """In nested healing the model's own k (its config's default, 2) stands for its per-layer budgets: the forward at
+    k = 2 sees every sublayer at its budget, the forward at k = 6 every sublayer at 6, and the model is left at
+    its budgets."""
+    from hf_mohd.training.distill import nested_backward
+
+    model = build(2, **UNEVEN)
+    seen = []
+
+    def forward():
+        seen.append({key: sub.router.top_k for key, sub in sub_dims_of(model).items()})
+        return None
+
+    nested_backward(model, [(2, 1.0), (6, 0.5)], forward, lambda out: (torch.zeros(()), 0.0), lambda x: None, own_k=2)
+    assert seen == [dict.fromkeys(BUDGETS, 6), BUDGETS]
+    assert {key: sub.router.top_k for key, sub in sub_dims_of(model).items()} == BUDGETS

@@ -107,6 +107,13 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--calibration-tokens", type=int, default=16384, help="Calibration tokens used at most (default 16384)."
     )
     parser.add_argument("--calibration-window", type=int, default=256, help="Tokens per calibration row (256).")
+    parser.add_argument(
+        "--routed-budgets",
+        choices=("uniform", "greedy"),
+        default="uniform",
+        help="uniform: every sublayer at k (default); greedy: each layer and sublayer kind its own k, allocated on "
+        "the calibration text under the parameter budget of k everywhere (needs --calibration-text).",
+    )
     parser.set_defaults(func=run_mohd)
     return parser
 
@@ -216,6 +223,7 @@ MOHD_OPTIONS = (
     "calibration_text",
     "calibration_tokens",
     "calibration_window",
+    "routed_budgets",
     "num_sub_dims",  # the sparsity fields (`SPARSITY_FIELDS` that are arguments); None: the preset's
     "num_shared_sub_dims",
     "num_routed_sub_dims_per_tok",

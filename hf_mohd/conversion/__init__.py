@@ -5,6 +5,14 @@ The functions live in the package, so an installed `hf-mohd` converts without th
 a thin command-line wrapper around `convert_mohd`, `convert_latent_moe` and `convert_carved_latent_moe`.
 """
 
+from .budgets import (
+    ROUTED_BUDGETS,
+    BudgetAllocation,
+    allocate_routed_sub_dims,
+    apply_routed_budgets,
+    greedy_budgets,
+    sublayer_errors,
+)
 from .carve import (
     CarveReport,
     carve_llama,
@@ -49,6 +57,12 @@ from .verify import max_logit_difference, verify_logits
 
 
 __all__ = [
+    "ROUTED_BUDGETS",
+    "BudgetAllocation",
+    "allocate_routed_sub_dims",
+    "apply_routed_budgets",
+    "greedy_budgets",
+    "sublayer_errors",
     "CarveReport",
     "carve_llama",
     "carved_routing_recall",

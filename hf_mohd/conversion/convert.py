@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from .budgets import ROUTED_BUDGETS, allocate_routed_sub_dims, apply_routed_budgets
 from .carve import (
     carve_llama,
     carved_config_from_llama,
@@ -92,6 +93,7 @@ def convert_mohd(
     calibration_text: str | Path | None = None,
     calibration_tokens: int = 16384,
     calibration_window: int = 256,
+    routed_budgets: str = "uniform",
     verify: bool = False,
     atol: float = 1e-4,
     dtype: torch.dtype | None = None,
@@ -118,6 +120,9 @@ def convert_mohd(
         calibration_text: UTF-8 text file, tokenized with the source tokenizer (`calibration_token_ids`); needed by
             `rotation` and `routers="fitted"`; keep it disjoint from evaluation text.
         calibration_tokens, calibration_window: at most this many calibration tokens, in rows of this many.
+        routed_budgets: "uniform" (every sublayer at k) or "greedy": each layer and sublayer kind gets its own k,
+            allocated on the calibration text under the per-token parameter budget of the uniform k
+            (`budgets.allocate_routed_sub_dims`, after the routers; saved in `per_layer_config`).
         verify: before writing, check the exact model (every sub-dimension shared, same channel order and basis)
             against the source's logits; with a rotation the check runs in float64 (the same Q applied to a float64
             copy of the source), since fp32 rounding of the rotated weights alone moves real logits by ~1e-4.
@@ -144,6 +149,12 @@ def convert_mohd(
     check_mohd_options(
         rotation, routers, channel_order, calibration_text, "`calibration_text` (a UTF-8 file, --calibration-text)"
     )
+    if routed_budgets not in ROUTED_BUDGETS:
+        raise ConversionError(f"`routed_budgets` must be one of {list(ROUTED_BUDGETS)}, got {routed_budgets!r}.")
+    if routed_budgets == "greedy" and calibration_text is None:
+        raise ConversionError(
+            "routed_budgets='greedy' allocates on calibration text: give `calibration_text` (--calibration-text)."
+        )
     source, save_options = _load_checked(
         source, output_dir, gguf_file, dtype, perplexity_json, base_model, overwrite, max_shard_size
     )
@@ -178,6 +189,21 @@ def convert_mohd(
         calibration_ids=calibration_ids,
         **sparsity,
     )
+    budget_note = None
+    if routed_budgets == "greedy":
+        if model.config.num_routed_sub_dims_per_tok == 0 or model.config.num_routed_sub_dims == 0:
+            raise ConversionError(
+                "routed_budgets='greedy' needs routed sub-dimensions (k >= 1); this preset has none."
+            )
+        allocation = allocate_routed_sub_dims(model, calibration_ids, model.config.num_routed_sub_dims_per_tok)
+        apply_routed_budgets(model, allocation)
+        shown = ", ".join(f"{layer}.{kind} {k}" for (layer, kind), k in sorted(allocation.budgets.items()))
+        budget_note = (
+            "Each layer and sublayer kind has its own k (`per_layer_config`), allocated greedily on the calibration "
+            "text from each sublayer's residual-stream error at every k (TEAL's greedy, arXiv 2408.14690 section "
+            f"4.2), under the per-token parameter budget of k = {allocation.mean_routed_sub_dims:g} everywhere: "
+            f"{shown}."
+        )
     changes = describe_mohd_conversion(
         model.config,
         seed,
@@ -187,6 +213,8 @@ def convert_mohd(
         calibration=calibration,
         untied_parameters=info["untied_parameters"],
     )
+    if budget_note:
+        changes = f"{changes}\n\n{budget_note}"
     path = save_converted(model, output_dir, converted, changes, **save_options)
     tokens = None if calibration_ids is None else calibration_ids.numel()
     return ConversionResult(path, model, difference, tokens)

@@ -19,7 +19,7 @@ group fusion, LM head) plus, for a context of S keys, the attention scores QK^T 
 (activations, norms, softmax, biases, routing combine) is left out. For LatentMoE, FLOPs = 2 x the MACs of
 arXiv 2610.14644 appendix B.2.
 
-Shared terms (docs/design.md section 3 "Presets" accounting paragraph and section 4 "Accounting per layer"), with
+Shared terms (MoHD arXiv 2412.05644 section 3; LatentMoE arXiv 2610.14644 appendix B.2), with
 D = `hidden_size`, H = heads, H_kv = key/value heads, h = `head_dim`, V = `vocab_size`:
 
 - attention (LLaMA q, k, v, o)   D (H + 2 H_kv) h + H h D weights (+ (H + 2 H_kv) h + D biases, `attention_bias`)
@@ -29,7 +29,7 @@ D = `hidden_size`, H = heads, H_kv = key/value heads, h = `head_dim`, V = `vocab
 - embedding and LM head          V D each; a tied LM head is stored once (counted once in `total_params`) but read
                                  by every token (counted in `activated_params` and in the FLOPs, 2 V D)
 
-LatentMoE layer t (arXiv 2610.14644 section 2 and appendix B.2, docs/design.md section 4), with
+LatentMoE layer t (arXiv 2610.14644 section 2 and appendix B.2), with
 l = `moe_latent_size` (None = standard MoE, experts read width D), m = `moe_intermediate_size`, N = `num_experts`,
 K = `num_experts_per_tok`, m_s = `moe_shared_expert_intermediate_size`:
 
@@ -42,8 +42,8 @@ K = `num_experts_per_tok`, m_s = `moe_shared_expert_intermediate_size`:
 - activated FLOPs per token      2 (c K l m + 2 D l + D N + c D m_s)   (B.2: "approximately 3 C_t + d Q_t" MACs)
 - all-to-all payload per token   2 K l scalars      (dispatch K l plus return K l; standard MoE 2 K D; B.2 / Fig. 6)
 
-MoHD layer (arXiv 2412.05644, docs/design.md section 3 "Layer definition"), N = `num_sub_dims`, N_s shared,
-k routed per token, n_a = N_s + k: a sparsified sublayer reads the n_a / N fraction of the input-side weight columns
+MoHD layer (arXiv 2412.05644 section 3), N = `num_sub_dims`, N_s shared, k routed per token (each sublayer's own,
+`routed_sub_dims_per_tok`), n_a = N_s + k: a sparsified sublayer reads the n_a / N fraction of the input-side weight columns
 (q/k/v, gate/up) and output-side rows (o, down) and of the output-side biases, all of the input-side biases, its
 router (N_r x D, N_r = N - N_s; none when k = 0) and its group fusion (N x N; N D multiply-adds per token). With
 `dropped_block_compensation` a sparsified sublayer also holds an (N, out) table per input-side projection and an
@@ -77,6 +77,10 @@ MOE_SHAPE_FIELDS = (
 # everything else (width, attention, `mlp_gated`, `mlp_bias`, routing function) is one value for the whole model.
 # `LatentMoEConfig` and the accounting of config dicts check overrides against this one list (`check_layer_overrides`).
 PER_LAYER_FIELDS = ("mixer_type", "intermediate_size", *MOE_SHAPE_FIELDS)
+# MoHD's sublayer kinds, and the fields a MoHD `per_layer_config` entry may override: the routed sub-dimensions per
+# token of each kind (`routed_sub_dims_per_tok`); the block geometry and the default k are one value for the model.
+MOHD_SUBLAYERS = ("attention", "ffn")
+MOHD_PER_LAYER_FIELDS = tuple(f"{kind}_routed_sub_dims_per_tok" for kind in MOHD_SUBLAYERS)
 
 # LatentMoE fields the accounting of a layer reads, with the value used when a config lacks them.
 LAYER_FIELD_DEFAULTS = {
@@ -100,20 +104,21 @@ LAYER_FIELD_DEFAULTS = {
 _FOREIGN_MOE_FIELDS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
 
 
-def check_layer_overrides(layer_idx, overrides: Mapping) -> None:
-    """Rejects a `per_layer_config` entry that overrides a field outside `PER_LAYER_FIELDS`.
+def check_layer_overrides(layer_idx, overrides: Mapping, allowed: tuple[str, ...] = PER_LAYER_FIELDS) -> None:
+    """Rejects a `per_layer_config` entry that overrides a field outside `allowed` (LatentMoE: `PER_LAYER_FIELDS`;
+    MoHD: `MOHD_PER_LAYER_FIELDS`).
 
-    Used by `LatentMoEConfig.validate_architecture` and by `layer_fields` (config dicts, other config-like objects),
-    so both give the same message.
+    Used by both configs' `validate_architecture` and by the accounting of config dicts and other config-like objects,
+    so all give the same message.
 
     Raises:
         ValueError: naming the layer, the fields that cannot vary per layer and the allowed ones.
     """
-    unknown = sorted(set(overrides) - set(PER_LAYER_FIELDS))
+    unknown = sorted(set(overrides) - set(allowed))
     if unknown:
         raise ValueError(
             f"`per_layer_config[{layer_idx}]` overrides {unknown}, which cannot vary per layer; "
-            f"allowed fields: {list(PER_LAYER_FIELDS)}."
+            f"allowed fields: {list(allowed)}."
         )
 
 
@@ -209,7 +214,7 @@ def mlp_shapes(
     """An MLP of width I as (input-side weights, output-side weights, input-side biases, output-side biases):
     gate/up (c - 1) D I, down I D, and with `mlp_bias` (c - 1) I and D (else 0, 0); c = 3 gated, 2 non-gated.
 
-    The LLaMA MLP (docs/design.md section 3 "Layer"), the LatentMoE dense layer and shared expert (section 4).
+    The LLaMA MLP, the LatentMoE dense layer and shared expert (arXiv 2610.14644 section 2).
 
     Raises:
         ValueError: a size is not a positive integer, or `mlp_gated` is not a bool.
@@ -251,7 +256,7 @@ def routed_expert_params(
     """Parameters of the routed experts of one layer: c N l m (standard MoE, l None: c N D m).
 
     Source: arXiv 2610.14644 section 2 ("routed-path parameters scale as N l m") and appendix B.2 ("each layer's
-    routed experts contain 3 N_t l_t m_t parameters"); c = 3 gated, 2 non-gated (docs/design.md section 4).
+    routed experts contain 3 N_t l_t m_t parameters"); c = 3 gated, 2 non-gated.
     With N = K it is what a token reads of them.
 
     Raises:
@@ -269,7 +274,7 @@ def latent_projection_params(hidden_size: int, moe_latent_size: int | None, mlp_
     """Parameters of `fc1_latent_proj` (D -> l) and `fc2_latent_proj` (l -> D): 2 D l, 0 when l is None.
 
     Source: arXiv 2610.14644 appendix B.2 ("2 d l_t latent-projection parameters"); with `mlp_bias` their biases add
-    l + D (docs/design.md section 4).
+    l + D.
     """
     _check_positive("hidden_size", hidden_size)
     if _check_optional_positive("moe_latent_size", moe_latent_size) is None:
@@ -280,7 +285,7 @@ def latent_projection_params(hidden_size: int, moe_latent_size: int | None, mlp_
 def router_params(hidden_size: int, num_experts: int) -> int:
     """Router weight W_r (N x D, no bias): D N. The sigmoid router's `e_score_correction_bias` is a buffer.
 
-    Source: arXiv 2610.14644 appendix B.2 ("d N_t router parameters"); docs/design.md section 4, Layer step 1.
+    Source: arXiv 2610.14644 appendix B.2 ("d N_t router parameters").
     """
     return _check_positive("hidden_size", hidden_size) * _check_positive("num_experts", num_experts)
 
@@ -361,6 +366,36 @@ def _num_layers(config) -> int:
     return _check_positive("num_hidden_layers", _get(config, "num_hidden_layers"))
 
 
+def _layer_source(config, layer_idx: int, allowed: tuple[str, ...]) -> tuple[object, dict]:
+    """(object to read layer `layer_idx`'s fields from, overrides to apply on top): a `PreTrainedConfig`'s
+    `per_layer_config[layer_idx]` view and no overrides, or a config-like object and its mapping `per_layer_config`
+    entry for the layer, every entry checked against `allowed` (`check_layer_overrides`).
+
+    Raises:
+        ValueError: `layer_idx` outside [0, num_hidden_layers), a key that is not a layer index, or an entry that
+            overrides a field outside `allowed`.
+    """
+    num_layers = _num_layers(config)
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < num_layers:
+        raise ValueError(f"`layer_idx` must be an integer in [0, {num_layers}), got {layer_idx!r}.")
+    per_layer = _get(config, "per_layer_config")
+    if isinstance(per_layer, Mapping):
+        overrides = {}
+        for key, value in per_layer.items():
+            if isinstance(key, bool) or not str(key).strip().isdigit() or not isinstance(value, Mapping):
+                raise ValueError(
+                    "`per_layer_config` must map layer indices (int or digit strings) to field overrides, "
+                    f"got {key!r}: {value!r}."
+                )
+            check_layer_overrides(int(key), value, allowed)
+            if int(key) == layer_idx:
+                overrides = dict(value)
+        return config, overrides
+    if per_layer is not None:
+        return per_layer[layer_idx], {}
+    return config, {}
+
+
 def layer_fields(config, layer_idx: int) -> dict:
     """Resolved LatentMoE fields (`LAYER_FIELD_DEFAULTS` keys) of layer `layer_idx` of a config-like object.
 
@@ -374,24 +409,7 @@ def layer_fields(config, layer_idx: int) -> dict:
         ValueError: `layer_idx` is outside [0, num_hidden_layers), a `per_layer_config` key is not an index, or an
             entry overrides a field outside `PER_LAYER_FIELDS`.
     """
-    num_layers = _num_layers(config)
-    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < num_layers:
-        raise ValueError(f"`layer_idx` must be an integer in [0, {num_layers}), got {layer_idx!r}.")
-    per_layer = _get(config, "per_layer_config")
-    overrides = {}
-    source = config
-    if isinstance(per_layer, Mapping):
-        for key, value in per_layer.items():
-            if isinstance(key, bool) or not str(key).strip().isdigit() or not isinstance(value, Mapping):
-                raise ValueError(
-                    "`per_layer_config` must map layer indices (int or digit strings) to field overrides, "
-                    f"got {key!r}: {value!r}."
-                )
-            check_layer_overrides(int(key), value)
-            if int(key) == layer_idx:
-                overrides = dict(value)
-    elif per_layer is not None:
-        source = per_layer[layer_idx]
+    source, overrides = _layer_source(config, layer_idx, PER_LAYER_FIELDS)
     fields = {}
     for name, default in LAYER_FIELD_DEFAULTS.items():
         fields[name] = overrides[name] if name in overrides else _get(source, name, default)
@@ -443,7 +461,7 @@ class LayerAccounting:
 @dataclass(frozen=True)
 class MoHDLayerAccounting(LayerAccounting):
     """A MoHD (or LLaMA) decoder layer: `LayerAccounting` plus `mlp_params`, the gate/up/down projections with their
-    biases (docs/design.md section 3)."""
+    biases."""
 
     mlp_params: int
 
@@ -618,9 +636,29 @@ def _latent_moe_layer(config, layer_idx: int, context_length: int) -> LatentMoEL
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def routed_sub_dims_per_tok(config, layer_idx: int, sublayer: str) -> int:
+    """k of one MoHD sublayer: the routed sub-dimensions each token activates in the `sublayer` kind ("attention" or
+    "ffn") of layer `layer_idx`. The layer's `{sublayer}_routed_sub_dims_per_tok` when set (for one layer through
+    `per_layer_config`, or for every layer at the top level), else `num_routed_sub_dims_per_tok`; 0 (no router,
+    the shared blocks alone) for a config without the MoHD fields (LLaMA). Per-sublayer budgets follow TEAL (arXiv
+    2408.14690 section 4.2), which gives each layer and projection kind its own sparsity.
+
+    Raises:
+        ValueError: `sublayer` not in `MOHD_SUBLAYERS`, `layer_idx` outside [0, num_hidden_layers), or a
+            `per_layer_config` entry of a config dict that overrides a field outside `MOHD_PER_LAYER_FIELDS`.
+    """
+    if sublayer not in MOHD_SUBLAYERS:
+        raise ValueError(f"`sublayer` must be one of {list(MOHD_SUBLAYERS)}, got {sublayer!r}.")
+    name = f"{sublayer}_routed_sub_dims_per_tok"
+    source, overrides = _layer_source(config, layer_idx, MOHD_PER_LAYER_FIELDS)
+    value = overrides[name] if name in overrides else _get(source, name)
+    return _get(config, "num_routed_sub_dims_per_tok", 0) if value is None else value
+
+
 def _mohd_layers(config, context_length: int) -> tuple:
-    """The `MoHDLayerAccounting` of every (identical) decoder layer of a MoHD config; a config without the MoHD fields
-    (LLaMA) has one block, all shared: every sublayer dense, no router and no fusion (docs/design.md section 3)."""
+    """The `MoHDLayerAccounting` of every decoder layer of a MoHD config, each sublayer at its own k
+    (`routed_sub_dims_per_tok`); a config without the MoHD fields (LLaMA) has one block, all shared: every sublayer
+    dense, no router and no fusion (MoHD arXiv 2412.05644 section 3)."""
     d = _check_positive("hidden_size", _get(config, "hidden_size"))
     heads = _check_positive("num_attention_heads", _get(config, "num_attention_heads"))
     kv_heads = _get(config, "num_key_value_heads") or heads
@@ -628,53 +666,56 @@ def _mohd_layers(config, context_length: int) -> tuple:
     n = _check_positive("num_sub_dims", _get(config, "num_sub_dims", 1))
     n_shared = _get(config, "num_shared_sub_dims", n)
     n_routed = n - n_shared
-    top_k = _get(config, "num_routed_sub_dims_per_tok", 0)
-    n_active = n_shared + top_k
     sparse = set(_get(config, "sparse_modules", ()) or ()) if n_routed > 0 else set()
     fusion = _get(config, "group_fusion", "none") == "mix"
-    compensated = bool(_get(config, "dropped_block_compensation", False)) and top_k > 0
+    compensation = bool(_get(config, "dropped_block_compensation", False))
     # the widths of each sublayer's input-side projections (q, k, v; gate, up): the compensation tables' columns
     input_widths = {"attention": (heads + 2 * kv_heads) * head_dim, "ffn": 2 * _get(config, "intermediate_size")}
-    sublayers = {
+    shapes = {
         "attention": attention_shapes(d, heads, kv_heads, head_dim, bool(_get(config, "attention_bias", False))),
         "ffn": mlp_shapes(d, _get(config, "intermediate_size"), True, bool(_get(config, "mlp_bias", False))),
     }
-    sizes = {}
-    for name, (w_in, w_out, b_in, b_out) in sublayers.items():
-        if name in sparse:
-            active_weights = w_in * n_active // n + w_out * n_active // n
-            routers, fusions = n_routed * d * (top_k > 0), n * n * fusion  # k = 0 builds no router
-            tables = (input_widths[name] + d // n) * compensated  # per block: the input tables' row, the output's
-            sizes[name] = dict(
-                params=w_in + w_out + b_in + b_out + n * tables,
-                activated=active_weights + b_in + b_out * n_active // n + (n - n_active) * tables,
-                routers=routers,
-                fusions=fusions,
-                # the router reads the full width (N_r x D); the fusion mixes N blocks of width D / N (N D)
-                flops=2 * (active_weights + routers + n * d * fusion + n * input_widths[name] * compensated),
-            )
-        else:
+
+    def sizes(name: str, top_k: int) -> dict:
+        w_in, w_out, b_in, b_out = shapes[name]
+        if name not in sparse:
             params = w_in + w_out + b_in + b_out
-            sizes[name] = dict(params=params, activated=params, routers=0, fusions=0, flops=2 * (w_in + w_out))
-    attention, ffn = sizes["attention"], sizes["ffn"]
-    routers, fusions = attention["routers"] + ffn["routers"], attention["fusions"] + ffn["fusions"]
-    norms = 2 * norm_params(d)
-    return tuple(
-        MoHDLayerAccounting(
-            layer_idx=idx,
-            attention_params=attention["params"],
-            norm_params=norms,
-            router_params=routers,
-            fusion_params=fusions,
-            total_params=attention["params"] + ffn["params"] + routers + fusions + norms,
-            activated_params=attention["activated"] + ffn["activated"] + routers + fusions + norms,
-            attention_flops=attention["flops"] + attention_score_flops(heads, head_dim, context_length),
-            mixer_flops=ffn["flops"],
-            all_to_all_scalars=0,
-            mlp_params=ffn["params"],
+            return dict(params=params, activated=params, routers=0, fusions=0, flops=2 * (w_in + w_out))
+        n_active = n_shared + top_k
+        compensated = compensation and top_k > 0
+        active_weights = w_in * n_active // n + w_out * n_active // n
+        routers, fusions = n_routed * d * (top_k > 0), n * n * fusion  # k = 0 builds no router
+        tables = (input_widths[name] + d // n) * compensated  # per block: the input tables' row, the output's
+        return dict(
+            params=w_in + w_out + b_in + b_out + n * tables,
+            activated=active_weights + b_in + b_out * n_active // n + (n - n_active) * tables,
+            routers=routers,
+            fusions=fusions,
+            # the router reads the full width (N_r x D); the fusion mixes N blocks of width D / N (N D)
+            flops=2 * (active_weights + routers + n * d * fusion + n * input_widths[name] * compensated),
         )
-        for idx in range(_num_layers(config))
-    )
+
+    norms = 2 * norm_params(d)
+    layers = []
+    for idx in range(_num_layers(config)):
+        attention, ffn = (sizes(kind, routed_sub_dims_per_tok(config, idx, kind)) for kind in MOHD_SUBLAYERS)
+        routers, fusions = attention["routers"] + ffn["routers"], attention["fusions"] + ffn["fusions"]
+        layers.append(
+            MoHDLayerAccounting(
+                layer_idx=idx,
+                attention_params=attention["params"],
+                norm_params=norms,
+                router_params=routers,
+                fusion_params=fusions,
+                total_params=attention["params"] + ffn["params"] + routers + fusions + norms,
+                activated_params=attention["activated"] + ffn["activated"] + routers + fusions + norms,
+                attention_flops=attention["flops"] + attention_score_flops(heads, head_dim, context_length),
+                mixer_flops=ffn["flops"],
+                all_to_all_scalars=0,
+                mlp_params=ffn["params"],
+            )
+        )
+    return tuple(layers)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

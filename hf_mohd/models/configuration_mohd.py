@@ -19,6 +19,7 @@ from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils import auto_docstring
 from transformers.utils.type_validators import interval
 
+from .accounting import MOHD_PER_LAYER_FIELDS, MOHD_SUBLAYERS, check_layer_overrides, routed_sub_dims_per_tok
 from .configuration_common import (
     LLAMA_PP_PLAN,
     LLAMA_TP_PLAN,
@@ -42,6 +43,8 @@ SPARSITY_FIELDS = (
     "num_sub_dims",
     "num_shared_sub_dims",
     "num_routed_sub_dims_per_tok",
+    "attention_routed_sub_dims_per_tok",
+    "ffn_routed_sub_dims_per_tok",
     "sparse_modules",
     "activation_scaling",
     "routed_gate",
@@ -66,7 +69,8 @@ MOHD_PRESETS = {
     Configuration of a MoHD decoder: a LLaMA model whose residual width `hidden_size` is split into `num_sub_dims`
     equal sub-dimensions (blocks). Blocks `0 .. num_shared_sub_dims - 1` are shared (always active); a router per
     sparsified sublayer activates `num_routed_sub_dims_per_tok` of the others per token (arXiv 2412.05644
-    section 3). With every block shared the model is LLaMA. `num_parameters()`,
+    section 3), or its own k per layer and sublayer kind (`attention_routed_sub_dims_per_tok`,
+    `ffn_routed_sub_dims_per_tok`, per layer through `per_layer_config`). With every block shared the model is LLaMA. `num_parameters()`,
     `num_active_parameters()`, `flops_per_token(context_length)` and `accounting(context_length)` count the model
     without building it (accounting.py).
     """,
@@ -81,7 +85,13 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
     num_routed_sub_dims_per_tok (`int`, *optional*, defaults to 2):
         k, routed blocks a token activates, 0 <= k <= N - N_s, with N_s + k >= 1. k = 0 with N_s < N builds no
         router: every token activates the same N_s blocks (a dense decoder of width N_s s inside a residual stream of
-        width D, whose other blocks carry the embedding to the LM head).
+        width D, whose other blocks carry the embedding to the LM head). The default k of every sublayer.
+    attention_routed_sub_dims_per_tok (`int`, *optional*):
+        k of the attention sublayers, in the same range (None: `num_routed_sub_dims_per_tok`); 0 builds no router
+        there. Set per layer with `per_layer_config`, e.g. `per_layer_config={0: {"attention_routed_sub_dims_per_tok":
+        5}}` (only the two per-kind k fields may vary per layer), for uneven budgets (TEAL, arXiv 2408.14690).
+    ffn_routed_sub_dims_per_tok (`int`, *optional*):
+        k of the feed-forward sublayers, likewise.
     sparse_modules (`list[str]`, *optional*, defaults to `["attention", "ffn"]`):
         Sublayers whose projections read/write only active blocks; others stay dense and have no router.
     activation_scaling (`str`, *optional*, defaults to `"inverse_active"`):
@@ -145,6 +155,8 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
     num_sub_dims: int = 16
     num_shared_sub_dims: int = 6
     num_routed_sub_dims_per_tok: int = 2
+    attention_routed_sub_dims_per_tok: int | None = None
+    ffn_routed_sub_dims_per_tok: int | None = None
     sparse_modules: list[str] | tuple[str, ...] | None = None
     activation_scaling: str = "inverse_active"
     routed_gate: str = "softmax"
@@ -180,11 +192,20 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
 
     @property
     def num_active_sub_dims(self) -> int:
-        """n_a = N_s + k, blocks active per token."""
+        """n_a = N_s + k, blocks active per token at the default k (`num_routed_sub_dims_per_tok`)."""
         return self.num_shared_sub_dims + self.num_routed_sub_dims_per_tok
 
+    def routed_sub_dims_per_tok(self, layer_idx: int, sublayer: str) -> int:
+        """k of the `sublayer` ("attention" or "ffn") of layer `layer_idx`: its kind's field for that layer when set,
+        else `num_routed_sub_dims_per_tok` (`accounting.routed_sub_dims_per_tok`)."""
+        return routed_sub_dims_per_tok(self, layer_idx, sublayer)
+
     def validate_architecture(self):
-        """Cross-field rules; each `ValueError` names the field and the allowed values."""
+        """Cross-field rules; each `ValueError` names the field and the allowed values (and the layer)."""
+        # first: reading a field that a layer overrides from the top level raises transformers' ambiguity error
+        spec = self.__dict__.get("_heterogeneity_spec")
+        for layer_idx, overrides in (spec.per_layer_overrides if spec is not None else {}).items():
+            check_layer_overrides(layer_idx, overrides, MOHD_PER_LAYER_FIELDS)
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"))
         check_positive_ints(self, ("num_attention_heads", "num_key_value_heads", "head_dim", "num_sub_dims"))
         check_positive_ints(self, ("max_position_embeddings",))
@@ -205,6 +226,14 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
                 f"`num_routed_sub_dims_per_tok` must be in [{low}, {routed}] (the routed count num_sub_dims - "
                 f"num_shared_sub_dims; at least 1 without shared blocks), got {self.num_routed_sub_dims_per_tok}."
             )
+        for layer_idx in range(self.num_hidden_layers):
+            for kind in MOHD_SUBLAYERS:
+                k = routed_sub_dims_per_tok(self, layer_idx, kind)
+                if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= routed:
+                    raise ValueError(
+                        f"layer {layer_idx}: `{kind}_routed_sub_dims_per_tok` must be None or an integer in [{low}, "
+                        f"{routed}] (the routed count num_sub_dims - num_shared_sub_dims), got {k!r}."
+                    )
         unknown = [m for m in self.sparse_modules if m not in SPARSE_MODULES]
         if unknown or len(set(self.sparse_modules)) != len(self.sparse_modules):
             raise ValueError(

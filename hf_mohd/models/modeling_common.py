@@ -22,7 +22,7 @@ This file is copied next to the weights by `save_pretrained` (remote code), so i
 `RoutedCausalLMMixin`): each family's model classes inherit them.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
 import torch
@@ -562,7 +562,7 @@ def replayed_routes(routers, routing_replay, attention_mask: torch.Tensor | None
 
 def load_balancing_loss(
     router_logits: tuple[torch.Tensor, ...] | None,
-    top_k: int,
+    top_k: int | Sequence[int],
     attention_mask: torch.Tensor | None = None,
     routes: list[torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
@@ -576,7 +576,7 @@ def load_balancing_loss(
 
     Args:
         router_logits: one (B*T, E) tensor per router, as recorded by `OutputRecorder`.
-        top_k: routed picks per token (k).
+        top_k: routed picks per token (k), one for every router or one per router (sublayers with their own k).
         attention_mask: (B, S) with 1 for real tokens; its last T columns select the counted tokens.
         routes: one (B, T, k) tensor of choice ids 0 .. E-1 per router (`replayed_routes`), or None for the top-k of
             the logits.
@@ -587,7 +587,10 @@ def load_balancing_loss(
     if not router_logits:
         return None
     losses = []
-    for number, logits in enumerate(router_logits):
+    ks = [top_k] * len(router_logits) if isinstance(top_k, int) else list(top_k)
+    if len(ks) != len(router_logits):
+        raise ValueError(f"load_balancing_loss: {len(ks)} values of top_k for {len(router_logits)} routers.")
+    for number, (logits, top_k) in enumerate(zip(router_logits, ks, strict=True)):
         probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         num_choices = probs.shape[-1]
         if attention_mask is None:

@@ -71,11 +71,11 @@ class MoHDRouter(TopKRouter):
         dtype, indices (B, T, k) absolute block ids.
     """
 
-    def __init__(self, config: MoHDConfig, layer_idx: int, router_name: str):
+    def __init__(self, config: MoHDConfig, layer_idx: int, router_name: str, top_k: int):
         super().__init__(
             config.num_routed_sub_dims,
             config.hidden_size,
-            config.num_routed_sub_dims_per_tok,
+            top_k,
             layer_idx,
             router_name,
             index_offset=config.num_shared_sub_dims,
@@ -129,17 +129,26 @@ class MoHDSubDimensions(nn.Module):
     """
 
     def __init__(
-        self, config: MoHDConfig, layer_idx: int, router_name: str, input_projections: dict[str, int] | None = None
+        self,
+        config: MoHDConfig,
+        layer_idx: int,
+        router_name: str,
+        input_projections: dict[str, int] | None = None,
+        sublayer: str = "ffn",
     ):
         super().__init__()
-        # CODEPATH: num_routed_sub_dims_per_tok=0 (static sub-dimensions): no router, every token's N_s shared blocks.
-        self.router = MoHDRouter(config, layer_idx, router_name) if config.num_routed_sub_dims_per_tok > 0 else None
+        # k of this sublayer: its kind's per-layer value, else the config's default
+        self.sublayer = sublayer
+        self.layer_idx = layer_idx
+        top_k = config.routed_sub_dims_per_tok(layer_idx, sublayer)
+        # CODEPATH: k = 0 (static sub-dimensions): no router, every token's N_s shared blocks.
+        self.router = MoHDRouter(config, layer_idx, router_name, top_k) if top_k > 0 else None
         # CODEPATH: group_fusion="mix" (paper default) adds an N x N block mixer; "none" is the ablation.
         self.group_fusion = MoHDGroupFusion(config) if config.group_fusion == "mix" else nn.Identity()
-        self.strategy = ALL_SPARSE_IMPLEMENTATIONS[config.sparse_implementation](config)
-        self.masked = MoHDMaskedStrategy(config)  # for projections that are not plain nn.Linear
+        self.strategy = ALL_SPARSE_IMPLEMENTATIONS[config.sparse_implementation](config).with_top_k(top_k)
+        self.masked = MoHDMaskedStrategy(config).with_top_k(top_k)  # for projections that are not plain nn.Linear
         self.scale_by_active = config.activation_scaling == "inverse_active"
-        self.activation_scale = self.active_scale(config.num_routed_sub_dims_per_tok)
+        self.activation_scale = self.active_scale(top_k)
         self.input_compensation = self.output_compensation = None
         # CODEPATH: dropped_block_compensation=True (fitted conversions) adds the mean contribution of skipped blocks.
         if config.dropped_block_compensation and self.router is not None:
@@ -248,7 +257,7 @@ class MoHDAttention(Attention):
         super().__init__(config, layer_idx)
         kv_width = config.num_key_value_heads * config.head_dim
         widths = {"q_proj": config.num_attention_heads * config.head_dim, "k_proj": kv_width, "v_proj": kv_width}
-        self.sub_dims = MoHDSubDimensions(config, layer_idx, "attn", widths)
+        self.sub_dims = MoHDSubDimensions(config, layer_idx, "attn", widths, sublayer="attention")
 
     def forward(
         self,
@@ -275,7 +284,7 @@ class MoHDMLP(MLP):
     def __init__(self, config: MoHDConfig, layer_idx: int):
         super().__init__(config)
         widths = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
-        self.sub_dims = MoHDSubDimensions(config, layer_idx, "mlp", widths)
+        self.sub_dims = MoHDSubDimensions(config, layer_idx, "mlp", widths, sublayer="ffn")
 
     def forward(self, hidden_states: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
         plan = self.sub_dims.route(
@@ -367,7 +376,8 @@ class MoHDPreTrainedModel(PreTrainedModel):
         for module in self.modules():
             if isinstance(module, MoHDSubDimensions):
                 small_batch_plan = getattr(module.strategy, "small_batch_plan", None)
-                module.strategy = ALL_SPARSE_IMPLEMENTATIONS[implementation](self.config)
+                top_k = module.masked.geometry.top_k  # the sublayer's current k
+                module.strategy = ALL_SPARSE_IMPLEMENTATIONS[implementation](self.config).with_top_k(top_k)
                 if small_batch_plan is not None and hasattr(module.strategy, "small_batch_plan"):
                     module.strategy.small_batch_plan = small_batch_plan
 
@@ -395,41 +405,43 @@ class MoHDPreTrainedModel(PreTrainedModel):
                 module.strategy.small_batch_plan = resolved
         return resolved
 
-    def set_active_sub_dims(self, num_routed_sub_dims_per_tok: int) -> None:  # trf-ignore: TRF033 (saved default kept)
+    def set_active_sub_dims(self, num_routed_sub_dims_per_tok: int | None) -> None:  # trf-ignore: TRF033
         """Changes k, the routed sub-dimensions every token activates, of a loaded model without reloading: routers,
         activation scaling, the execution plans and the load-balance loss follow. The same weights then run at
         another activation (k = N_r: every block, e.g. the dense function of an exact conversion), as nested training
-        over several widths does (MatFormer, arXiv 2310.07707). `config.num_routed_sub_dims_per_tok` stays the default
-        a save records; `active_sub_dims_per_tok` reads the current k.
+        over several widths does (MatFormer, arXiv 2310.07707). An int sets k of every routed sublayer; None restores
+        each sublayer's k from the config (`config.routed_sub_dims_per_tok(layer_idx, sublayer)`, per-layer budgets
+        included). The config keeps what a save records; `active_sub_dims_per_tok` reads the current k.
 
         Raises:
-            ValueError: k outside [1, N_r] (N_r = `num_routed_sub_dims`), or the model was built without routers
-                (k = 0 in its config: there is nothing to route).
+            ValueError: k neither None nor in [1, N_r] (N_r = `num_routed_sub_dims`), or the model was built without
+                routers (k = 0 in its config: there is nothing to route).
         """
         config = self.config
         routed = config.num_routed_sub_dims
-        sub_dims = [module for module in self.modules() if isinstance(module, MoHDSubDimensions)]
-        if not sub_dims or sub_dims[0].router is None:
+        sub_dims = [m for m in self.modules() if isinstance(m, MoHDSubDimensions) and m.router is not None]
+        if not sub_dims:
             raise ValueError(
                 "set_active_sub_dims: this model has no routers (its config has num_routed_sub_dims_per_tok=0 or no "
                 "sparse module), so its active sub-dimensions cannot change."
             )
         k = num_routed_sub_dims_per_tok
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= routed:
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= routed):
             raise ValueError(
-                f"set_active_sub_dims: num_routed_sub_dims_per_tok must be an int in [1, {routed}] (the routed "
-                f"sub-dimensions, num_sub_dims - num_shared_sub_dims), got {k!r}."
+                f"set_active_sub_dims: num_routed_sub_dims_per_tok must be None (the config's) or an int in "
+                f"[1, {routed}] (the routed sub-dimensions, num_sub_dims - num_shared_sub_dims), got {k!r}."
             )
         for module in sub_dims:
-            module.set_top_k(k)
+            module.set_top_k(config.routed_sub_dims_per_tok(module.layer_idx, module.sublayer) if k is None else k)
 
     @property
-    def active_sub_dims_per_tok(self) -> int:
-        """The routed sub-dimensions every token activates now (`set_active_sub_dims`; the config's at load)."""
-        for module in self.modules():
-            if isinstance(module, MoHDSubDimensions) and module.router is not None:
-                return module.router.top_k
-        return self.config.num_routed_sub_dims_per_tok
+    def active_sub_dims_per_tok(self) -> int | None:
+        """The routed sub-dimensions every token activates now in every routed sublayer (`set_active_sub_dims`; the
+        config's at load), or None when the sublayers differ (per-layer budgets)."""
+        ks = {module.top_k for module in self.modules() if isinstance(module, MoHDRouter)}
+        if not ks:
+            return self.config.num_routed_sub_dims_per_tok
+        return ks.pop() if len(ks) == 1 else None
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -486,12 +498,20 @@ class MoHDForCausalLM(RoutedCausalLMMixin, MoHDPreTrainedModel, GenerationMixin)
             routing_replay: the forward's `routing_replay`, if any: f_j then counts the replayed routes (the ones the
                 forward used), not the top-k of the logits.
         """
+        # the routers in call order, the order of `router_logits`: each layer's attention, then its FFN
+        routers = [module for module in self.modules() if isinstance(module, MoHDRouter)]
         routes = None
         if routing_replay is not None and router_logits:
-            # the routers in call order, the order of `router_logits`: each layer's attention, then its FFN
-            routers = [module for module in self.modules() if isinstance(module, MoHDRouter)]
             routes = replayed_routes(routers, routing_replay, attention_mask)
-        return load_balancing_loss(router_logits, self.active_sub_dims_per_tok, attention_mask, routes)
+        top_k = [router.top_k for router in routers]
+        if router_logits and len(router_logits) != len(routers):
+            top_k = self.active_sub_dims_per_tok
+            if top_k is None:
+                raise ValueError(
+                    f"load_balancing_loss: {len(router_logits)} router logits for {len(routers)} routers whose k "
+                    "differ: pass one logits tensor per router, in call order."
+                )
+        return load_balancing_loss(router_logits, top_k, attention_mask, routes)
 
 
 __all__ = ["MoHDForCausalLM", "MoHDModel", "MoHDPreTrainedModel"]

@@ -135,6 +135,9 @@ class DistillConfig:
             the routed sub-dimensions per token k at which the same weights are trained in every step, the loss
             summed over them (e.g. [2, 10]: the target and, for N_r = 10, full activation, which keeps the dense
             function of an exact conversion). Empty: the model's own k alone. Each k in [1, N_r] (checked at load).
+            The model's own k is its config's `num_routed_sub_dims_per_tok`; a student with per-layer budgets
+            (`per_layer_config`) runs each sublayer at its own k there, and every other k of the set (or of the
+            schedule) applies to all sublayers alike.
         active_weights: the weight of each k's loss (one per `active_sub_dims` entry, > 0); empty: 1 each.
         random_active_weight: > 0 adds, in each step, one more k drawn uniformly strictly between the smallest and the
             largest of `active_sub_dims` (when there is such an integer), with this weight; seeded by `seed` and the

@@ -139,7 +139,7 @@ def step_activations(
     return list(merged.items())
 
 
-def nested_backward(model, activations, forward, objective_of, backward):
+def nested_backward(model, activations, forward, objective_of, backward, own_k: int | None = None):
     """One micro-batch of nested healing: for each (k, weight) of `activations`, `model.set_active_sub_dims(k)`, a
     forward, and `backward(weight * objective)`; so the gradients accumulate to those of the weighted sum of the
     separate losses, with one forward's activations alive at a time. `model` is left at the first k.
@@ -147,13 +147,15 @@ def nested_backward(model, activations, forward, objective_of, backward):
     Args:
         model: the (unwrapped) MoHD model; forward: () -> outputs; objective_of: outputs -> (objective, kd) as
             `student_objective`; backward: scalar -> None (e.g. `accelerator.backward` with the accumulation scale).
+        own_k: the k that stands for the model's own activation (its config's `num_routed_sub_dims_per_tok`): at
+            that k each sublayer runs at its configured k (`set_active_sub_dims(None)`), per-layer budgets included.
 
     Returns:
         (outputs of the first k, weighted sum of the kds).
     """
     first, kd_total = None, 0.0
     for k, weight in reversed(activations):  # the first k last, so that the model stays there
-        model.set_active_sub_dims(k)
+        model.set_active_sub_dims(None if k == own_k else k)
         outputs = forward()
         objective, kd = objective_of(outputs)
         backward(weight * objective)

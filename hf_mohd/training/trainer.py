@@ -505,6 +505,7 @@ def train(config: TrainConfig) -> TrainResult:
                 "`distill.active_sub_dims`, `distill.random_active_weight` and `distill.schedule_fraction` train a "
                 f"MoHD model at several activations; this model is {type(unwrapped).__name__}."
             )
+        # the model's own k: its config's default, which stands for its per-layer budgets when it has them
         target_k, full_k = unwrapped.config.num_routed_sub_dims_per_tok, unwrapped.config.num_routed_sub_dims
     extra = router_kwargs(unwrapped, config.router_aux_loss)
     aux_coef = float(getattr(unwrapped.config, "router_aux_loss_coef", 0.0) or 0.0)
@@ -548,7 +549,9 @@ def train(config: TrainConfig) -> TrainResult:
                     objective, kd = objective_of(outputs)
                     backward(objective)
                 else:  # nested healing: the same weights at each k of this step, gradients summed
-                    outputs, kd = nested_backward(unwrapped, activations, forward, objective_of, backward)
+                    outputs, kd = nested_backward(
+                        unwrapped, activations, forward, objective_of, backward, own_k=target_k
+                    )
                 window_kd += kd / config.grad_accum_steps
             aux = getattr(outputs, "aux_loss", None)
             aux = aux.detach().item() if aux is not None else 0.0
@@ -604,7 +607,7 @@ def train(config: TrainConfig) -> TrainResult:
             break
     bar.close()
     if nested:  # the final evaluation and the saved model run at the model's own k
-        unwrapped.set_active_sub_dims(target_k)
+        unwrapped.set_active_sub_dims(None)
 
     result = TrainResult(
         output_dir=config.output_dir,
