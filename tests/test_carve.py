@@ -288,9 +288,13 @@ def test_latent_carve_equals_the_full_carve_when_the_ffn_lives_in_an_l_dim_subsp
     kwargs = dict(num_experts=4, num_experts_per_tok=2, shared_fraction=0.25)
     full, _ = carve_llama(flat, ids, **kwargs)
     latent, report = carve_llama(flat, ids, latent_size=24, **kwargs)
-    basis = latent.model.layers[0].mlp.fc2_latent_proj.weight  # (D, l) = V
-    assert basis.shape == (64, 24) and basis[24:].abs().max() <= 1e-12  # V spans the first 24 channels
+    for basis in (
+        latent.model.layers[0].mlp.fc1_latent_proj.weight.T,
+        latent.model.layers[0].mlp.fc2_latent_proj.weight,
+    ):
+        assert basis.shape == (64, 24) and basis[24:].abs().max() <= 1e-12  # V and U span the first 24 channels
     assert all(layer.latent_explained == pytest.approx(1.0, abs=1e-12) for layer in report.layers)
+    assert all(layer.latent_output_explained == pytest.approx(1.0, abs=1e-12) for layer in report.layers)
     with torch.no_grad():
         diff = (latent(held_out).logits - full(held_out).logits).abs().max().item()
     assert diff <= 1e-9, diff
@@ -311,16 +315,24 @@ def test_latent_carve_weights_and_reported_statistics(tiny_folder):
     for idx, (carving, x) in enumerate(zip(report.layers, inputs, strict=True)):
         basis, explained = latent_basis(x, 24)
         block, prefix = model.model.layers[idx].mlp, f"model.layers.{idx}.mlp."
-        assert torch.equal(block.fc1_latent_proj.weight, basis.T) and torch.equal(block.fc2_latent_proj.weight, basis)
         gate, up, down = (state[f"{prefix}{name}_proj.weight"] for name in ("gate", "up", "down"))
+        # the output basis: top-24 PCA of the routed experts' summed output y = W_down,R (silu(W_gate,R x) * W_up,R x)
+        routed = carving.experts.reshape(-1)
+        y = (torch.nn.functional.silu(x @ gate[routed].T) * (x @ up[routed].T)) @ down[:, routed].T
+        output, output_explained = latent_basis(y, 24)
+        assert torch.equal(block.fc1_latent_proj.weight, basis.T)
+        torch.testing.assert_close(block.fc2_latent_proj.weight, output, rtol=0, atol=1e-12)
+        assert (output - basis).abs().max() > 0.1  # not the input basis
         expert = carving.experts[1]
         torch.testing.assert_close(block.experts.gate_up_proj[1], torch.cat([gate[expert], up[expert]]) @ basis)
-        torch.testing.assert_close(block.experts.down_proj[1], basis.T @ down[:, expert])
+        torch.testing.assert_close(block.experts.down_proj[1], output.T @ down[:, expert])
         assert torch.equal(block.shared_experts.up_proj.weight, up[carving.shared])  # full width
         assert block.gate.weight.shape == (4, 64)  # the router reads the full-width input
         assert carving.latent_explained == explained and 0.5 < explained < 1
+        assert carving.latent_output_explained == pytest.approx(output_explained, abs=1e-12)
     summary = report.as_dict()
     assert summary["latent_size"] == 24 and summary["latent_explained"] == [c.latent_explained for c in report.layers]
+    assert summary["latent_output_explained"] == [c.latent_output_explained for c in report.layers]
     json.dumps(summary)  # JSON-ready
     card = describe_carving(model.config, report)
     assert "latent width 24 of 64" in card and "computes the source exactly" not in card

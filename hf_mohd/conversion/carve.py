@@ -38,25 +38,28 @@ included), h = act(W_gate x) * (W_up x) (I,) the FFN's intermediate activation, 
    model (the FFN sum over neurons, regrouped) and at K < N drops the unselected experts' terms.
 4b. Latent width (optional, `latent_size` = l, 1 <= l <= D; `moe_latent_size=l`), LatentMoE's latent projection
    (arXiv 2601.18089: `fc1_latent_proj` D -> l before the routed experts, `fc2_latent_proj` l -> D after their
-   combine; the router and the shared expert keep reading the full-width x): per layer, V (D, l) = the top-l
-   eigenvectors of the **uncentred** second moment C = (1/M) sum_t x_t x_t^T of the calibration FFN inputs (PCA,
-   float64, `latent_basis`; signs fixed as in `rotation.pca_rotation`), orthonormal columns. Then
-   `fc1_latent_proj.weight` = V^T (l, D), `fc2_latent_proj.weight` = V (D, l), and expert e reads and writes in that
-   basis: gate / up rows W_{gate,S_e} V, W_{up,S_e} V (m, l), down W'_{down,S_e} = V^T W_{down,S_e} (l, m). Routed
-   expert e so computes V V^T W_{down,S_e} h_{S_e}(V V^T x): the carved expert with its input and its output
-   projected onto span(V) (routed experts 3 N m l + 2 D l parameters instead of 3 N m D). The partition (steps 2,
-   3) is the full-width one, the same for every l; the routers (step 5) are fitted to the latent experts' masses.
-   At l = D, V is orthogonal, V V^T = I, and the model is the full-width carve up to float rounding.
+   combine; the router and the shared expert keep reading the full-width x). Per layer, two orthonormal bases from
+   the calibration text (`latent_basis`: the top-l eigenvectors of an **uncentred** second moment, float64, signs
+   fixed as in `rotation.pca_rotation`): the input basis V (D, l) of the FFN inputs x, C = (1/M) sum_t x_t x_t^T,
+   and the output basis U (D, l) of the routed experts' summed output y_t = W_{down,R} h_R(x_t) (R: every routed
+   neuron, all experts active). Then `fc1_latent_proj.weight` = V^T (l, D), `fc2_latent_proj.weight` = U (D, l),
+   and expert e reads in V and writes in U: gate / up rows W_{gate,S_e} V, W_{up,S_e} V (m, l), down
+   W'_{down,S_e} = U^T W_{down,S_e} (l, m). Routed expert e so computes U U^T W_{down,S_e} h_{S_e}(V V^T x): the
+   carved expert with its input projected onto span(V) and its output onto span(U) (routed experts 3 N m l + 2 D l
+   parameters instead of 3 N m D). The output side gets its own basis because the directions an FFN writes are not
+   those it reads (on SmolLM2-135M at l = D / 2, N = 64, 75% active, fitted routers: held-out perplexity 162 with U
+   against 303 with fc2 = V). The partition (steps 2, 3) is the full-width one, the same for every l; the routers
+   (step 5) are fitted to the latent experts' masses. At l = D, V and U are orthogonal and the model is the
+   full-width carve up to float rounding.
    Why uncentred: fc1 / fc2 have no bias (a carved source has mlp_bias=False), so the routed path sees
    x^ = V V^T x. For orthonormal V, E||x - V V^T x||^2 = tr(C) - tr(V^T C V), minimised by the top-l eigenvectors
-   of C (Ky Fan; Eckart-Young), with error the sum of the D - l smallest eigenvalues. Centred PCA (eigenvectors
-   of C - mu mu^T, mu = E x) minimises the error of mu + V V^T (x - mu), which needs the bias (I - V V^T) mu that
-   the bias-free projections do not have: it chooses V without regard to mu, which in pretrained LLaMAs' FFN
-   inputs can carry a large part of E||x||^2 = ||mu||^2 + tr(C - mu mu^T). The reported share
-   `latent_explained` = (sum of the top-l eigenvalues of C) / tr(C) = 1 - E||x - V V^T x||^2 / E||x||^2 (the
-   uncentred analogue of explained variance; 1 at l = D). SliceGPT's rotation (`rotation.py`, arXiv 2401.15024
-   section 3.3) uses the same uncentred second moment. One basis serves both sides (fc2 = fc1^T); an output-side
-   basis (PCA of the routed outputs) is not built.
+   of C (Ky Fan; Eckart-Young), with error the sum of the D - l smallest eigenvalues (likewise for y and U).
+   Centred PCA (eigenvectors of C - mu mu^T, mu = E x) minimises the error of mu + V V^T (x - mu), which needs the
+   bias (I - V V^T) mu that the bias-free projections do not have: it chooses V without regard to mu, which in
+   pretrained LLaMAs' FFN inputs can carry a large part of E||x||^2 = ||mu||^2 + tr(C - mu mu^T). The reported
+   shares `latent_explained` (V, inputs) and `latent_output_explained` (U, routed outputs) = (sum of the top-l
+   eigenvalues) / trace = 1 - E||x - V V^T x||^2 / E||x||^2 (the uncentred analogue of explained variance; 1 at
+   l = D). SliceGPT's rotation (`rotation.py`, arXiv 2401.15024 section 3.3) uses the same uncentred second moment.
 5. Router (`fit_carved_routers`), fitted without training: per layer, ridge least squares from x onto the centred
    log activation mass of each expert, y_e = log(sum_{i in S_e} |h_i| + eps) - mean over experts (float64):
    W_r^T = (X^T X + lambda I)^{-1} X^T Y, lambda = `ridge` * trace(X^T X) / D, eps = 1e-6 * mean mass. The top-K
@@ -111,8 +114,9 @@ class LayerCarving:
         cohesion: mean cosine similarity of the routed neurons' activation patterns to their expert's centroid.
         router_r2: coefficient of determination of the router fit on the calibration tokens (None before the fit).
         latent_explained: with a latent width l (module docstring, step 4b), the share of the calibration inputs'
-            second moment E||x||^2 that the latent basis keeps, (sum of the top-l eigenvalues of C) / tr(C) in
+            second moment E||x||^2 that the input basis V keeps, (sum of the top-l eigenvalues of C) / tr(C) in
             [0, 1]; None at full width.
+        latent_output_explained: likewise for the output basis U and the routed experts' summed output y.
     """
 
     shared: torch.Tensor
@@ -121,6 +125,7 @@ class LayerCarving:
     cohesion: float
     router_r2: float | None = None
     latent_explained: float | None = None
+    latent_output_explained: float | None = None
 
 
 @dataclasses.dataclass
@@ -143,7 +148,8 @@ class CarveReport:
 
     def as_dict(self) -> dict:
         """JSON-ready summary (no tensors): calibration, shared mass, cohesion and router R^2 per layer, and the
-        latent width with the second-moment share of each layer's basis (`latent_explained`; None at full width)."""
+        latent width with the second-moment share of each layer's input and output bases (`latent_explained`,
+        `latent_output_explained`; None at full width)."""
         return {
             "calibration_tokens": self.calibration_tokens,
             "calibration": self.calibration,
@@ -154,6 +160,9 @@ class CarveReport:
             "latent_explained": None
             if self.latent_size is None
             else [layer.latent_explained for layer in self.layers],
+            "latent_output_explained": None
+            if self.latent_size is None
+            else [layer.latent_output_explained for layer in self.layers],
         }
 
 
@@ -491,19 +500,20 @@ def _fill_block(
     up: torch.Tensor,
     down: torch.Tensor,
     carving: LayerCarving,
-    basis: torch.Tensor | None = None,
+    bases: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Copy the dense FFN's rows / columns into the shared expert and the fused routed expert weights; with a
-    latent `basis` V (D, l) (step 4b) the routed rows are W_{gate,S_e} V, W_{up,S_e} V, the down columns
-    V^T W_{down,S_e}, `fc1_latent_proj` = V^T and `fc2_latent_proj` = V (products in float64, then cast)."""
+    """Copy the dense FFN's rows / columns into the shared expert and the fused routed expert weights; with latent
+    `bases` (V, U), each (D, l) (step 4b), the routed rows are W_{gate,S_e} V, W_{up,S_e} V, the down columns
+    U^T W_{down,S_e}, `fc1_latent_proj` = V^T and `fc2_latent_proj` = U (products in float64, then cast)."""
     experts = carving.experts
     gate_up = torch.cat([gate[experts], up[experts]], dim=1)  # (N, 2m, D)
     down_rows = down[:, experts].permute(1, 0, 2)  # (N, D, m)
-    if basis is not None:
+    if bases is not None:
+        basis, output = bases
         gate_up = gate_up.double() @ basis  # (N, 2m, l)
-        down_rows = basis.T @ down_rows.double()  # (N, l, m)
+        down_rows = output.T @ down_rows.double()  # (N, l, m)
         block.fc1_latent_proj.weight.copy_(basis.T)  # (l, D)
-        block.fc2_latent_proj.weight.copy_(basis)  # (D, l)
+        block.fc2_latent_proj.weight.copy_(output)  # (D, l)
     block.experts.gate_up_proj.copy_(gate_up)
     block.experts.down_proj.copy_(down_rows)
     if block.shared_experts is not None:
@@ -774,10 +784,14 @@ def carve_llama(
         carving = partition_neurons(
             activation, config.moe_shared_expert_intermediate_size, num_experts, seed=seed, iterations=iterations
         )
-        basis = None
+        bases = None
         if latent_size is not None:
             basis, carving.latent_explained = latent_basis(x, latent_size)
-        _fill_block(block, gate, up, down, carving, basis)
+            routed = carving.experts.reshape(-1)
+            signed = intermediate_activation(x.to(compute), gate[routed].to(compute), up[routed].to(compute), act_fn)
+            output, carving.latent_output_explained = latent_basis(signed @ down[:, routed].to(compute).T, latent_size)
+            bases = (basis, output)
+        _fill_block(block, gate, up, down, carving, bases)
         total_mass += carving.mean_abs_activation.sum().item()
         shared_mass += carving.mean_abs_activation[carving.shared].sum().item()
         layers.append(carving)
@@ -810,7 +824,7 @@ def carve_llama(
 
 def describe_carving(config: LatentMoEConfig, report: CarveReport, seed: int = 0) -> str:
     """Markdown for the model card: how the dense FFNs were carved and what the routers are (and, with a latent
-    width, the latent basis and the share of the FFN inputs' second moment it keeps, mean and range over layers)."""
+    width, the latent bases and the shares of the FFN inputs' and routed outputs' second moments they keep)."""
     exact = report.latent_size is None or report.latent_size == config.hidden_size
     unchanged = ", without changing any weight," if report.latent_size is None else ""
     source_exactly = ", so with all experts active the model computes the source exactly" if exact else ""
@@ -828,19 +842,22 @@ def describe_carving(config: LatentMoEConfig, report: CarveReport, seed: int = 0
     if report.latent_size is None:
         return text
     explained = [layer.latent_explained for layer in report.layers]
+    outputs = [layer.latent_output_explained for layer in report.layers]
     return text + (
         f" Routed experts at latent width {report.latent_size} of {config.hidden_size} (LatentMoE, arXiv "
-        "2601.18089): per layer, fc1_latent_proj = V^T and fc2_latent_proj = V, V the top "
-        f"{report.latent_size} PCA directions of the FFN input (eigenvectors of its uncentred second moment on the "
-        "calibration text); the routed experts' gate / up rows are the carved rows times V, their down columns V^T "
-        "times the carved columns; router and shared expert read the full-width input. The bases keep "
+        "2601.18089): per layer, fc1_latent_proj = V^T and fc2_latent_proj = U, V the top "
+        f"{report.latent_size} PCA directions of the FFN input and U those of the routed experts' summed output "
+        "(eigenvectors of their uncentred second moments on the calibration text); the routed experts' gate / up "
+        "rows are the carved rows times V, their down columns U^T times the carved columns; router and shared "
+        "expert read the full-width input. The input bases keep "
         f"{100 * sum(explained) / len(explained):.1f}% of the inputs' second moment on average "
-        f"({100 * min(explained):.1f}% to {100 * max(explained):.1f}% over layers)"
+        f"({100 * min(explained):.1f}% to {100 * max(explained):.1f}% over layers), the output bases "
+        f"{100 * sum(outputs) / len(outputs):.1f}% of the routed outputs'"
         + (
             "; at full latent width the model is the full-width carve."
             if exact
             else ": with all experts active the model is the source with each routed expert's input and output "
-            "projected onto those directions."
+            "projected onto those bases."
         )
     )
 
