@@ -435,3 +435,57 @@ def test_nested_backward_runs_the_own_k_at_the_per_layer_budgets():
     nested_backward(model, [(2, 1.0), (6, 0.5)], forward, lambda out: (torch.zeros(()), 0.0), lambda x: None, own_k=2)
     assert seen == [dict.fromkeys(BUDGETS, 6), BUDGETS]
     assert {key: sub.router.top_k for key, sub in sub_dims_of(model).items()} == BUDGETS
+
+
+# One sparse side: `sparse_sides="input"` reads only the active blocks and writes all, "output" the reverse.
+
+
+@pytest.mark.parametrize("sides", ["input", "output"])
+@pytest.mark.parametrize("implementation", ["gather", "masked"])
+def test_one_sparse_side_is_the_hand_computed_sublayer(sides, implementation):
+    """Oracle by hand for the FFN of layer 0 (unit gates, no scaling, no fusion, so the gates and alpha are 1):
+    input side sparse, down(silu(gate(x m)) * up(x m)); output side sparse, down(silu(gate x) * up x) m, with m the
+    0/1 mask of the token's shared and routed blocks from the router. The attention sublayer, the whole model on
+    both strategies and greedy decoding agree likewise (strategy against strategy)."""
+    fields = dict(routed_gate="unit", activation_scaling="none", group_fusion="none", sparse_sides=sides)
+    model = build(2, sparse_implementation=implementation, **fields)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(3, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    _, _, indices = mlp.sub_dims.router(x)
+    mask = torch.zeros(3, 5, 8, dtype=torch.float64)
+    mask[..., :2] = 1
+    mask.scatter_(-1, indices, 1.0)
+    mask = mask.repeat_interleave(4, dim=-1)  # (B, T, D): blocks of s = 4
+    silu = torch.nn.functional.silu
+    with torch.no_grad():
+        if sides == "input":
+            want = mlp.down_proj(silu(mlp.gate_proj(x * mask)) * mlp.up_proj(x * mask))
+        else:
+            want = mlp.down_proj(silu(mlp.gate_proj(x)) * mlp.up_proj(x)) * mask
+        torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)
+    other = build(2, sparse_implementation="masked" if implementation == "gather" else "gather", **fields)
+    input_ids = torch.randint(3, 61, (2, 7), generator=torch.Generator().manual_seed(6))
+    (logits, aux, tokens), (want_logits, want_aux, want_tokens) = outputs(model, input_ids), outputs(other, input_ids)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(aux, want_aux, rtol=1e-10, atol=1e-10)
+    assert torch.equal(tokens, want_tokens)
+    both = build(2, sparse_implementation=implementation, **{**fields, "sparse_sides": "both"})
+    assert (outputs(both, input_ids)[0] - logits).abs().max() > 1e-3
+
+
+def test_one_sparse_side_accounting():
+    """Per token, a one-sided sublayer reads the sparse side's active share and the other side whole: the parameters
+    of input-only plus output-only equal those of both sides sparse plus every block active (k = N_r), for the
+    parameters a token reads and the FLOPs; the total is the built model's; compensation needs both sides."""
+
+    def cost(sides, k=2):
+        config = MoHDConfig(**{**FIELDS, "num_routed_sub_dims_per_tok": k, "sparse_sides": sides})
+        return config.num_active_parameters(), config.flops_per_token(16), config.num_parameters()
+
+    (ai, fi, ti), (ao, fo, _), (ab, fb, tb), (af, ff, _) = cost("input"), cost("output"), cost("both"), cost("both", 6)
+    assert ai + ao == ab + af and fi + fo == fb + ff and ai != ao
+    assert ti == tb == sum(p.numel() for p in build(2, sparse_sides="input").parameters())
+    with pytest.raises(ValueError, match="`dropped_block_compensation` .* needs `sparse_sides` 'both'"):
+        MoHDConfig(**FIELDS, sparse_sides="input", dropped_block_compensation=True)
+    with pytest.raises(ValueError, match="`sparse_sides` must be one of"):
+        MoHDConfig(**FIELDS, sparse_sides="neither")

@@ -43,8 +43,9 @@ K = `num_experts_per_tok`, m_s = `moe_shared_expert_intermediate_size`:
 - all-to-all payload per token   2 K l scalars      (dispatch K l plus return K l; standard MoE 2 K D; B.2 / Fig. 6)
 
 MoHD layer (arXiv 2412.05644 section 3), N = `num_sub_dims`, N_s shared, k routed per token (each sublayer's own,
-`routed_sub_dims_per_tok`), n_a = N_s + k: a sparsified sublayer reads the n_a / N fraction of the input-side weight columns
-(q/k/v, gate/up) and output-side rows (o, down) and of the output-side biases, all of the input-side biases, its
+`routed_sub_dims_per_tok`), n_a = N_s + k: a sparsified sublayer reads the n_a / N fraction of the input-side
+weight columns (q/k/v, gate/up) and output-side rows (o, down; with `sparse_sides` "input" or "output" the other
+side is read whole) and of the output-side biases, all of the input-side biases, its
 router (N_r x D, N_r = N - N_s; none when k = 0) and its group fusion (N x N; N D multiply-adds per token). With
 `dropped_block_compensation` a sparsified sublayer also holds an (N, out) table per input-side projection and an
 (N, D / N) output table; a token reads the N - n_a rows of its skipped blocks, and the model adds the tables with one
@@ -669,6 +670,8 @@ def _mohd_layers(config, context_length: int) -> tuple:
     sparse = set(_get(config, "sparse_modules", ()) or ()) if n_routed > 0 else set()
     fusion = _get(config, "group_fusion", "none") == "mix"
     compensation = bool(_get(config, "dropped_block_compensation", False))
+    sides = _get(config, "sparse_sides", "both")
+    sparse_in, sparse_out = sides in ("both", "input"), sides in ("both", "output")
     # the widths of each sublayer's input-side projections (q, k, v; gate, up): the compensation tables' columns
     input_widths = {"attention": (heads + 2 * kv_heads) * head_dim, "ffn": 2 * _get(config, "intermediate_size")}
     shapes = {
@@ -683,12 +686,16 @@ def _mohd_layers(config, context_length: int) -> tuple:
             return dict(params=params, activated=params, routers=0, fusions=0, flops=2 * (w_in + w_out))
         n_active = n_shared + top_k
         compensated = compensation and top_k > 0
-        active_weights = w_in * n_active // n + w_out * n_active // n
+        active_in = w_in * n_active // n if sparse_in else w_in
+        active_weights = active_in + (w_out * n_active // n if sparse_out else w_out)
         routers, fusions = n_routed * d * (top_k > 0), n * n * fusion  # k = 0 builds no router
         tables = (input_widths[name] + d // n) * compensated  # per block: the input tables' row, the output's
         return dict(
             params=w_in + w_out + b_in + b_out + n * tables,
-            activated=active_weights + b_in + b_out * n_active // n + (n - n_active) * tables,
+            activated=active_weights
+            + b_in
+            + (b_out * n_active // n if sparse_out else b_out)
+            + (n - n_active) * tables,
             routers=routers,
             fusions=fusions,
             # the router reads the full width (N_r x D); the fusion mixes N blocks of width D / N (N D)

@@ -37,6 +37,7 @@ ACTIVATION_SCALINGS = ("inverse_active", "none")
 ROUTED_GATES = ("softmax", "normalized", "unit")
 GROUP_FUSIONS = ("mix", "none")
 SPARSE_IMPLEMENTATIONS = ("masked", "gather")
+SPARSE_SIDES = ("both", "input", "output")
 # The fields MoHD adds to LLaMA's that set its sparsity (in declaration order; `output_router_logits` is a forward
 # option, not a setting): what a conversion from LLaMA may set and what a model card lists.
 SPARSITY_FIELDS = (
@@ -51,6 +52,7 @@ SPARSITY_FIELDS = (
     "group_fusion",
     "router_aux_loss_coef",
     "sparse_implementation",
+    "sparse_sides",
 )
 
 # The paper's settings (arXiv 2412.05644 section 4) from a base LLaMA shape: (width multiplier, N, N_s, k).
@@ -108,6 +110,11 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
         Whether to output the router logits and add the aux loss to the loss.
     sparse_implementation (`str`, *optional*, defaults to `"gather"`):
         "masked": dense matmuls with the mask (reference); "gather": only active blocks are computed.
+    sparse_sides (`str`, *optional*, defaults to `"both"`):
+        Which side of a sparsified sublayer is sparse: "both" (the paper's MoHD: it reads and writes only the
+        active blocks), "input" (it reads only the active blocks, with their gates, and writes every block, unscaled)
+        or "output" (it reads every block, ungated, and writes only the active ones, scaled and fused as usual; the
+        router then only selects and gets no gradient).
     dropped_block_compensation (`bool`, *optional*, defaults to `False`):
         Each sparsified sublayer adds, for every block a token does not read, that block's mean contribution to each
         input projection, and writes, for every block it does not write, that block's mean output (FLAP's bias
@@ -164,6 +171,7 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
     router_aux_loss_coef: float = 0.01
     output_router_logits: bool = False
     sparse_implementation: str = "gather"
+    sparse_sides: str = "both"
     dropped_block_compensation: bool = False
 
     def __post_init__(self, **kwargs):
@@ -244,6 +252,7 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
             ("routed_gate", ROUTED_GATES),
             ("group_fusion", GROUP_FUSIONS),
             ("sparse_implementation", SPARSE_IMPLEMENTATIONS),
+            ("sparse_sides", SPARSE_SIDES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` must be one of {list(allowed)}, got {getattr(self, name)!r}.")
@@ -253,6 +262,11 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
                 f"({self.num_key_value_heads})."
             )
         check_real(self, "router_aux_loss_coef", low=0.0)
+        if self.dropped_block_compensation and self.sparse_sides != "both":
+            raise ValueError(
+                f"`dropped_block_compensation` compensates both sides of a sublayer; it needs `sparse_sides` 'both', "
+                f"got {self.sparse_sides!r}."
+            )
 
     @classmethod
     def from_llama_config(cls, base_config, preset: str, **overrides) -> "MoHDConfig":

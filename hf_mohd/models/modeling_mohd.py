@@ -148,6 +148,9 @@ class MoHDSubDimensions(nn.Module):
         self.strategy = ALL_SPARSE_IMPLEMENTATIONS[config.sparse_implementation](config).with_top_k(top_k)
         self.masked = MoHDMaskedStrategy(config).with_top_k(top_k)  # for projections that are not plain nn.Linear
         self.scale_by_active = config.activation_scaling == "inverse_active"
+        # CODEPATH: sparse_sides="input" / "output" (ablations): the other side reads / writes every block.
+        self.sparse_input = config.sparse_sides in ("both", "input")
+        self.sparse_output = config.sparse_sides in ("both", "output")
         self.activation_scale = self.active_scale(top_k)
         self.input_compensation = self.output_compensation = None
         # CODEPATH: dropped_block_compensation=True (fitted conversions) adds the mean contribution of skipped blocks.
@@ -200,8 +203,8 @@ class MoHDSubDimensions(nn.Module):
         return plan
 
     def project_in(self, hidden_states: torch.Tensor, plan, linears) -> list[torch.Tensor]:
-        """(B, T, D) -> one (B, T, out) tensor per linear, reading only the active (gated) blocks; with
-        tensor-parallel weights each rank's (B, T, out / P) slice (`MoHDTensorParallelProjections`). With dropped
+        """(B, T, D) -> one (B, T, out) tensor per linear, reading only the active (gated) blocks (every block,
+        ungated, with `sparse_sides="output"`); with tensor-parallel weights each rank's (B, T, out / P) slice (`MoHDTensorParallelProjections`). With dropped
         block compensation, linear i also gets `inactive @ input_compensation[name i]` ((M, N) x (N, out)), the linears
         being the sublayer's input projections in the order of `input_projection_names`.
 
@@ -212,6 +215,10 @@ class MoHDSubDimensions(nn.Module):
         if self.observer is not None:
             self.observer.record_input(self, flat, plan.inactive)
         tensor_parallel = MoHDTensorParallelProjections.of(linears, "input")
+        if not self.sparse_input:  # every block read, ungated: the plain projections
+            if tensor_parallel is not None:
+                raise NotImplementedError("MoHD sparse_sides='output' does not run on tensor-parallel weights.")
+            return [linear(hidden_states) for linear in linears]
         if tensor_parallel is None:
             outputs = plan.project_in(flat, linears)
         elif self.input_compensation is not None:
@@ -227,12 +234,20 @@ class MoHDSubDimensions(nn.Module):
         return [out.view(*hidden_states.shape[:-1], -1) for out in outputs]
 
     def project_out(self, hidden_states: torch.Tensor, plan, linear: nn.Linear) -> torch.Tensor:
-        """(B, T, in) -> (B, T, D): active output blocks, scaled by alpha, then group-fused; with tensor-parallel
-        weights the input is this rank's (B, T, in / P) slice and the blocks are summed over the ranks first."""
+        """(B, T, in) -> (B, T, D): active output blocks, scaled by alpha, then group-fused (every block, unscaled, then
+        fused, with `sparse_sides="input"`); with tensor-parallel weights the input is this rank's (B, T, in / P)
+        slice and the blocks are summed over the ranks first."""
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         if self.observer is not None:
             self.observer.record_output(self, flat, plan.inactive)
         tensor_parallel = MoHDTensorParallelProjections.of([linear], "output")
+        if not self.sparse_output:  # every block written, unscaled: the plain projection, then the fusion
+            if tensor_parallel is not None:
+                raise NotImplementedError("MoHD sparse_sides='input' does not run on tensor-parallel weights.")
+            blocks = linear(flat).view(flat.shape[0], self.masked.geometry.num_sub_dims, -1)
+            if isinstance(self.group_fusion, MoHDGroupFusion):
+                blocks = self.group_fusion(blocks)
+            return blocks.view(*hidden_states.shape[:-1], -1)
         if tensor_parallel is None:
             blocks = plan.project_out(flat, linear)
         elif self.output_compensation is not None:
