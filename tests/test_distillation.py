@@ -250,3 +250,59 @@ def test_nested_healing_of_a_student_with_per_layer_budgets(tmp_path, teacher_an
         ks = {name: module.top_k for name, module in healed.named_modules() if name.endswith("sub_dims.router")}
         assert ks["model.layers.0.mlp.sub_dims.router"] == 5
         assert {k for name, k in ks.items() if name != "model.layers.0.mlp.sub_dims.router"} == {3}
+
+
+def test_hidden_basis_and_loss_of_an_exact_rotated_conversion(tmp_path):
+    """Oracle: an exact conversion with the PCA rotation (`rotate_llama`, whose Q is returned) has the teacher's
+    residual stream in basis Q after every layer. `hidden_basis` recovers that Q from the embeddings, the hidden
+    loss of the exact model is 0 (float64) and that of a sparse one with the same weights is not; a student of
+    another width is refused."""
+    from hf_mohd.conversion import rotate_llama
+    from hf_mohd.training.distill import hidden_basis, hidden_distillation_loss
+
+    save_tiny_llama(tmp_path / "llama", tied=True, sharded=False)
+    source = load_dense_llama(tmp_path / "llama", dtype=torch.float64)
+    calibration = torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    rotated, info = rotate_llama(source, calibration)
+    teacher = source.build_llama().eval()
+    exact = llama_to_mohd(rotated, "full").eval()
+    basis = hidden_basis(teacher, exact)
+    torch.testing.assert_close(basis, info["basis"].double(), rtol=0, atol=1e-9)
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = teacher(ids, output_hidden_states=True).hidden_states
+        got = exact(ids, output_hidden_states=True).hidden_states
+        assert hidden_distillation_loss(got, want, basis) < 1e-12  # relative squared error, fp32 norms inside
+        sparse = llama_to_mohd(rotated, "compression_50", seed=0).eval()
+        assert hidden_distillation_loss(sparse(ids, output_hidden_states=True).hidden_states, want, basis) > 1e-3
+        # by hand for layer 1 alone of a two-layer model: ||h_s - h_t Q||^2 / ||h_t Q||^2
+        h_s, h_t = sparse(ids, output_hidden_states=True).hidden_states, want
+        by_hand = (h_s[1] - h_t[1] @ basis).pow(2).sum() / (h_t[1] @ basis).pow(2).sum()
+        torch.testing.assert_close(hidden_distillation_loss(h_s, h_t, basis), by_hand)
+    narrow = LlamaForCausalLM(
+        LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    )
+    with pytest.raises(ValueError, match="`distill.hidden_weight` compares residual streams"):
+        hidden_basis(teacher, narrow)
+
+
+def test_hidden_weight_adds_a_trained_term(tmp_path, teacher_and_student):
+    """A one-step run with `distill.hidden_weight` moves the weights differently from the same run without it (the
+    term has a gradient), and the field is refused without a teacher."""
+    teacher_dir, student_dir = teacher_and_student
+    corpus = write_word_corpus(tmp_path / "corpus.jsonl")
+    runs = {}
+    for weight in (0.0, 10.0):
+        overrides = {"max_steps": 1, "distill.hidden_weight": weight, "model.trainable": "all"}
+        runs[weight] = train(distill_config(tmp_path, teacher_dir, student_dir, corpus, f"h{weight}", **overrides))
+    plain, hidden = (dict(runs[w].model.named_parameters()) for w in (0.0, 10.0))
+    assert max((plain[n] - hidden[n]).abs().max().item() for n in plain) > 1e-6
+    with pytest.raises(ValueError, match="`distill.hidden_weight` must be >= 0 and needs `distill.teacher`"):
+        train_config_from_dict(
+            {
+                "output_dir": str(tmp_path / "x"),
+                "model": {"init_from": str(student_dir)},
+                "data": {"path": corpus},
+                "distill": {"hidden_weight": 1.0},
+            }
+        )

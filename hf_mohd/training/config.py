@@ -148,6 +148,11 @@ class DistillConfig:
             round(k_target + (N_r - k_target) * (1 - t / T)^p), p = 1 ("linear") or 3 ("cubic"); computed from the
             step, so it resumes mid-schedule. The k of every step is logged as `active_sub_dims`.
         schedule_curve: "linear" or "cubic" (fast at first, slow near the target, as Zhu and Gupta's sparsity ramp).
+        hidden_weight: weight (>= 0; 0: off) of intermediate distillation: the mean over the decoder layers but the
+            last of ||h_s - h_t Q||^2 / ||h_t Q||^2 (each over the layer's tokens), h the residual stream after the
+            layer, Q the change of basis from the teacher's residual stream to the student's, recovered from the
+            embeddings (E_student = E_teacher Q, least squares; the identity for an unrotated conversion, the PCA
+            rotation of `--rotate pca`). Needs a teacher of the student's width.
     """
 
     teacher: str = ""
@@ -160,6 +165,7 @@ class DistillConfig:
     random_active_weight: float = 0.0
     schedule_fraction: float = 0.0
     schedule_curve: str = "linear"
+    hidden_weight: float = 0.0
 
 
 @dataclass
@@ -332,6 +338,11 @@ class TrainConfig:
             raise ValueError(
                 f"`distill.random_active_weight` must be >= 0 and `distill.schedule_fraction` in [0, 1], got "
                 f"{distill.random_active_weight}, {distill.schedule_fraction}."
+            )
+        if not distill.hidden_weight >= 0 or (distill.hidden_weight > 0 and not distill.teacher):
+            raise ValueError(
+                f"`distill.hidden_weight` must be >= 0 and needs `distill.teacher`, got {distill.hidden_weight} with "
+                f"teacher {distill.teacher!r}."
             )
         if distill.schedule_curve not in ("linear", "cubic"):
             raise ValueError(f"`distill.schedule_curve` must be 'linear' or 'cubic', got {distill.schedule_curve!r}.")

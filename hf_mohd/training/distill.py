@@ -67,9 +67,13 @@ def load_teacher(config: DistillConfig, student, device, trust_remote_code: bool
     return teacher.eval().to(device)
 
 
-def student_objective(outputs, teacher_logits, config: DistillConfig, aux_coef: float):
+def student_objective(
+    outputs, teacher_logits, config: DistillConfig, aux_coef: float, teacher_hidden=None, basis=None
+):
     """The loss one student forward contributes: `kl_weight` * KL to the teacher + `lm_weight` * LM loss + the
-    router aux loss (`outputs.loss` alone without a teacher, `teacher_logits` None).
+    router aux loss (`outputs.loss` alone without a teacher, `teacher_logits` None), + `hidden_weight` * the
+    intermediate term (`hidden_distillation_loss` of `outputs.hidden_states` against `teacher_hidden` in `basis`)
+    when `hidden_weight` > 0.
 
     Returns:
         (objective, kd): the scalar to differentiate and the detached distillation KL (0.0 without a teacher).
@@ -79,7 +83,63 @@ def student_objective(outputs, teacher_logits, config: DistillConfig, aux_coef: 
     kd = distillation_loss(outputs.logits, teacher_logits, config.temperature)
     aux_part = aux_coef * outputs.aux_loss if getattr(outputs, "aux_loss", None) is not None else 0.0
     lm_part = outputs.loss - aux_part
-    return config.kl_weight * kd + config.lm_weight * lm_part + aux_part, kd.detach().item()
+    objective = config.kl_weight * kd + config.lm_weight * lm_part + aux_part
+    if config.hidden_weight > 0:
+        objective = objective + config.hidden_weight * hidden_distillation_loss(
+            outputs.hidden_states, teacher_hidden, basis
+        )
+    return objective, kd.detach().item()
+
+
+def hidden_basis(teacher, student) -> torch.Tensor:
+    """Q (D, D), float64, with E_student = E_teacher Q: the change of basis from the teacher's residual stream to the
+    student's, from their input embeddings by least squares (exact for a conversion that copies or rotates the
+    embedding: the identity, a channel permutation, or `--rotate pca`'s orthogonal Q).
+
+    Raises:
+        TrainConfigError: the embeddings differ in shape, or E_teacher Q misses E_student by more than 1e-4 of its
+            norm (the student's residual stream is not a change of basis of the teacher's).
+    """
+    source = teacher.get_input_embeddings().weight.detach().double().cpu()
+    target = student.get_input_embeddings().weight.detach().double().cpu()
+    if source.shape != target.shape:
+        raise TrainConfigError(
+            f"`distill.hidden_weight` compares residual streams: the teacher's embedding is {tuple(source.shape)}, "
+            f"the student's {tuple(target.shape)}."
+        )
+    basis = torch.linalg.lstsq(source, target).solution
+    miss = ((source @ basis - target).norm() / target.norm().clamp_min(1e-30)).item()
+    if miss > 1e-4:
+        raise TrainConfigError(
+            f"`distill.hidden_weight`: the student's embedding is not a change of basis of the teacher's (relative "
+            f"miss {miss:.2e}), so their residual streams cannot be compared."
+        )
+    return basis
+
+
+def hidden_distillation_loss(student_hidden, teacher_hidden, basis: torch.Tensor) -> torch.Tensor:
+    """Mean over the decoder layers but the last of ||h_s - h_t Q||^2 / ||h_t Q||^2, each sum over the layer's
+    tokens and width (fp32 or wider): elements 1 .. L - 1 of the two `hidden_states` tuples (element 0 is the
+    embedding, the same by construction; the last layer is what the logits' KL sees).
+
+    Args:
+        student_hidden, teacher_hidden: tuples of L + 1 (B, T, D) tensors (`output_hidden_states=True`).
+        basis: Q (D, D) from `hidden_basis`.
+
+    Raises:
+        ValueError: the tuples differ in length (another depth).
+    """
+    if len(student_hidden) != len(teacher_hidden):
+        raise ValueError(
+            f"`distill.hidden_weight`: the student has {len(student_hidden) - 1} layers, the teacher "
+            f"{len(teacher_hidden) - 1}."
+        )
+    losses = []
+    for student, teacher in zip(student_hidden[1:-1], teacher_hidden[1:-1], strict=True):
+        dtype = torch.promote_types(student.dtype, torch.float32)
+        target = teacher.to(dtype) @ basis.to(device=teacher.device, dtype=dtype)
+        losses.append((student.to(dtype) - target).pow(2).sum() / target.pow(2).sum().clamp_min(1e-30))
+    return torch.stack(losses).mean()
 
 
 def nested_healing(config: DistillConfig) -> bool:

@@ -30,6 +30,7 @@ from ..evaluation.perplexity import evaluate_perplexity
 from .config import TrainConfig, TrainConfigError, architecture_config
 from .data import PackedBatches, load_documents, pack, split_documents, train_bpe_tokenizer
 from .distill import (
+    hidden_basis,
     load_teacher,
     nested_backward,
     nested_healing,
@@ -508,6 +509,10 @@ def train(config: TrainConfig) -> TrainResult:
         # the model's own k: its config's default, which stands for its per-layer budgets when it has them
         target_k, full_k = unwrapped.config.num_routed_sub_dims_per_tok, unwrapped.config.num_routed_sub_dims
     extra = router_kwargs(unwrapped, config.router_aux_loss)
+    hidden_basis_q = None  # intermediate distillation: the student's residual-stream basis in the teacher's
+    if teacher is not None and config.distill.hidden_weight > 0:
+        hidden_basis_q = hidden_basis(teacher, unwrapped)
+        extra = {**extra, "output_hidden_states": True}
     aux_coef = float(getattr(unwrapped.config, "router_aux_loss_coef", 0.0) or 0.0)
     tokens_per_step = config.micro_batch_size * config.grad_accum_steps * accelerator.num_processes
     tokens_per_step *= config.data.seq_len
@@ -531,14 +536,20 @@ def train(config: TrainConfig) -> TrainResult:
             input_ids = input_ids.to(accelerator.device)
             sync = micro == config.grad_accum_steps - 1
             with nullcontext() if sync else accelerator.no_sync(model):
-                teacher_logits = None
+                teacher_logits = teacher_hidden = None
                 if teacher is not None:  # the teacher's logits of this micro-batch (kept in memory only)
                     with torch.no_grad():
-                        teacher_logits = teacher(input_ids=input_ids).logits
+                        teacher_out = teacher(input_ids=input_ids, output_hidden_states=hidden_basis_q is not None)
+                        teacher_logits, teacher_hidden = teacher_out.logits, teacher_out.hidden_states
 
                 forward = functools.partial(model, input_ids=input_ids, labels=input_ids, **extra)
                 objective_of = functools.partial(
-                    student_objective, teacher_logits=teacher_logits, config=config.distill, aux_coef=aux_coef
+                    student_objective,
+                    teacher_logits=teacher_logits,
+                    config=config.distill,
+                    aux_coef=aux_coef,
+                    teacher_hidden=teacher_hidden,
+                    basis=hidden_basis_q,
                 )
 
                 def backward(objective):
