@@ -18,11 +18,18 @@ into N experts of width m and m_s + K m = a I exactly; f = 1/3 (m_s = 512, route
 The calibration FFN inputs are computed once and shared by every carving (`carve_llama` computes them through the
 module function `carve.ffn_inputs`, which `shared_ffn_inputs` memoises for the run; nothing else is changed).
 
+With `--latent-sizes`, every carving is also made at each latent width l (`carve_llama(..., latent_size=l)`: the
+routed experts read and write in the top-l directions of the uncentred second moment of the FFN input on the
+calibration text; l = 576 = hidden is a rotation of the full-width carving); arms are then keyed "N=64 l=288 75%
+fitted", and the run belongs in its own `--output`.
+
 Resumable: every finished arm is written at once (atomically, `hf_mohd.atomic_folder.write_json_atomically`) to
 `--output`; a rerun skips finished arms. Arms run by value: 75% at every N, then 50%, then 25%.
 
     python -m experiments.smollm2.carve --threads 2 --calibration-tokens 4096 \
         --output experiments/smollm2/results/smollm2_carving.json
+    python -m experiments.smollm2.carve --threads 2 --calibration-tokens 4096 --experts 64 --fractions 75% 50% \
+        --latent-sizes 576 288 144 --output experiments/smollm2/results/smollm2_carving_latent.json
 """
 
 import argparse
@@ -82,6 +89,11 @@ def shared_ffn_inputs():
         carve.ffn_inputs = original
 
 
+def arm_key(n: int, latent: int | None, label: str, routing: str) -> str:
+    """The arm's key in the report: "N=64 75% fitted", or "N=64 l=288 75% fitted" at a latent width."""
+    return f"N={n} {label} {routing}" if latent is None else f"N={n} l={latent} {label} {routing}"
+
+
 def set_top_k(model, k: int) -> None:
     """Every router of a carved model selects `k` experts (the carving and the fitted routers do not depend on K)."""
     from hf_mohd.models.modeling_latent_moe import LatentMoERouter
@@ -104,6 +116,9 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0, help="Seed of the k-means++ seeding (default 0).")
+    parser.add_argument(
+        "--latent-sizes", type=int, nargs="+", help="Latent widths l of the routed experts (default: full width)."
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice).")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "smollm2_carving.json")
     args = parser.parse_args(argv)
@@ -129,6 +144,9 @@ def main(argv=None) -> int:
         "window": args.window,
         "seed": args.seed,
     }
+    if args.latent_sizes:
+        options["latent_sizes"] = args.latent_sizes
+    latent_sizes = args.latent_sizes or [None]
     report = json.loads(args.output.read_text()) if args.output.exists() else {}
     if report and report.get("options") != options:
         sys.exit(f"{args.output} holds a run with other options ({report.get('options')}); use another --output.")
@@ -153,8 +171,9 @@ def main(argv=None) -> int:
             shared, width = carve_sizes(intermediate, n, float(f))
             active = Fraction(shared + int(k) * width, intermediate)
             assert active == Fraction(label.rstrip("%")) / 100, (label, n, active)
-            for routing in ("fitted", "oracle"):
-                planned.append((label, n, float(f), int(k), shared, width, routing))
+            for latent in latent_sizes:
+                for routing in ("fitted", "oracle"):
+                    planned.append((label, n, float(f), int(k), shared, width, latent, routing))
     if not report:
         report = {
             "command": "python -m experiments.smollm2.carve " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -190,7 +209,7 @@ def main(argv=None) -> int:
             "reference": REFERENCE,
             "dense": None,
             "arms": {},
-            "planned_arms": [f"N={n} {label} {routing}" for label, n, *_, routing in planned],
+            "planned_arms": [arm_key(n, latent, label, routing) for label, n, *_, latent, routing in planned],
             "complete": False,
             "torch_threads": torch.get_num_threads(),
             "machine_at_start": ep.machine(),
@@ -199,7 +218,7 @@ def main(argv=None) -> int:
 
     def save() -> None:
         report["complete"] = report["dense"] is not None and all(
-            f"N={n} {label} {routing}" in report["arms"] for label, n, *_, routing in planned
+            arm_key(n, latent, label, routing) in report["arms"] for label, n, *_, latent, routing in planned
         )
         report["machine_latest"] = ep.machine()
         write_json_atomically(args.output, report)
@@ -214,8 +233,8 @@ def main(argv=None) -> int:
 
     carvings = {}
     with shared_ffn_inputs():
-        for label, n, f, k, shared, width, routing in planned:
-            key = f"N={n} {label} {routing}"
+        for label, n, f, k, shared, width, latent, routing in planned:
+            key = arm_key(n, latent, label, routing)
             if key in report["arms"]:
                 continue
             started = time.time()
@@ -229,7 +248,9 @@ def main(argv=None) -> int:
                 "k_over_n": k / n,
                 "routing": routing,
             }
-            if (n, f) not in carvings:
+            if latent is not None:
+                entry["latent_size"] = latent
+            if (n, f, latent) not in carvings:
                 model, carve_report = carve_llama(
                     source,
                     calibration_ids,
@@ -238,13 +259,25 @@ def main(argv=None) -> int:
                     shared_fraction=f,
                     seed=args.seed,
                     batch_size=args.batch_size,
+                    latent_size=latent,
                 )
-                carvings[(n, f)] = (model, carve_report.as_dict(), round(time.time() - started, 1))
-                entry["carving_seconds"] = carvings[(n, f)][2]
-            model, summary, _ = carvings[(n, f)]
+                carvings[(n, f, latent)] = (model, carve_report.as_dict(), round(time.time() - started, 1))
+                entry["carving_seconds"] = carvings[(n, f, latent)][2]
+            model, summary, _ = carvings[(n, f, latent)]
             set_top_k(model, k)
             entry["shared_mass"] = summary["shared_mass"]
             entry["mean_cohesion"] = sum(summary["cohesion"]) / len(summary["cohesion"])
+            if latent is not None:
+                for name, field in (
+                    ("latent_explained_share", "latent_explained"),
+                    ("latent_output_explained_share", "latent_output_explained"),
+                ):
+                    explained = summary[field]
+                    entry[name] = {
+                        "mean": sum(explained) / len(explained),
+                        "min": min(explained),
+                        "layers": [round(x, 4) for x in explained],
+                    }
             entry["mean_router_r2"] = sum(summary["router_r2"]) / len(summary["router_r2"])
             entry["router_r2_per_layer"] = [round(x, 4) for x in summary["router_r2"]]
             measured = time.time()
@@ -270,8 +303,12 @@ def main(argv=None) -> int:
             report["arms"][key] = entry
             logger.info("%s: perplexity %.3f (%.3fx dense), %.0f s", key, ppl, ppl / dense, entry["seconds"])
             save()
-            if all(f"N={n} {lab} {r}" in report["arms"] for lab, nn, ff, *_, r in planned if (nn, ff) == (n, f)):
-                del carvings[(n, f)]  # every arm of this carving is done
+            if all(
+                arm_key(n, lat, lab, r) in report["arms"]
+                for lab, nn, ff, *_, lat, r in planned
+                if (nn, ff, lat) == (n, f, latent)
+            ):
+                del carvings[(n, f, latent)]  # every arm of this carving is done
     save()
     logger.info("complete: %s", report["complete"])
     return 0
