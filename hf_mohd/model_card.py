@@ -34,7 +34,7 @@ PIPELINE_TAG = "text-generation"
 
 # Config fields shown per family; fields a config does not have are skipped, so the card follows the config class.
 ARCHITECTURE_FIELDS = [*LLAMA_ARCHITECTURE_FIELDS, "max_position_embeddings", "tie_word_embeddings"]
-SPARSITY_FIELDS = {"mohd": list(MOHD_SPARSITY_FIELDS)}
+SPARSITY_FIELDS = {"mohd": [*MOHD_SPARSITY_FIELDS, "per_layer_config"]}  # per-layer budgets, when the model has them
 # For a family without an explicit list (LatentMoE), every config field whose name contains one of these.
 SPARSITY_KEYWORDS = (
     "expert",

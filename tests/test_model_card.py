@@ -119,6 +119,27 @@ def test_lora_targets_exclude_routers():
     assert parameters == [] and not any("router" in m or "fusion" in m for m in modules)
 
 
+def test_mohd_card_lists_per_layer_budgets():
+    """A MoHD model with per-layer budgets lists them, and its activated parameters are the accounting's."""
+    from hf_mohd import MoHDConfig
+
+    config = MoHDConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_sub_dims=8,
+        num_shared_sub_dims=2,
+        per_layer_config={1: {"ffn_routed_sub_dims_per_tok": 4}},
+    )
+    card = str(render_model_card(config))
+    assert "| `per_layer_config` | 1: {'ffn_routed_sub_dims_per_tok': 4} |" in card
+    assert f"| activated parameters | {config.num_active_parameters():,} |" in card
+    uniform = MoHDConfig(**{**config.to_dict(), "per_layer_config": None})
+    assert config.num_active_parameters() > uniform.num_active_parameters()
+
+
 def test_latent_moe_card_reports_config_accounting_and_expert_targets():
     from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM
 
