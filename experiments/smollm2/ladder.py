@@ -8,11 +8,17 @@ Builds on `experiments.smollm2.heal` (its teacher, text split, held-out windows 
   (`hf_mohd.conversion.compensation`), whose training-free gain `prepare` records;
 - a ladder of healing arms at 75%, each adding one lever to the previous one (see `ARMS`): unit gates, nested
   healing at the target k and at full activation (`distill.active_sub_dims`), a gradual schedule, compensation;
+- uneven budgets (`budgets`): each unit-gate student with every layer and sublayer kind at its own k, allocated by
+  `hf_mohd.conversion.budgets` on the calibration text under the per-token parameter budget of its uniform k, and the
+  held-out perplexity of the result, training-free; and (`sides`) the same students with only one side of each
+  sublayer sparse (`sparse_sides` "input": it reads only the active blocks; "output": it writes only them);
 - for every healed arm, the held-out perplexity at the target k and of the same weights with every block active.
 
 Every stage resumes (finished parts are read back from `--work-dir`, training resumes from its last checkpoint):
 
     python -m experiments.smollm2.ladder prepare                  # heal's prepare, then the unit and compensated students
+    python -m experiments.smollm2.ladder budgets                  # the budgeted students (after prepare)
+    python -m experiments.smollm2.ladder sides                    # one sparse side, training-free
     python -m experiments.smollm2.ladder train unit_nested_64k    # one arm of ARMS; two arms may run side by side
     python -m experiments.smollm2.ladder report                   # experiments/smollm2/results/smollm2_healing_ladder.json
 
@@ -47,12 +53,18 @@ STUDENTS = {
     "mohd75uc": ("compression_75", "unit", True),
     "mohd50uc": ("compression_50", "unit", True),
 }
-# arm -> (student, nested healing at full activation, schedule fraction, budget tokens); each adds one lever
+# budgeted student -> the unit-gate student it is allocated from (`budgets`)
+BUDGETED = {"mohd75ub": "mohd75u", "mohd50ub": "mohd50u"}
+BUDGET_CALIBRATION_ROWS = 16  # 16 x 256 = 4,096 tokens of heal's calibration text
+# arm -> (student, nested healing at full activation, schedule fraction, budget tokens, hidden_weight); each adds
+# one lever to the nested arm
 ARMS = {
-    "unit_64k": ("mohd75u", False, 0.0, 64 * K),
-    "unit_nested_64k": ("mohd75u", True, 0.0, 64 * K),
-    "unit_nested_schedule_64k": ("mohd75u", True, 0.25, 64 * K),
-    "unit_nested_compensated_64k": ("mohd75uc", True, 0.0, 64 * K),
+    "unit_64k": ("mohd75u", False, 0.0, 64 * K, 0.0),
+    "unit_nested_64k": ("mohd75u", True, 0.0, 64 * K, 0.0),
+    "unit_nested_schedule_64k": ("mohd75u", True, 0.25, 64 * K, 0.0),
+    "unit_nested_compensated_64k": ("mohd75uc", True, 0.0, 64 * K, 0.0),
+    "unit_nested_budgets_64k": ("mohd75ub", True, 0.0, 64 * K, 0.0),
+    "unit_nested_hidden_64k": ("mohd75u", True, 0.0, 64 * K, 1.0),
 }
 BASELINE = ("mohd75_all_64k", "heal's recipe: normalized gates, target k only, no schedule, no compensation")
 
@@ -112,13 +124,79 @@ def prepare(work: Path) -> None:
             write_json_atomically(work / "ladder_prepare.json", info)
 
 
+def budgets(work: Path) -> None:
+    """The budgeted students (`BUDGETED`): allocation on the first `BUDGET_CALIBRATION_ROWS` rows of the calibration
+    text, saved with the allocation, and their held-out perplexity next to the uniform student's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_mohd  # noqa: F401
+    from hf_mohd.conversion.budgets import allocate_routed_sub_dims, apply_routed_budgets
+
+    path = work / "ladder_budgets.json"
+    info = heal.read_json(path, {})
+    tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
+    windows = heal.held_out_windows(tokenizer)
+    calibration = calibration_ids(work, tokenizer)[:BUDGET_CALIBRATION_ROWS]
+    for name, base in BUDGETED.items():
+        if name in info:
+            continue
+        started = heal.cpu_seconds()
+        model = AutoModelForCausalLM.from_pretrained(str(work / base), dtype=torch.float32).eval()
+        uniform_active = model.config.num_active_parameters()
+        allocation = allocate_routed_sub_dims(model, calibration, model.config.num_routed_sub_dims_per_tok)
+        apply_routed_budgets(model, allocation)
+        with write_folder_atomically(work / name) as staging:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+        allocation_seconds = round(heal.cpu_seconds() - started, 1)
+        info[name] = {
+            "from": base,
+            "allocation": allocation.as_dict(),
+            "active_parameters": model.config.num_active_parameters(),
+            "uniform_active_parameters": uniform_active,
+            "allocation_cpu_seconds": allocation_seconds,
+            "perplexity": perplexity(model, windows, 4, desc=name),
+            "machine": ep.machine(),
+        }
+        logger.info("%s: held-out perplexity %.3f", name, info[name]["perplexity"])
+        write_json_atomically(path, info)
+        del model
+
+
+def sides(work: Path) -> None:
+    """The unit-gate students with one sparse side (`sparse_sides`), training-free: held-out perplexity and the
+    parameters a token reads, next to both sides sparse."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_mohd  # noqa: F401
+
+    path = work / "ladder_sides.json"
+    info = heal.read_json(path, {})
+    windows = heal.held_out_windows(AutoTokenizer.from_pretrained(work / "teacher"))
+    for student in ("mohd75u", "mohd50u"):
+        for side in ("input", "output"):
+            key = f"{student} {side}"
+            if key in info:
+                continue
+            model = AutoModelForCausalLM.from_pretrained(str(work / student), dtype=torch.float32, sparse_sides=side)
+            info[key] = {
+                "student": student,
+                "sparse_sides": side,
+                "perplexity": perplexity(model.eval(), windows, 4, desc=key),
+                "active_parameters": model.config.num_active_parameters(),
+                "machine": ep.machine(),
+            }
+            logger.info("%s: held-out perplexity %.3f", key, info[key]["perplexity"])
+            write_json_atomically(path, info)
+            del model
+
+
 def evaluate(model, windows) -> dict:
-    """Held-out perplexity at the model's k and with every block active (the same weights)."""
-    k = model.config.num_routed_sub_dims_per_tok
-    result = {"target": perplexity(model, windows, 4, desc=f"k={k}")}
+    """Held-out perplexity at the model's k (each sublayer's) and with every block active (the same weights)."""
+    result = {"target": perplexity(model, windows, 4, desc="own k")}
     model.set_active_sub_dims(model.config.num_routed_sub_dims)
     result["full_activation"] = perplexity(model, windows, 4, desc="k=N_r")
-    model.set_active_sub_dims(k)
+    model.set_active_sub_dims(None)
     return result
 
 
@@ -128,7 +206,7 @@ def train_arm(work: Path, arm: str) -> None:
 
     from hf_mohd.training import latest_checkpoint, train, train_config_from_dict
 
-    student, nested, schedule, budget = ARMS[arm]
+    student, nested, schedule, budget, hidden = ARMS[arm]
     path = work / f"ladder_{arm}.json"
     if path.exists():
         logger.info("%s: done (%s)", arm, path)
@@ -138,6 +216,8 @@ def train_arm(work: Path, arm: str) -> None:
     distill = {"teacher": str(work / "teacher"), "kl_weight": 1.0, "temperature": 1.0, "lm_weight": 0.0}
     if nested:
         distill["active_sub_dims"] = [target, full]
+    if hidden:
+        distill["hidden_weight"] = hidden
     if schedule:
         distill.update(schedule_fraction=schedule, schedule_curve="cubic")
         distill.setdefault("active_sub_dims", [target])
@@ -198,8 +278,27 @@ def report(work: Path, output: Path) -> dict:
                 key: found[key] for key in ("perplexity", "perplexity_full_activation", "fit") if key in found
             }
             students[name]["ratio_to_dense"] = found["perplexity"] / dense
+    budgeted = heal.read_json(work / "ladder_budgets.json", {})
+    for name, found in budgeted.items():
+        students[name] = {
+            "from": found["from"],
+            "perplexity": found["perplexity"],
+            "ratio_to_dense": found["perplexity"] / dense,
+            "uniform_perplexity": students.get(found["from"], {}).get("perplexity"),
+            "active_parameters": found["active_parameters"],
+            "uniform_active_parameters": found["uniform_active_parameters"],
+            "budgets": found["allocation"]["budgets"],
+            "allocation_tokens": found["allocation"]["tokens"],
+        }
+    for key, found in heal.read_json(work / "ladder_sides.json", {}).items():
+        students[key] = {
+            "perplexity": found["perplexity"],
+            "ratio_to_dense": found["perplexity"] / dense,
+            "sparse_sides": found["sparse_sides"],
+            "active_parameters": found["active_parameters"],
+        }
     arms, missing = {}, []
-    for arm, (student, nested, schedule, budget) in ARMS.items():
+    for arm, (student, nested, schedule, budget, hidden) in ARMS.items():
         found = heal.read_json(work / f"ladder_{arm}.json", None)
         if found is None:
             missing.append(arm)
@@ -209,6 +308,7 @@ def report(work: Path, output: Path) -> dict:
             "student": student,
             "nested_full_activation": nested,
             "schedule_fraction": schedule,
+            "hidden_weight": hidden,
             "budget_tokens": budget,
             "perplexity": ppl,
             "ratio_to_dense": {key: value / dense for key, value in ppl.items()},
@@ -217,7 +317,7 @@ def report(work: Path, output: Path) -> dict:
         }
     baseline = heal.read_json(RESULTS_DIR / "smollm2_healing.json", {}).get("healing", {}).get(BASELINE[0])
     result = {
-        "command": "python -m experiments.smollm2.ladder prepare|train ARM|report",
+        "command": "python -m experiments.smollm2.ladder prepare|budgets|sides|train ARM|report",
         "complete": not missing,
         "missing": missing,
         "dense_perplexity": dense,
@@ -240,7 +340,7 @@ def report(work: Path, output: Path) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=("prepare", "train", "report"))
+    parser.add_argument("stage", choices=("prepare", "budgets", "sides", "train", "report"))
     parser.add_argument("arm", nargs="?", choices=list(ARMS), help="train: an arm of ARMS.")
     parser.add_argument("--work-dir", type=Path, default=Path("runs/heal_smollm2"))
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1).")
@@ -251,6 +351,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     if args.stage == "prepare":
         prepare(args.work_dir)
+    elif args.stage == "budgets":
+        budgets(args.work_dir)
+    elif args.stage == "sides":
+        sides(args.work_dir)
     elif args.stage == "train":
         if args.arm is None:
             parser.error("train needs an arm")
