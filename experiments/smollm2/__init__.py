@@ -6,6 +6,8 @@ in `results/`). Run from the repository root:
     python -m experiments.smollm2.ffn_only_anomaly      # the FFN-only anomaly, layer by layer
     python -m experiments.smollm2.heal STAGE            # conversions healed by distillation (resumable stages)
     python -m experiments.smollm2.carve                 # dense FFNs carved into a LatentMoE (resumable)
+    python -m experiments.smollm2.ladder STAGE          # healing that keeps the dense function, lever by lever
+    python -m experiments.smollm2.healing_corpus        # the multi-source healing text (after scripts/fetch_corpora.sh)
 
 Each module's docstring gives its exact commands and the result file it writes.
 """
