@@ -130,11 +130,9 @@ def sublayer_errors(
         )
     full = model.config.num_routed_sub_dims
     saved = {unit: sub.router.top_k for unit, sub in units.items()}
-    owners = {}  # sublayer module (attention / MLP) -> unit
-    for module in model.modules():
-        sub = getattr(module, "sub_dims", None)
-        if isinstance(sub, MoHDSubDimensions) and sub.router is not None:
-            owners[module] = (sub.layer_idx, sub.sublayer)
+    layers = model.model.layers
+    # sublayer module (attention / MLP) -> unit
+    owners = {getattr(layers[idx], "self_attn" if kind == "attention" else "mlp"): (idx, kind) for idx, kind in units}
     squared = {unit: torch.zeros(full, dtype=torch.float64) for unit in units}
     residual = dict.fromkeys(units, 0.0)
     kept, streams = {}, {}  # per batch: each sublayer's (args, kwargs); the residual stream's squared norm
