@@ -19,7 +19,8 @@ Checks (each raises, never skips, when it fails):
 3. A few AdamW steps of both families under bf16 autocast: finite decreasing loss, router logits recorded in fp32.
 4. `generate` on CUDA: greedy with the default cache == greedy without cache (float64), and a static cache.
 Benchmarks (CUDA events, medians of `--reps`): MoHD `compression_50` vs LlamaForCausalLM of the same width at
-hidden 2048 (prefill B8 x T1024 in bf16, a bf16-autocast training step, batch-1 greedy `generate` in bf16), and
+hidden 2048 (prefill B8 x T1024 in bf16, a bf16-autocast training step, batch-1 greedy `generate` in bf16), each
+with the default "gather" strategy and the "masked" reference, with `--profile` the top device operators, and
 LatentMoE vs the standard MoE at equal activated MACs (prefill). Results go to `--output` (JSON) and stdout.
 
     python -m bench.gpu_check --output gpu_check.json          # CUDA required
@@ -179,7 +180,26 @@ def timed(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
-def benchmark(device, quick: bool, reps: int) -> dict:
+def kernel_profile(fn, device, top: int = 12) -> list[dict]:
+    """The `top` operators of one call of `fn` by self device time (torch profiler; CPU time on a CPU), with their
+    call counts: where the time of a ratio goes."""
+    fn()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
+    rows = [{"op": e.key, "calls": e.count, "self_ms": getattr(e, key) / 1e3} for e in events]
+    for row in rows:
+        print(f"    {row['self_ms']:9.3f} ms  {row['calls']:6d}x  {row['op'][:90]}")
+    return rows
+
+
+def benchmark(device, quick: bool, reps: int, profile: bool = False) -> dict:
     hidden = 256 if quick else 2048
     base = LlamaConfig(
         vocab_size=32000,
@@ -230,10 +250,29 @@ def benchmark(device, quick: bool, reps: int) -> dict:
 
     for mode, make in (("prefill", prefill), ("train", train_step), ("decode_generate_32", decode)):
         llama_s, mohd_s = timed(make(llama), device, reps), timed(make(mohd), device, reps)
-        out[mode] = {"llama_s": llama_s, "mohd_s": mohd_s, "mohd_speedup_vs_llama": llama_s / mohd_s}
+        mohd.set_sparse_implementation("masked")
+        masked_s = timed(make(mohd), device, reps)
+        mohd.set_sparse_implementation("gather")
+        out[mode] = {
+            "llama_s": llama_s,
+            "mohd_s": mohd_s,
+            "mohd_masked_s": masked_s,
+            "mohd_speedup_vs_llama": llama_s / mohd_s,
+            "mohd_masked_speedup_vs_llama": llama_s / masked_s,
+        }
         print(
             f"{mode:20s} llama {llama_s * 1e3:8.2f} ms  mohd {mohd_s * 1e3:8.2f} ms  speedup {llama_s / mohd_s:.3f}x"
+            f"  (masked {masked_s * 1e3:8.2f} ms, {llama_s / masked_s:.3f}x)"
         )
+    if profile:
+        out["profile"] = {
+            name: kernel_profile(make(model), device)
+            for name, model, make in (
+                ("llama_prefill", llama, prefill),
+                ("mohd_prefill", mohd, prefill),
+                ("mohd_decode", mohd, decode),
+            )
+        }
     del llama, mohd
     standard = LatentMoEConfig(
         vocab_size=32000,
@@ -267,6 +306,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="small benchmark shape")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--output", default=None, help="JSON result path")
+    parser.add_argument("--profile", action="store_true", help="also the top operators of each model's prefill")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: CUDA is not available to this torch build; nothing was checked (exit 1)")
@@ -290,7 +330,7 @@ def main():
     ):
         results[name] = check(device)
         print(f"check {name}: ok {results[name]}", flush=True)
-    results["benchmark"] = benchmark(device, args.quick, args.reps)
+    results["benchmark"] = benchmark(device, args.quick, args.reps, args.profile)
     results["load_average_1_5_15"] = list(os.getloadavg())
     if args.output:
         with open(args.output, "w") as handle:

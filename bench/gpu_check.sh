@@ -3,9 +3,9 @@
 # of torch and no network.
 #
 #   bash bench/gpu_check.sh --fetch   # on a networked machine, before: the pinned wheels into bench/gpu_wheels/
-#   bash bench/gpu_check.sh           # on the CUDA machine, with bench/gpu_wheels/ carried in the working tree
+#   bash bench/gpu_check.sh [ARGS]    # on the CUDA machine, with bench/gpu_wheels/ carried; ARGS go to gpu_check.py
 #
-# It installs the pinned libraries (transformers 5.24 and the Hub client it needs, which a CUDA image may lack or
+# It installs the pinned libraries (transformers 5.25 and the Hub client it needs, which a CUDA image may lack or
 # hold at an older version) from those wheels into a private folder put first on PYTHONPATH, with hf-mohd from this
 # checkout, records the versions, then runs bench/gpu_check.py (`python3 -m bench.gpu_check`): CUDA correctness
 # (gather == masked, bf16-autocast training with fp32 router logits, generate) and the benchmark ratios at a GPU-sized
@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=bench/gpu_wheels
-PINS=(transformers==5.24.0 huggingface_hub==2.4.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
+PINS=(transformers==5.25.0 huggingface_hub==2.4.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
     regex==2026.11.19 idna==3.20 click==8.5.1)
 PYVER=${GPU_PYTHON_VERSION:-3.12}
 if [ "${1:-}" = "--fetch" ]; then
@@ -30,5 +30,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$PWD:$SITE" HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1 PYTHONUNBUFFERED=1
 python3 -c "import torch; assert torch.cuda.is_available(), 'CUDA not available'; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
 OUTPUT=${OUT:-bench/results}/gpu_check.json
-python3 -m bench.gpu_check --output "$OUTPUT"
+python3 -m bench.gpu_check --output "$OUTPUT" "$@"
 echo "wrote $OUTPUT"
