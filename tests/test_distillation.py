@@ -9,9 +9,17 @@ from test_conversion import VOCAB, save_tiny_llama
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import hf_mohd  # noqa: F401  (registers the model types)
-from hf_mohd.conversion import describe_mohd_conversion, llama_to_mohd, load_dense_llama, save_converted
+from hf_mohd.conversion import (
+    convert_carved_latent_moe,
+    describe_mohd_conversion,
+    llama_to_mohd,
+    load_dense_llama,
+    save_converted,
+)
 from hf_mohd.training import distillation_loss, train, train_config_from_dict
+from hf_mohd.training.config import TrainConfigError
 from hf_mohd.training.data import PackedBatches, load_documents, pack, split_documents
+from hf_mohd.training.distill import select_trainable
 
 
 def write_word_corpus(path, num_docs=40, seed=0):
@@ -106,6 +114,39 @@ def test_distillation_run_logs_the_kl_trains_only_routers_norms_and_resumes(tmp_
     curve = [r["distill_kl"] for r in records]
     resumed_curve = [r["distill_kl"] for r in resumed.train_log if "distill_kl" in r]
     assert resumed_curve == pytest.approx(curve, rel=1e-6)
+
+
+def test_ffn_trainable_heals_a_carved_model_moving_only_its_feed_forward_sublayers(tmp_path):
+    """`model.trainable: ffn` on a carved LatentMoE (the carve route's healing): every expert kind, the shared expert
+    and nothing outside the `mlp` sublayers moves; everything else is frozen."""
+    teacher = tmp_path / "teacher"
+    save_tiny_llama(teacher, tied=True, sharded=False)
+    calibration = tmp_path / "calibration.txt"
+    rng = random.Random(1)
+    calibration.write_text(" ".join(f"w{rng.randrange(3, VOCAB)}" for _ in range(2048)), encoding="utf-8")
+    convert_carved_latent_moe(
+        teacher, tmp_path / "carved", num_experts=4, num_experts_per_tok=1, shared_fraction=0.5,
+        calibration_text=calibration, calibration_tokens=1024, calibration_window=64,
+    )  # fmt: skip
+    corpus = write_word_corpus(tmp_path / "corpus.jsonl")
+    config = distill_config(
+        tmp_path, teacher, tmp_path / "carved", corpus, **{"model.trainable": "ffn", "max_steps": 4, "optim.lr": 1e-3}
+    )  # fmt: skip
+    config.distill.lm_weight, config.distill.temperature = 0.0, 1.0
+    result = train(config)
+    initial = AutoModelForCausalLM.from_pretrained(tmp_path / "carved")
+    trained = dict(result.model.named_parameters())
+    moved = {
+        name for name, param in initial.named_parameters() if not torch.equal(param.detach(), trained[name].detach())
+    }
+    assert moved and all(".mlp." in name for name in moved), sorted(moved)
+    for part in ("experts.gate_up_proj", "experts.down_proj", "shared_experts.down_proj"):
+        assert any(part in name for name in moved), (part, sorted(moved))
+    assert not any("self_attn" in name or "norm" in name or "embed" in name for name in moved)
+    frozen = {name for name, param in result.model.named_parameters() if not param.requires_grad}
+    assert frozen == {name for name in trained if ".mlp." not in name}
+    with pytest.raises(TrainConfigError, match="model.trainable: ffn"):
+        select_trainable(torch.nn.Linear(2, 2), config.model)
 
 
 def test_lora_trainable_and_teacher_vocabulary_check(tmp_path, teacher_and_student):

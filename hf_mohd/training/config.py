@@ -94,7 +94,9 @@ class ModelConfig:
             BPE tokenizer trained on the training split (docs/design.md section 7, last item) and saved with the model.
         tokenizer_vocab_size: vocabulary size (tokens) of that trained BPE tokenizer.
         trust_remote_code: passed to `from_pretrained` (models saved elsewhere with `auto_map`).
-        trainable: which parameters train: "all"; "routers_norms" (MoHD / LatentMoE routers, MoHD group fusion and
+        trainable: which parameters train: "all"; "ffn" (every decoder layer's feed-forward sublayer `mlp`: a
+            carved model's experts, shared expert and routers; attention, norms and embeddings frozen);
+            "routers_norms" (MoHD / LatentMoE routers, MoHD group fusion and
             every norm weight; the rest frozen); or "lora" (LoRA adapters through PEFT on q/k/v/o and gate/up/down,
             rank `lora_rank`, scale `lora_alpha` / rank, the base weights frozen; `final/` then holds the adapter,
             loadable with `peft.PeftModel.from_pretrained(base, folder)`).
@@ -112,7 +114,7 @@ class ModelConfig:
     lora_alpha: float = 16.0
 
 
-TRAINABLE_CHOICES = ("all", "routers_norms", "lora")
+TRAINABLE_CHOICES = ("all", "ffn", "routers_norms", "lora")
 
 
 @dataclass

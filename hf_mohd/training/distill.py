@@ -225,14 +225,24 @@ def nested_backward(model, activations, forward, objective_of, backward, own_k: 
 
 
 def select_trainable(model, config: ModelConfig):
-    """Apply `model.trainable`: "all" (unchanged), "routers_norms" (only the parameters of MoHD / LatentMoE routers,
-    MoHD group fusion and the RMSNorm / LayerNorm modules train) or "lora" (PEFT LoRA adapters on
-    `LORA_TARGET_MODULES`; returns the `PeftModel`).
+    """Apply `model.trainable`: "all" (unchanged), "ffn" (only the feed-forward sublayers, every `model.layers[i].mlp`
+    with its experts, shared expert, latent projections and router, train; attention, norms and embeddings stay as
+    they are), "routers_norms" (only the parameters of MoHD / LatentMoE routers, MoHD group fusion and the RMSNorm /
+    LayerNorm modules train) or "lora" (PEFT LoRA adapters on `LORA_TARGET_MODULES`; returns the `PeftModel`).
 
     Raises:
-        ValueError: "routers_norms" on a model without such parameters; "lora" without the `peft` package.
+        ValueError: "ffn" or "routers_norms" on a model without such parameters; "lora" without the `peft` package.
     """
     if config.trainable == "all":
+        return model
+    if config.trainable == "ffn":
+        layers = getattr(getattr(model, "model", model), "layers", ())
+        blocks = [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), torch.nn.Module)]
+        if not blocks:
+            raise TrainConfigError("`model.trainable: ffn`: the model has no `model.layers[i].mlp` modules.")
+        model.requires_grad_(False)
+        for block in blocks:
+            block.requires_grad_(True)
         return model
     if config.trainable == "routers_norms":
         from ..models.modeling_latent_moe import LatentMoERouter
