@@ -1,0 +1,246 @@
+#!/usr/bin/env python
+"""SmolLM2-135M carved into a LatentMoE (`hf-mohd convert latent-moe --carve`), healed by distillation.
+
+The carvings are `experiments.smollm2.carve`'s best granularity, N = 128 routed experts per layer with the shared
+third of each FFN (f = 1/3, `router_gate="unit"`, routers fitted on 4,096 tokens of the first 8 Wikipedia articles,
+the default calibration text of `hf_mohd.conversion.carve`), at K = 80 (75% of each FFN active) and K = 32 (50%).
+Healing: `hf-mohd train`'s trainer with a `distill` section (KL to the dense teacher at T = 1, no LM loss) and
+`model.trainable: ffn`: only the feed-forward sublayers train (shared and routed experts; the routers of unit gates
+get no gradient, so they stay as fitted), attention, norms and embeddings stay the dense model's. AdamW at 2e-4,
+warmup 16 steps, cosine to 0.1 x at the arm's budget, 4 x 256 tokens per step, on the multi-source healing text of
+`experiments.smollm2.healing_corpus` (`--corpus-dir`: Wikipedia without its first and last 8 articles, An Anarchist
+FAQ, the Python documentation, Brown), disjoint from the calibration and every held-out text.
+
+Every model is measured on the five held-out sources of `experiments.smollm2.held_out_sources` (4,096 tokens each;
+the KJV bible never seen) at its K and, for the healed arms, with every expert active (K = N: the training-free
+carving is then the dense model exactly, so this shows how far healing moved the whole function).
+
+Every stage resumes (finished parts are read back from `--work-dir`, training resumes from its last checkpoint):
+
+    python -m experiments.smollm2.heal_carved prepare               # the two carvings, training-free numbers
+    python -m experiments.smollm2.heal_carved train carved75_256k   # one arm of ARMS; two may run side by side
+    python -m experiments.smollm2.heal_carved report                # results/smollm2_carved_healing.json
+
+The dense teacher folder is `experiments.smollm2.heal`'s (`--teacher`, made by `heal prepare`).
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from experiments.smollm2 import RESULTS_DIR, heal
+from experiments.smollm2 import evaluate_perplexity as ep
+from experiments.smollm2.held_out_sources import SOURCES
+from hf_mohd.atomic_folder import write_json_atomically
+from hf_mohd.evaluation.perplexity import perplexity
+
+
+logger = logging.getLogger("experiments.smollm2.heal_carved")
+K = 1024
+NUM_EXPERTS = 128
+SHARED_FRACTION = 1 / 3
+CALIBRATION_TOKENS = 4096
+# carving -> (K of NUM_EXPERTS, share of each FFN active)
+CARVINGS = {"carved75": (80, "75%"), "carved50": (32, "50%")}
+# arm -> (carving, trainable, peak lr, budget tokens)
+ARMS = {
+    "carved75_256k": ("carved75", "ffn", 2e-4, 256 * K),
+    "carved50_256k": ("carved50", "ffn", 2e-4, 256 * K),
+}
+
+
+def held_out(corpus: Path, tokenizer) -> dict[str, torch.Tensor]:
+    """source -> (rows, 256) token ids of its first 4,096 held-out tokens (`held_out_sources`' windows)."""
+    windows = {}
+    for source in SOURCES:
+        path = corpus / "held_out" / f"{source}.txt"
+        if not path.exists():
+            sys.exit(f"{path}: missing; run python -m experiments.smollm2.healing_corpus first.")
+        windows[source] = ep.token_windows(tokenizer, [path.read_text(encoding="utf-8")], 256, 4096)
+    return windows
+
+
+def measure(model, windows: dict[str, torch.Tensor], every_expert: bool) -> dict:
+    """Held-out perplexity per source at the model's K and, with `every_expert`, at K = N (the same weights)."""
+    from hf_mohd.conversion.carve import every_expert_active
+
+    result = {"target": {s: perplexity(model, w, 4, desc=f"K {s}") for s, w in windows.items()}}
+    if every_expert:
+        with every_expert_active(model):
+            result["every_expert_active"] = {s: perplexity(model, w, 4, desc=f"K=N {s}") for s, w in windows.items()}
+    return result
+
+
+def prepare(work: Path, teacher: Path, corpus: Path) -> None:
+    """The two carvings (saved folders) and their training-free held-out perplexity, and the dense model's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_mohd  # noqa: F401
+    from hf_mohd.conversion import convert_carved_latent_moe
+
+    if not (teacher / "config.json").exists():
+        sys.exit(f"{teacher}: no teacher folder; run python -m experiments.smollm2.heal prepare first.")
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "prepare.json"
+    info = heal.read_json(path, {})
+    windows = held_out(corpus, AutoTokenizer.from_pretrained(teacher))
+    if "dense" not in info:
+        model = AutoModelForCausalLM.from_pretrained(str(teacher), dtype=torch.float32).eval()
+        info["dense"] = measure(model, windows, every_expert=False)["target"]
+        write_json_atomically(path, info)
+    for name, (k, _) in CARVINGS.items():
+        folder = work / name
+        if not (folder / "config.json").exists():
+            started = heal.cpu_seconds()
+            convert_carved_latent_moe(
+                teacher, folder, num_experts=NUM_EXPERTS, num_experts_per_tok=k, shared_fraction=SHARED_FRACTION,
+                calibration_tokens=CALIBRATION_TOKENS, calibration_window=256, overwrite=True,
+            )  # fmt: skip
+            info.setdefault(name, {})["carve_cpu_seconds"] = round(heal.cpu_seconds() - started, 1)
+        if "perplexity" not in info.setdefault(name, {}):
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+            info[name]["perplexity"] = measure(model, windows, every_expert=True)
+            info[name]["machine"] = ep.machine()
+            write_json_atomically(path, info)
+            logger.info("%s: %s", name, info[name]["perplexity"])
+            del model
+
+
+def train_arm(work: Path, arm: str, teacher: Path, corpus: Path) -> None:
+    """Heal one arm to its budget, then measure it (at K and K = N) on every held-out source."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_mohd.training import latest_checkpoint, train, train_config_from_dict
+
+    carving, trainable, lr, budget = ARMS[arm]
+    path = work / f"{arm}.json"
+    if path.exists():
+        logger.info("%s: done (%s)", arm, path)
+        return
+    if not (work / carving / "config.json").exists():
+        sys.exit(f"{work / carving}: missing; run the prepare stage first.")
+    out = work / "runs" / arm
+    values = {
+        "output_dir": str(out),
+        "model": {"init_from": str(work / carving), "trainable": trainable},
+        "data": {"path": str(corpus / "healing.jsonl"), "eval_fraction": 0.0, "seq_len": 256},
+        "optim": {"lr": lr, "warmup_steps": 16, "weight_decay": 0.0, "min_lr_ratio": 0.1},
+        "distill": {"teacher": str(teacher), "kl_weight": 1.0, "temperature": 1.0, "lm_weight": 0.0},
+        "max_steps": budget // heal.TOKENS_PER_STEP,
+        "micro_batch_size": 4,
+        "mixed_precision": "no",
+        "router_aux_loss": False,
+        "log_every": 8,
+        "save_every": 16,
+        "keep_checkpoints": 1,
+        "progress_bar": False,
+    }
+    resumed = out.exists() and latest_checkpoint(str(out)) is not None
+    started, wall = heal.cpu_seconds(), time.time()
+    result = train(train_config_from_dict(values))
+    train_cpu = heal.cpu_seconds() - started
+    windows = held_out(corpus, AutoTokenizer.from_pretrained(teacher))
+    model = AutoModelForCausalLM.from_pretrained(str(out / "final"), dtype=torch.float32).eval()
+    record = {
+        "arm": arm,
+        "carving": carving,
+        "settings": {k: v for k, v in values.items() if k != "output_dir"},
+        "tokens": budget,
+        "perplexity": measure(model, windows, every_expert=True),
+        "train_cpu_seconds_this_process": round(train_cpu, 1),
+        "train_wall_seconds_this_process": round(time.time() - wall, 1),
+        # a resumed run's process trained only the steps after its checkpoint: its seconds are a part of the arm's
+        "resumed": resumed,
+        "last_train_log": result.train_log[-1] if result.train_log else None,
+        "machine": ep.machine(),
+    }
+    write_json_atomically(path, record)
+    logger.info("%s: %s", arm, record["perplexity"])
+
+
+def report(work: Path, output: Path) -> dict:
+    """The dense, training-free and healed numbers in one JSON, with ratios to dense per source; missing arms listed."""
+    prepared = heal.read_json(work / "prepare.json", None)
+    if prepared is None or "dense" not in prepared:
+        sys.exit(f"{work}: run the prepare stage first.")
+    dense = prepared["dense"]
+
+    def ratios(values: dict) -> dict:
+        return {source: values[source] / dense[source] for source in values}
+
+    carvings = {}
+    for name, (k, active) in CARVINGS.items():
+        if "perplexity" in prepared.get(name, {}):
+            ppl = prepared[name]["perplexity"]
+            carvings[name] = {
+                "num_experts": NUM_EXPERTS,
+                "num_experts_per_tok": k,
+                "ffn_active": active,
+                "perplexity": ppl,
+                "ratio_to_dense": {key: ratios(values) for key, values in ppl.items()},
+            }
+    arms, missing = {}, []
+    for arm, (carving, trainable, lr, budget) in ARMS.items():
+        found = heal.read_json(work / f"{arm}.json", None)
+        if found is None:
+            missing.append(arm)
+            continue
+        ppl = found["perplexity"]
+        arms[arm] = {
+            "carving": carving,
+            "trainable": trainable,
+            "lr": lr,
+            "budget_tokens": budget,
+            "perplexity": ppl,
+            "ratio_to_dense": {key: ratios(values) for key, values in ppl.items()},
+            "train_cpu_seconds": found["train_cpu_seconds_this_process"],
+            "resumed": found["resumed"],
+            "load_average_after": found["machine"]["load_average"],
+        }
+    result = {
+        "command": "python -m experiments.smollm2.heal_carved prepare|train ARM|report",
+        "complete": not missing,
+        "missing": missing,
+        "held_out": "experiments/smollm2/results/smollm2_held_out_sources.json's windows: 4,096 tokens per source",
+        "dense_perplexity": dense,
+        "carvings": carvings,
+        "arms": arms,
+        "machine": ep.machine(),
+        "torch_threads_per_run": 1,
+    }
+    write_json_atomically(output, result)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("stage", choices=("prepare", "train", "report"))
+    parser.add_argument("arm", nargs="?", choices=list(ARMS), help="train: an arm of ARMS.")
+    parser.add_argument("--work-dir", type=Path, default=Path("runs/heal_carved"))
+    parser.add_argument("--teacher", type=Path, default=Path("runs/heal_smollm2/teacher"))
+    parser.add_argument("--corpus-dir", type=Path, default=Path("runs/healing_corpus"))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1).")
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "smollm2_carved_healing.json")
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(args.threads)
+    if args.stage == "prepare":
+        prepare(args.work_dir, args.teacher, args.corpus_dir)
+    elif args.stage == "train":
+        if args.arm is None:
+            parser.error("train needs an arm")
+        train_arm(args.work_dir, args.arm, args.teacher, args.corpus_dir)
+    else:
+        print(json.dumps(report(args.work_dir, args.output)["arms"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
