@@ -117,8 +117,9 @@ def test_distillation_run_logs_the_kl_trains_only_routers_norms_and_resumes(tmp_
 
 
 def test_ffn_trainable_heals_a_carved_model_moving_only_its_feed_forward_sublayers(tmp_path):
-    """`model.trainable: ffn` on a carved LatentMoE (the carve route's healing): every expert kind, the shared expert
-    and nothing outside the `mlp` sublayers moves; everything else is frozen."""
+    """`model.trainable: ffn` on a carved LatentMoE (the carve route's healing, with the `dense_masked` experts
+    kernel): every expert kind and the shared expert move, nothing outside the `mlp` sublayers does; everything else
+    is frozen. An unknown experts kernel is refused with the field named."""
     teacher = tmp_path / "teacher"
     save_tiny_llama(teacher, tied=True, sharded=False)
     calibration = tmp_path / "calibration.txt"
@@ -130,7 +131,8 @@ def test_ffn_trainable_heals_a_carved_model_moving_only_its_feed_forward_sublaye
     )  # fmt: skip
     corpus = write_word_corpus(tmp_path / "corpus.jsonl")
     config = distill_config(
-        tmp_path, teacher, tmp_path / "carved", corpus, **{"model.trainable": "ffn", "max_steps": 4, "optim.lr": 1e-3}
+        tmp_path, teacher, tmp_path / "carved", corpus,
+        **{"model.trainable": "ffn", "model.experts_implementation": "dense_masked", "max_steps": 4, "optim.lr": 1e-3},
     )  # fmt: skip
     config.distill.lm_weight, config.distill.temperature = 0.0, 1.0
     result = train(config)
@@ -145,8 +147,11 @@ def test_ffn_trainable_heals_a_carved_model_moving_only_its_feed_forward_sublaye
     assert not any("self_attn" in name or "norm" in name or "embed" in name for name in moved)
     frozen = {name for name, param in result.model.named_parameters() if not param.requires_grad}
     assert frozen == {name for name in trained if ".mlp." not in name}
+    assert result.model.config._experts_implementation == "dense_masked"  # the kernel the run asked for
     with pytest.raises(TrainConfigError, match="model.trainable: ffn"):
         select_trainable(torch.nn.Linear(2, 2), config.model)
+    with pytest.raises(ValueError, match="model.experts_implementation"):
+        distill_config(tmp_path, teacher, tmp_path / "carved", corpus, **{"model.experts_implementation": "fast"})
 
 
 def test_lora_trainable_and_teacher_vocabulary_check(tmp_path, teacher_and_student):

@@ -197,6 +197,47 @@ def aligned_grouped_mm_experts_forward(
     return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
+def dense_masked_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """`experts_implementation="dense_masked"`: every expert on every token as two dense products, each expert's
+    output weighted by its routing weight, 0 where the token did not pick it. The same function as the other kernels
+    (the sum over the picked experts), computed like a dense FFN of width E m.
+
+    For many tokens with many experts per token it is the fast form: the grouped and batched kernels copy each token
+    K times at the expert input width (an (M K, l) gather, and an (M K, l) output summed back), which with fine
+    experts (a carved model: K = 80 of 128 experts of 8 neurons) outweighs the experts' own products and, in
+    training, holds K copies of every token per layer for backward. Here the products cost E / K times the picked
+    experts' and nothing is copied per expert. For decoding (few tokens) the grouped kernel reads less.
+    Shapes: hidden_states (M, l), top_k_index and top_k_weights (M, K) -> (M, l). Any transformers experts layout:
+    `gate_up_proj` (E, 2m, l) or `up_proj` (E, m, l) and `down_proj` (E, l, m), transposed ((E, l, 2m), (E, m, l))
+    with `is_transposed`, with or without biases. Expert-parallel off-rank ids (>= E) are dropped.
+
+    Raises:
+        NotImplementedError: experts with a post-expert norm (it does not commute with the weighting).
+    """
+    if self.has_post_expert_norm:
+        raise NotImplementedError("experts_implementation='dense_masked' does not support a post-expert norm.")
+    num_tokens, num_experts = hidden_states.shape[0], self.num_experts
+    # (M, E): the routing weight of each picked expert, 0 elsewhere; one more column takes off-rank ids
+    gates = top_k_weights.new_zeros(num_tokens, num_experts + 1).scatter_add_(1, top_k_index, top_k_weights)
+    gates = gates[:, :num_experts, None].to(hidden_states.dtype)
+    weight = self.gate_up_proj if self.has_gate else self.up_proj
+    weight = weight.transpose(1, 2) if self.is_transposed else weight  # (E, 2m or m, l)
+    hidden = F.linear(hidden_states, weight.reshape(-1, weight.shape[-1]))
+    bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
+    hidden = hidden.view(num_tokens, num_experts, -1) + (0 if bias is None else bias)
+    hidden = (self._apply_gate(hidden) if self.has_gate else self.act_fn(hidden)) * gates  # (M, E, m)
+    down = self.down_proj if self.is_transposed else self.down_proj.transpose(1, 2)  # (E, m, l)
+    out = hidden.reshape(num_tokens, -1) @ down.reshape(-1, down.shape[-1])
+    if self.has_bias:
+        out = out + gates[..., 0] @ self.down_proj_bias
+    return out.to(hidden_states.dtype)
+
+
+ExpertsInterface.register("dense_masked", dense_masked_experts_forward)
+
+
 class LatentMoEExpertsInterface(ExpertsInterface):
     """transformers' experts registry (`ExpertsInterface`'s global mapping, read at every call, so that a kernel
     registered with `ExpertsInterface.register(name, fn)` after import is used as by Mixtral), except that

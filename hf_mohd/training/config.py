@@ -101,6 +101,10 @@ class ModelConfig:
             rank `lora_rank`, scale `lora_alpha` / rank, the base weights frozen; `final/` then holds the adapter,
             loadable with `peft.PeftModel.from_pretrained(base, folder)`).
         lora_rank, lora_alpha: LoRA rank r and alpha (only with `trainable: lora`).
+        experts_implementation: the experts kernel of a mixture-of-experts model while it trains (`from_pretrained`'s
+            `experts_implementation`: "eager", "grouped_mm", "batched_mm", "dense_masked", or one registered with
+            transformers' `ExpertsInterface`); empty: the model's default. "dense_masked" is the fast one for many
+            experts per token (a carved model), where the grouped kernel copies every token once per picked expert.
     """
 
     init_from: str = ""
@@ -112,6 +116,7 @@ class ModelConfig:
     trainable: str = "all"
     lora_rank: int = 8
     lora_alpha: float = 16.0
+    experts_implementation: str = ""
 
 
 TRAINABLE_CHOICES = ("all", "ffn", "routers_norms", "lora")
@@ -311,6 +316,17 @@ class TrainConfig:
             raise ValueError(
                 f"`model.trainable` must be one of {list(TRAINABLE_CHOICES)}, got {self.model.trainable!r}."
             )
+        if self.model.experts_implementation:
+            from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+            from ..models import modeling_latent_moe  # noqa: F401  (registers "dense_masked")
+
+            known = ["eager", *ALL_EXPERTS_FUNCTIONS.keys()]
+            if self.model.experts_implementation not in known:
+                raise ValueError(
+                    f"`model.experts_implementation` must be empty or one of {known}, got "
+                    f"{self.model.experts_implementation!r}."
+                )
         if not isinstance(self.model.lora_rank, int) or self.model.lora_rank < 1 or self.model.lora_alpha <= 0:
             raise ValueError(
                 f"`model.lora_rank` must be a positive integer and `model.lora_alpha` > 0, got "

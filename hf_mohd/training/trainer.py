@@ -166,8 +166,12 @@ def build_model(config: TrainConfig, tokenizer):
 
     import hf_mohd  # noqa: F401  (registers the model types with the Auto classes)
 
+    kwargs = (
+        {"experts_implementation": config.model.experts_implementation} if config.model.experts_implementation else {}
+    )
     if config.model.init_from:
-        kwargs = {"gguf_file": config.model.gguf_file} if config.model.gguf_file else {}
+        if config.model.gguf_file:
+            kwargs["gguf_file"] = config.model.gguf_file
         return AutoModelForCausalLM.from_pretrained(
             config.model.init_from, dtype=torch.float32, trust_remote_code=config.model.trust_remote_code, **kwargs
         )
@@ -178,7 +182,7 @@ def build_model(config: TrainConfig, tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32, **kwargs)
 
 
 def router_kwargs(model, enabled: bool) -> dict:

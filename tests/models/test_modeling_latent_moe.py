@@ -19,6 +19,7 @@ from hf_mohd.models.modeling_latent_moe import (
     LatentMoEExperts,
     LatentMoERouter,
     LatentMoEUngatedExperts,
+    dense_masked_experts_forward,
 )
 from tests.utils import FAMILIES, gradients, input_ids
 
@@ -64,19 +65,53 @@ def test_experts_implementations_agree_in_logits_and_gradients(mlp_gated, router
         overrides["hidden_act"] = "relu2"
     ids = input_ids()
     results = {}
-    for implementation in ("eager", "batched_mm", "grouped_mm"):
+    for implementation in ("eager", "batched_mm", "grouped_mm", "dense_masked"):
         model = make_model(dtype=torch.float32, experts_implementation=implementation, **overrides)
         assert model.config._experts_implementation == implementation
         logits = model(ids).logits
         logits.square().mean().backward()
         results[implementation] = (logits, {n: g for n, g in gradients(model).items() if "experts" in n})
     reference_logits, reference_grads = results["eager"]
-    for implementation in ("batched_mm", "grouped_mm"):
+    for implementation in ("batched_mm", "grouped_mm", "dense_masked"):
         logits, grads = results[implementation]
         torch.testing.assert_close(logits, reference_logits, atol=1e-5, rtol=1e-4)
         assert grads.keys() == reference_grads.keys()
         for name, grad in reference_grads.items():
             torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-4, msg=f"{implementation} {name}")
+
+
+def test_dense_masked_experts_equal_the_eager_loop_in_float64_here_and_in_mixtral():
+    """`dense_masked` (every expert on every token, weighted by the routing weight or 0) is the eager loop's sum to
+    float64 rounding, gradients included, on LatentMoE (latent and full width, with biases) and on transformers'
+    Mixtral (its own experts layout), and drops expert-parallel off-rank ids (>= E) as the loop does."""
+    from transformers import MixtralForCausalLM
+
+    ids = input_ids()
+    for overrides in ({"mlp_bias": True}, {"mlp_bias": False, "moe_latent_size": None}):
+        results = []
+        for implementation in ("eager", "dense_masked"):
+            model = make_model(experts_implementation=implementation, **overrides)
+            logits = model(ids).logits
+            logits.square().mean().backward()
+            results.append((logits, {n: g for n, g in gradients(model).items() if "mlp" in n}))
+        torch.testing.assert_close(results[1][0], results[0][0], atol=1e-12, rtol=1e-10)
+        for name, grad in results[0][1].items():
+            torch.testing.assert_close(results[1][1][name], grad, atol=1e-12, rtol=1e-10, msg=name)
+    config = MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    mixtral = MixtralForCausalLM(config).double().eval()
+    mixtral.set_experts_implementation("eager")  # the grouped_mm kernel takes no float64
+    reference = mixtral(ids % 64).logits
+    mixtral.set_experts_implementation("dense_masked")
+    torch.testing.assert_close(mixtral(ids % 64).logits, reference, atol=1e-12, rtol=1e-10)
+    experts = mixtral.model.layers[0].mlp.experts
+    states = torch.randn(5, 32, dtype=torch.float64)
+    index, weight = torch.tensor([[0, 6]] * 5), torch.rand(5, 2, dtype=torch.float64)  # 6: another rank's expert
+    alone = dense_masked_experts_forward(experts, states, index[:, :1], weight[:, :1])
+    torch.testing.assert_close(dense_masked_experts_forward(experts, states, index, weight), alone)
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
