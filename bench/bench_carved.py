@@ -26,6 +26,11 @@ ceilings are the accounting's: decode, the weight bytes one batch-1 step reads (
 forward FLOPs per token at context 512.
 
     python -m bench.bench_carved --reps 3      # results/carved_speed.json (about 10 minutes on one thread)
+    python -m bench.bench_carved --reps 3 --experts 128 --output ...   # the finer carving (K = 80 and 32 of 128)
+
+Kernels (`--kernels`): transformers' `grouped_mm` (the LatentMoE default), this package's `gather` (the picked
+experts' weights read directly while decoding, `dense_masked` or grouped for many tokens), `dense_masked`, `eager`,
+`batched_mm`.
 """
 
 import functools
@@ -47,8 +52,8 @@ from hf_mohd.models.accounting import model_accounting
 ACTIVE = {"75%": 40, "50%": 16}
 # `batched_mm` is left out by default: it gathers each token's K experts' weights (B T K copies), which at a
 # 4 x 512 prefill with K = 40 of 64 experts runs for many minutes (a full run with it did not finish in 25 minutes)
-KERNELS = ("grouped_mm", "eager", "batched_mm")
-DEFAULT_KERNELS = ("grouped_mm", "eager")
+KERNELS = ("grouped_mm", "gather", "dense_masked", "eager", "batched_mm")
+DEFAULT_KERNELS = ("grouped_mm", "gather")
 
 
 def main():

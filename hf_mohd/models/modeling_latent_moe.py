@@ -237,6 +237,83 @@ def dense_masked_experts_forward(
 
 ExpertsInterface.register("dense_masked", dense_masked_experts_forward)
 
+GATHER_FEW_TOKENS = 8  # most tokens of the gather kernel's direct read (decoding, draft verification)
+
+
+def experts_in_decoding_layout(experts: nn.Module) -> bool:
+    """Whether the experts' fused weights are stored expert-input-major (`LatentMoEPreTrainedModel.
+    to_experts_layout("decoding")`): `gate_up_proj` / `up_proj` (E, o, l) with `transpose(1, 2)` contiguous, and
+    `down_proj` (E, l, m) likewise, so that one expert's weights for one input scalar (a row of o) and for one hidden
+    unit (a row of l) are contiguous rows of an embedding table."""
+    first = experts.gate_up_proj if experts.has_gate else experts.up_proj
+    return first.transpose(1, 2).is_contiguous() and experts.down_proj.transpose(1, 2).is_contiguous()
+
+
+def gather_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """`experts_implementation="gather"`: only the picked experts' weights are read, planned by the number of tokens M
+    (as MoHD's gather strategy plans its blocks).
+
+    - Few tokens on a CPU (M <= `GATHER_FEW_TOKENS`, eager, no autograd, weights in the decoding layout that
+      `generate` sets; the decoding case, memory-bound): both products as `embedding_bag` over the weights' rows, reading exactly the K
+      picked experts' weights once and copying none. Up side: row (e l + i) of `gate_up_proj.transpose(1, 2)` is
+      expert e's weights for input scalar i, so bag (token, e) = sum_i x_i row(e l + i) = W_e x (a (M K, o) result);
+      down side: row (e m + j) of `down_proj.transpose(1, 2)` is expert e's output for hidden unit j, so one bag per
+      token of its K m rows weighted by the gated hidden units is the weighted sum of its experts' outputs.
+    - Many tokens: `dense_masked_experts_forward` when a token picks at least a quarter of the experts on CPU (half
+      elsewhere): then the grouped kernel's K copies of every token, and on CPU its loop over all E experts, cost
+      more than computing every expert; else transformers' grouped kernel
+      (`aligned_grouped_mm_experts_forward`; the eager loop in float64, which that kernel does not take).
+    Shapes: hidden_states (M, l), top_k_index and top_k_weights (M, K) -> (M, l). Expert-parallel off-rank ids (>= E)
+    are dropped. Layouts, biases and post-expert norms the direct read does not cover take the many-token forms.
+    """
+    num_tokens, num_top_k = top_k_index.shape
+    direct = (
+        num_tokens <= GATHER_FEW_TOKENS
+        and hidden_states.device.type == "cpu"
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not (self.has_bias or self.is_transposed or self.has_post_expert_norm)
+        and experts_in_decoding_layout(self)
+    )
+    if not direct:
+        # torch's grouped kernel on CPU is a loop over every expert, so there the dense form wins from K = E / 4
+        share = 4 if hidden_states.device.type == "cpu" else 2
+        if share * num_top_k >= self.num_experts and not self.has_post_expert_norm:
+            return dense_masked_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        if hidden_states.dtype == torch.float64:  # torch's grouped kernel takes no float64
+            return LatentMoEExpertsBase.forward(self, hidden_states, top_k_index, top_k_weights)
+        return aligned_grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    num_experts, width = self.num_experts, hidden_states.shape[1]
+    valid = top_k_index < num_experts
+    experts = torch.where(valid, top_k_index, 0)
+    gates = torch.where(valid, top_k_weights, 0).to(hidden_states.dtype)
+    weight = self.gate_up_proj if self.has_gate else self.up_proj  # (E, o, l)
+    up_rows = (experts[..., None] * width + torch.arange(width)).view(-1)  # (M K l)
+    per_scalar = hidden_states[:, None, :].expand(num_tokens, num_top_k, width).reshape(-1)
+    hidden = F.embedding_bag(
+        up_rows,
+        weight.transpose(1, 2).reshape(num_experts * width, weight.shape[1]),
+        torch.arange(0, up_rows.numel(), width),
+        mode="sum",
+        per_sample_weights=per_scalar,
+    )  # (M K, o)
+    hidden = (self._apply_gate(hidden) if self.has_gate else self.act_fn(hidden)) * gates.view(-1, 1)  # (M K, m)
+    inner = hidden.shape[1]
+    down_rows = (experts[..., None] * inner + torch.arange(inner)).view(-1)  # (M K m)
+    out = F.embedding_bag(
+        down_rows,
+        self.down_proj.transpose(1, 2).reshape(num_experts * inner, width),
+        torch.arange(0, down_rows.numel(), num_top_k * inner),
+        mode="sum",
+        per_sample_weights=hidden.reshape(-1),
+    )  # (M, l)
+    return out.to(hidden_states.dtype)
+
+
+ExpertsInterface.register("gather", gather_experts_forward)
+
 
 class LatentMoEExpertsInterface(ExpertsInterface):
     """transformers' experts registry (`ExpertsInterface`'s global mapping, read at every call, so that a kernel
@@ -383,6 +460,26 @@ class LatentMoEPreTrainedModel(PreTrainedModel):
             self._keep_in_fp32_modules_strict = ["e_score_correction_bias"]
         super().post_init()
 
+    def to_experts_layout(self, layout: str = "decoding"):
+        """Stores every routed experts module's fused weights in `layout` (same values, shapes and names; only the
+        strides change) and returns the model. "decoding": expert-input-major (`experts_in_decoding_layout`), which
+        the gather kernel's direct read of few tokens needs; "default": contiguous, as `__init__` and
+        `from_pretrained` give them (what sharding, training wrappers and the other kernels expect). `generate` with
+        the gather kernel stores the decoding layout first.
+
+        Raises:
+            ValueError: `layout` is not "decoding" or "default".
+        """
+        if layout not in ("decoding", "default"):
+            raise ValueError(f"`layout` must be 'decoding' or 'default', got {layout!r}.")
+        for module in self.modules():
+            if isinstance(module, LatentMoEExpertsBase):
+                for param in module.parameters(recurse=False):
+                    if param.dim() == 3:
+                        stored = param.data.transpose(1, 2).contiguous().transpose(1, 2)
+                        param.data = stored if layout == "decoding" else param.data.contiguous()
+        return self
+
     def _init_weights(self, module):
         super()._init_weights(module)
         std = self.config.initializer_range
@@ -423,6 +520,14 @@ class LatentMoEForCausalLM(RoutedCausalLMMixin, LatentMoEPreTrainedModel, Genera
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`, after storing the experts' weights in the decoding layout when the experts
+        kernel is "gather" (`to_experts_layout`), whose direct read of each decoded token's experts needs it."""
+        # CODEPATH: the "gather" experts kernel (a carved checkpoint's, or chosen at load) reads the decoding layout.
+        if self.config._experts_implementation == "gather":
+            self.to_experts_layout("decoding")
+        return super().generate(*args, **kwargs)
 
     def routers(self) -> list[LatentMoERouter]:
         """The routers of the MoE layers, in layer order (the order of `router_logits`)."""

@@ -114,6 +114,62 @@ def test_dense_masked_experts_equal_the_eager_loop_in_float64_here_and_in_mixtra
     torch.testing.assert_close(dense_masked_experts_forward(experts, states, index, weight), alone)
 
 
+@pytest.mark.parametrize("mlp_gated", [True, False])
+def test_gather_experts_read_only_the_picked_experts_and_equal_the_eager_loop(mlp_gated, tmp_path):
+    """The gather kernel's direct read (few tokens, no autograd, decoding layout: two `embedding_bag` calls) is the
+    eager loop's sum to float64 rounding at 1 to 8 tokens; with more tokens it takes the dense masked form when
+    tokens pick at least a quarter of the experts on CPU (else the grouped kernel); `generate` stores the decoding layout, gives the eager
+    model's greedy tokens, and the model still saves and reloads to the same logits."""
+    from hf_mohd.models import modeling_latent_moe
+
+    overrides = dict(mlp_gated=mlp_gated, mlp_bias=False)
+    if not mlp_gated:
+        overrides["hidden_act"] = "relu2"
+    reference = make_model(experts_implementation="eager", **overrides)
+    model = make_model(experts_implementation="gather", **overrides)
+    calls = []
+    original = modeling_latent_moe.dense_masked_experts_forward
+
+    def spy(module, *args):
+        calls.append(module.num_experts)
+        return original(module, *args)
+
+    with torch.no_grad():
+        for tokens in (1, 4, 8, 9):
+            ids = input_ids(batch=1, length=tokens)
+            model.to_experts_layout("decoding" if tokens <= 8 else "default")
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(modeling_latent_moe, "dense_masked_experts_forward", spy)
+                logits = model(ids).logits
+            torch.testing.assert_close(logits, reference(ids).logits, atol=1e-12, rtol=1e-10)
+            # 9 tokens on CPU: both MoE layers (K = 2 of 8, 3 of 6: at least a quarter) take the dense masked form
+            assert calls == ([] if tokens <= 8 else [8, 6]), (tokens, calls)
+            calls.clear()
+    model.to_experts_layout("default")
+    experts = model.model.layers[1].mlp.experts
+    assert not modeling_latent_moe.experts_in_decoding_layout(experts)
+    prompt = input_ids(batch=1, length=5)
+    generated = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert modeling_latent_moe.experts_in_decoding_layout(experts)
+    expected = reference.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(generated, expected)
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = LatentMoEForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float64)
+    reloaded.set_experts_implementation("eager")
+    torch.testing.assert_close(reloaded(prompt).logits, reference(prompt).logits, atol=1e-12, rtol=1e-10)
+    with pytest.raises(ValueError, match="layout"):
+        model.to_experts_layout("column_major")
+    # an expert-parallel off-rank id (>= E, weight 0 in transformers' AllReduceEP) adds nothing
+    states = torch.randn(2, experts.hidden_dim, dtype=torch.float64)
+    index, weight = torch.tensor([[0, 5], [8, 1]]), torch.rand(2, 2, dtype=torch.float64)
+    model.to_experts_layout("decoding")
+    with torch.no_grad():
+        torch.testing.assert_close(
+            modeling_latent_moe.gather_experts_forward(experts, states, index, weight),
+            LatentMoEExperts.forward.__wrapped__(experts, states, index, weight),
+        )
+
+
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
 def test_experts_honour_a_kernel_registered_globally(implementation):
     """A kernel registered with `ExpertsInterface.register` after import (as transformers' kernels integration does)
