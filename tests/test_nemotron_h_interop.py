@@ -33,8 +33,11 @@ NEMOTRON_STYLE = dict(
 
 
 def latent_moe_model(seed=0, **overrides) -> LatentMoEForCausalLM:
-    """float32, the config's experts implementation; routers and their correction biases spread."""
-    model = LATENT_MOE.build(seed, torch.float32, experts_implementation=None, **{**NEMOTRON_STYLE, **overrides})
+    """float32, transformers' grouped experts kernel (Nemotron-H's default, so that logits compare bit for bit);
+    routers and their correction biases spread."""
+    model = LATENT_MOE.build(
+        seed, torch.float32, experts_implementation="grouped_mm", **{**NEMOTRON_STYLE, **overrides}
+    )
     with torch.no_grad():
         for router in model.routers():
             router.weight.normal_(0, 0.5)  # spread scores: no near-ties between the two routers' top-K

@@ -218,7 +218,7 @@ FAMILIES = {
         saved_fields={
             "tie_word_embeddings": True,
             "router_score_func": "sigmoid",
-            "experts_implementation": "grouped_mm",
+            "experts_implementation": "gather",  # LatentMoE's default kernel, which a reload picks again
         },
         perturb=_perturb_correction_bias,
         # layer 0 takes the global fields; `fields` overrides layer 1 (replaced where a case sets per_layer_config)

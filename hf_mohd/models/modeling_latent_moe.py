@@ -480,6 +480,12 @@ class LatentMoEPreTrainedModel(PreTrainedModel):
                         param.data = stored if layout == "decoding" else param.data.contiguous()
         return self
 
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        """The experts kernel when none is requested: "gather" (`gather_experts_forward`: transformers' grouped kernel
+        or the dense masked form for many tokens, a direct read of the picked experts while decoding on CPU), instead
+        of transformers' default "grouped_mm"; a requested kernel is checked by transformers as usual."""
+        return super().get_correct_experts_implementation("gather" if requested_experts is None else requested_experts)
+
     def _init_weights(self, module):
         super()._init_weights(module)
         std = self.config.initializer_range

@@ -285,6 +285,8 @@ def test_save_and_reload_exact(family, tmp_path):
         assert torch.equal(a, b), name
         assert a.stride() == b.stride() and b.is_contiguous(), name  # contiguous after the reload, as saved
     reallocate_parameters(reloaded)  # the loaded views of the file may sum in another order (see its docstring)
+    if family.model_class.__name__ == "LatentMoEForCausalLM":  # the same experts kernel, whose sum order is its own
+        reloaded.set_experts_implementation(model.config._experts_implementation)
     ids = input_ids()
     torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=0, rtol=0)
 
