@@ -11,8 +11,11 @@ Steps, each a small function below:
 4. Each is trained with `hf_mohd.training.train` (same data order, steps and schedule), saved, reloaded through
    `AutoModelForCausalLM` (logits checked against the trained model), evaluated (held-out perplexity and a limited
    lm-eval run on the offline suite) and asked for a greedy sample.
-5. Report folder: `report.md` (table, provenance, timings, machine load), `results.json`, `loss_curves.png`,
-   `routing_load.png`, written into a staging sibling and renamed into place when complete
+5. A pretrained checkpoint made sparse without training (`hf_mohd.demo_pretrained`, skipped with `pretrained=False`,
+   `--no-pretrained`): SmolLM2-135M dense vs carved into experts (75% of each FFN active) vs converted to MoHD (75%
+   active), held-out perplexity on two sources, a short lm-eval and decoding speed.
+6. Report folder: `report.md` (tables, provenance, timings, machine load), `results.json`, `loss_curves.png`,
+   `routing_load.png`, `smollm2.png`, written into a staging sibling and renamed into place when complete
    (`hf_mohd.atomic_folder.write_folder_atomically`: an interrupted run leaves no report folder, or the previous
    complete one).
 """
@@ -30,6 +33,7 @@ import torch
 
 from .atomic_folder import write_folder_atomically
 from .corpora import wikipedia_corpus
+from .demo_pretrained import PretrainedStageConfig, plot_pretrained, pretrained_report_lines, run_pretrained_stage
 from .models.accounting import parameter_counts
 from .training import TrainConfig, train, train_config_from_dict
 from .training.data import load_documents, pack, split_documents, train_bpe_tokenizer
@@ -41,7 +45,8 @@ DEMO_MODELS = ("llama-dense", "mohd", "latent-moe")
 
 @dataclass
 class DemoConfig:
-    """Knobs of the main job. Defaults: training plus evaluation in about 9 minutes on 2 idle CPU cores.
+    """Knobs of the main job. Defaults: training plus evaluation of the three small models in about 9 minutes on 2
+    idle CPU cores, the pretrained stage about 7 more.
 
     Attributes:
         output_dir: where runs, corpus and `report/` go.
@@ -55,6 +60,10 @@ class DemoConfig:
         max_documents: Wikipedia pages used (0: all ~100 articles).
         seed: weights, data order, split.
         progress_bar: tqdm bars while training.
+        models: the small models to train (`DEMO_MODELS`).
+        pretrained: run the pretrained stage (SmolLM2-135M dense vs carved vs MoHD, training-free).
+        pretrained_eval_limit, pretrained_held_out_tokens: lm-eval documents per task and held-out tokens per
+            source of that stage.
     """
 
     output_dir: str = "runs/demo"
@@ -75,6 +84,9 @@ class DemoConfig:
     seed: int = 0
     progress_bar: bool = True
     models: list[str] = field(default_factory=lambda: ["llama-dense", "mohd", "latent-moe"])
+    pretrained: bool = True
+    pretrained_eval_limit: int = 50
+    pretrained_held_out_tokens: int = 2048
 
     def __post_init__(self):
         """Checks `models` and `eval_tasks` before anything trains.
@@ -94,7 +106,8 @@ class DemoConfig:
 
     def quick(self) -> "DemoConfig":
         """The `--quick` smoke setting (a few minutes on 2 cores): tiny models, at most 10 steps and 4 documents
-        per lm-eval task, 20 Wikipedia pages; the other knobs (output folder, models, tasks) are kept."""
+        per lm-eval task, 20 Wikipedia pages, 512 held-out tokens per source in the pretrained stage; the other knobs
+        (output folder, models, tasks, whether the pretrained stage runs) are kept."""
         return dataclasses.replace(
             self,
             hidden_size=32,
@@ -108,6 +121,14 @@ class DemoConfig:
             eval_limit=min(self.eval_limit, 4),
             max_documents=20,
             routing_blocks=4,
+            pretrained_eval_limit=min(self.pretrained_eval_limit, 4),
+            pretrained_held_out_tokens=512,
+        )
+
+    def pretrained_stage(self) -> PretrainedStageConfig:
+        """The pretrained stage's settings (SmolLM2 defaults, this config's lm-eval limit and held-out size)."""
+        return PretrainedStageConfig(
+            eval_limit=self.pretrained_eval_limit, held_out_tokens=self.pretrained_held_out_tokens
         )
 
 
@@ -284,8 +305,11 @@ def plot_routing(results: dict, path: str) -> bool:
     return True
 
 
-def write_report(demo: DemoConfig, results: dict, provenance: dict, timing: dict, folder: str) -> str:
-    """report.md with the comparison table, samples, provenance and timings; returns its path."""
+def write_report(
+    demo: DemoConfig, results: dict, provenance: dict, timing: dict, folder: str, pretrained: dict | None = None
+) -> str:
+    """report.md with the comparison tables (the pretrained stage's when it ran), samples, provenance and timings;
+    returns its path."""
     tasks = sorted({task for r in results.values() for task in r.get("lm_eval", {})})
     lines = [
         "# hf-mohd main job: dense Llama vs MoHD vs LatentMoE",
@@ -344,6 +368,8 @@ def write_report(demo: DemoConfig, results: dict, provenance: dict, timing: dict
                 for n in routing
             ),
         ]
+    if pretrained is not None:
+        lines += pretrained_report_lines(pretrained)
     lines += [
         "",
         "## Data",
@@ -429,6 +455,21 @@ def run_demo(demo: DemoConfig) -> str:
             flush=True,
         )
 
+    pretrained = None
+    if demo.pretrained:
+        print("\n== SmolLM2-135M: dense vs carved vs MoHD, training-free", flush=True)
+        stage_start, cpu_start = time.perf_counter(), time.process_time()
+        pretrained = run_pretrained_stage(os.path.join(demo.output_dir, "smollm2"), demo.pretrained_stage())
+        timing["SmolLM2 stage, wall s (CPU s, all threads)"] = (
+            f"{time.perf_counter() - stage_start:.0f} ({time.process_time() - cpu_start:.0f})"
+        )
+        for name, model in pretrained["models"].items():
+            ppl = ", ".join(f"{src} {value:.1f}" for src, value in model["perplexity"].items())
+            print(
+                f"== SmolLM2 {name}: held-out perplexity {ppl}; {model['decode_tokens_per_s']:.1f} tokens/s",
+                flush=True,
+            )
+
     timing["total, wall s (CPU s)"] = f"{time.perf_counter() - started:.0f} ({time.process_time() - cpu_total:.0f})"
     timing["CPU cores"] = os.cpu_count()
     timing["load average (1 min) at start / end"] = f"{load_start[0]:.1f} / {os.getloadavg()[0]:.1f}"
@@ -437,9 +478,20 @@ def run_demo(demo: DemoConfig) -> str:
     with write_folder_atomically(Path(report_dir)) as staging:
         plot_losses(results, os.path.join(staging, "loss_curves.png"))
         plot_routing(results, os.path.join(staging, "routing_load.png"))
+        if pretrained is not None:
+            plot_pretrained(pretrained, os.path.join(staging, "smollm2.png"))
         with open(os.path.join(staging, "results.json"), "w", encoding="utf-8") as handle:
-            json.dump({"config": asdict(demo), "provenance": provenance, "timing": timing, "results": results}, handle)
-        write_report(demo, results, provenance, timing, staging)
+            json.dump(
+                {
+                    "config": asdict(demo),
+                    "provenance": provenance,
+                    "timing": timing,
+                    "results": results,
+                    "pretrained": pretrained,
+                },
+                handle,
+            )
+        write_report(demo, results, provenance, timing, staging, pretrained)
     path = os.path.join(report_dir, "report.md")
     if not all(math.isfinite(r["eval_perplexity"]) for r in results.values()):
         print("warning: a held-out perplexity is not finite", flush=True)
