@@ -33,7 +33,13 @@ import torch
 
 from .atomic_folder import write_folder_atomically
 from .corpora import wikipedia_corpus
-from .demo_pretrained import PretrainedStageConfig, plot_pretrained, pretrained_report_lines, run_pretrained_stage
+from .demo_pretrained import (
+    PretrainedStageConfig,
+    plot_pretrained,
+    pretrained_report_lines,
+    run_pretrained_stage,
+    task_score,
+)
 from .models.accounting import parameter_counts
 from .training import TrainConfig, train, train_config_from_dict
 from .training.data import load_documents, pack, split_documents, train_bpe_tokenizer
@@ -349,7 +355,7 @@ def write_report(
             cells = []
             for task in tasks:
                 metrics = r["lm_eval"].get(task, {})
-                cells.append(f"{metrics.get('acc_norm', metrics.get('acc', float('nan'))):.3f}")
+                cells.append(f"{task_score(metrics):.3f}")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "## Samples (greedy, prompt: " + repr(PROMPT) + ")", ""]
     for name, r in results.items():

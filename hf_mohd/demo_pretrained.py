@@ -199,9 +199,14 @@ def run_pretrained_stage(folder: str | os.PathLike, stage: PretrainedStageConfig
     }
 
 
+def task_score(metrics: dict) -> float:
+    """A task's score in the reports: acc_norm where the task has it, else acc (NaN with neither)."""
+    return metrics.get("acc_norm", metrics.get("acc", math.nan))
+
+
 def mean_accuracy(lm_eval: dict) -> float:
-    """Mean over tasks of acc_norm where a task has it, else acc (NaN without tasks)."""
-    values = [metrics.get("acc_norm", metrics.get("acc", math.nan)) for metrics in lm_eval.values()]
+    """Mean of `task_score` over the tasks (NaN without tasks)."""
+    values = [task_score(metrics) for metrics in lm_eval.values()]
     return sum(values) / len(values) if values else math.nan
 
 
@@ -268,7 +273,7 @@ def pretrained_report_lines(stage: dict) -> list[str]:
             for src in SOURCES
         ]
         scores = model.get("lm_eval", {})
-        cells += [f"{scores[t].get('acc_norm', scores[t].get('acc', math.nan)):.3f}" for t in tasks if t in scores]
+        cells += [f"{task_score(scores[t]):.3f}" for t in tasks if t in scores]
         speed = model["decode_tokens_per_s"]
         lines.append(
             f"| {name} | {model['params']['activated_decoder']:,} | "

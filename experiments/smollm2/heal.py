@@ -62,6 +62,26 @@ def cpu_seconds() -> float:
     return time.process_time()
 
 
+def run_healing(values: dict) -> dict:
+    """Run the trainer on the config dict `values` (resuming from its newest checkpoint) and return the fields every
+    healing runner records with an arm: its settings (without `output_dir`), this process's training CPU and wall
+    seconds, whether it resumed (a resumed process trained only the steps after its checkpoint, so its seconds are a
+    part of the arm's), and the last training log line."""
+    from hf_mohd.training import latest_checkpoint, train, train_config_from_dict
+
+    out = Path(values["output_dir"])
+    resumed = out.exists() and latest_checkpoint(str(out)) is not None
+    started, wall = cpu_seconds(), time.time()
+    result = train(train_config_from_dict(values))
+    return {
+        "settings": {k: v for k, v in values.items() if k != "output_dir"},
+        "train_cpu_seconds_this_process": round(cpu_seconds() - started, 1),
+        "train_wall_seconds_this_process": round(time.time() - wall, 1),
+        "resumed": resumed,
+        "last_train_log": result.train_log[-1] if result.train_log else None,
+    }
+
+
 def split_articles():
     """(calibration, healing, held-out) lists of (title, text): first 8, the middle, last 8 articles."""
     titles, texts = ep.wikipedia_articles(10**6, first=True)

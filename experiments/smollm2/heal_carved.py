@@ -31,14 +31,13 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from experiments.smollm2 import RESULTS_DIR, heal
 from experiments.smollm2 import evaluate_perplexity as ep
-from experiments.smollm2.held_out_sources import SOURCES
+from experiments.smollm2.held_out_sources import source_windows
 from hf_mohd.atomic_folder import write_json_atomically
 from hf_mohd.evaluation.perplexity import perplexity
 
@@ -55,17 +54,6 @@ ARMS = {
     "carved75_128k": ("carved75", "ffn", 2e-4, 128 * K),
     "carved50_128k": ("carved50", "ffn", 2e-4, 128 * K),
 }
-
-
-def held_out(corpus: Path, tokenizer) -> dict[str, torch.Tensor]:
-    """source -> (rows, 256) token ids of its first 4,096 held-out tokens (`held_out_sources`' windows)."""
-    windows = {}
-    for source in SOURCES:
-        path = corpus / "held_out" / f"{source}.txt"
-        if not path.exists():
-            sys.exit(f"{path}: missing; run python -m experiments.smollm2.healing_corpus first.")
-        windows[source] = ep.token_windows(tokenizer, [path.read_text(encoding="utf-8")], 256, 4096)
-    return windows
 
 
 def measure(model, windows: dict[str, torch.Tensor], every_expert: bool) -> dict:
@@ -103,7 +91,7 @@ def prepare(work: Path, teacher: Path, corpus: Path) -> None:
     work.mkdir(parents=True, exist_ok=True)
     path = work / "prepare.json"
     info = heal.read_json(path, {})
-    windows = held_out(corpus, AutoTokenizer.from_pretrained(teacher))
+    windows = source_windows(corpus, AutoTokenizer.from_pretrained(teacher))
     if "dense" not in info:
         model = AutoModelForCausalLM.from_pretrained(str(teacher), dtype=torch.float32).eval()
         info["dense"] = measure(model, windows, every_expert=False)["target"]
@@ -131,8 +119,6 @@ def train_arm(work: Path, arm: str, teacher: Path, corpus: Path) -> None:
     """Heal one arm to its budget, then measure it (at K and K = N) on every held-out source."""
     from transformers import AutoTokenizer
 
-    from hf_mohd.training import latest_checkpoint, train, train_config_from_dict
-
     carving, trainable, lr, budget = ARMS[arm]
     path = work / f"{arm}.json"
     if path.exists():
@@ -156,23 +142,16 @@ def train_arm(work: Path, arm: str, teacher: Path, corpus: Path) -> None:
         "keep_checkpoints": 1,
         "progress_bar": False,
     }
-    resumed = out.exists() and latest_checkpoint(str(out)) is not None
-    started, wall = heal.cpu_seconds(), time.time()
-    result = train(train_config_from_dict(values))
-    train_cpu = heal.cpu_seconds() - started
-    windows = held_out(corpus, AutoTokenizer.from_pretrained(teacher))
+    training = heal.run_healing(values)
     model = load(out / "final")
     record = {
         "arm": arm,
         "carving": carving,
-        "settings": {k: v for k, v in values.items() if k != "output_dir"},
         "tokens": budget,
-        "perplexity": measure(model, windows, every_expert=True),
-        "train_cpu_seconds_this_process": round(train_cpu, 1),
-        "train_wall_seconds_this_process": round(time.time() - wall, 1),
-        # a resumed run's process trained only the steps after its checkpoint: its seconds are a part of the arm's
-        "resumed": resumed,
-        "last_train_log": result.train_log[-1] if result.train_log else None,
+        "perplexity": measure(
+            model, source_windows(corpus, AutoTokenizer.from_pretrained(teacher)), every_expert=True
+        ),
+        **training,
         "machine": ep.machine(),
     }
     write_json_atomically(path, record)

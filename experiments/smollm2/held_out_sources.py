@@ -46,6 +46,18 @@ LADDER_MODELS = {
 CARVINGS = {"carved N=128 75% fitted": 80, "carved N=128 50% fitted": 32}  # name -> K of 128 (shared third)
 
 
+def source_windows(corpus: Path, tokenizer) -> dict[str, torch.Tensor]:
+    """source -> (rows, 256) token ids of the first 4,096 tokens of its held-out file in `corpus`/held_out/; exits
+    naming the file when one is missing."""
+    windows = {}
+    for source in SOURCES:
+        path = corpus / "held_out" / f"{source}.txt"
+        if not path.exists():
+            sys.exit(f"{path}: missing; run python -m experiments.smollm2.healing_corpus first.")
+        windows[source] = ep.token_windows(tokenizer, [path.read_text(encoding="utf-8")], 256, 4096)
+    return windows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", type=Path, default=Path("runs/heal_smollm2"))
@@ -63,13 +75,7 @@ def main(argv=None) -> int:
     from hf_mohd.conversion import carve_llama, load_dense_llama
     from hf_mohd.conversion.carve import carving_calibration_ids
 
-    tokenizer = AutoTokenizer.from_pretrained(args.work_dir / "teacher")
-    windows = {}
-    for source in SOURCES:
-        path = args.corpus_dir / "held_out" / f"{source}.txt"
-        if not path.exists():
-            sys.exit(f"{path}: missing; run python -m experiments.smollm2.healing_corpus first.")
-        windows[source] = ep.token_windows(tokenizer, [path.read_text(encoding="utf-8")], 256, 4096)
+    windows = source_windows(args.corpus_dir, AutoTokenizer.from_pretrained(args.work_dir / "teacher"))
     report = heal.read_json(args.output, None) or {
         "command": "python -m experiments.smollm2.held_out_sources",
         "held_out": {s: {"file": f"held_out/{s}.txt", "tokens": int(w.numel())} for s, w in windows.items()},

@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -204,8 +203,6 @@ def train_arm(work: Path, arm: str) -> None:
     """Heal one arm to its budget (heal's 64k recipe with the arm's levers), then evaluate it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_mohd.training import latest_checkpoint, train, train_config_from_dict
-
     student, nested, schedule, budget, hidden = ARMS[arm]
     path = work / f"ladder_{arm}.json"
     if path.exists():
@@ -237,23 +234,15 @@ def train_arm(work: Path, arm: str) -> None:
         "keep_checkpoints": 1,
         "progress_bar": False,
     }
-    resumed = out.exists() and latest_checkpoint(str(out)) is not None
-    started, wall = heal.cpu_seconds(), time.time()
-    result = train(train_config_from_dict(values))
-    train_cpu = heal.cpu_seconds() - started
+    training = heal.run_healing(values)
     tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
     model = AutoModelForCausalLM.from_pretrained(str(out / "final"), dtype=torch.float32).eval()
     record = {
         "arm": arm,
         "student": student,
-        "settings": {k: v for k, v in values.items() if k != "output_dir"},
         "tokens": budget,
         "perplexity": evaluate(model, heal.held_out_windows(tokenizer)),
-        "train_cpu_seconds_this_process": round(train_cpu, 1),
-        "train_wall_seconds_this_process": round(time.time() - wall, 1),
-        # a resumed run's process trained only the steps after its checkpoint: its seconds are a part of the arm's
-        "resumed": resumed,
-        "last_train_log": result.train_log[-1] if result.train_log else None,
+        **training,
         "machine": ep.machine(),
     }
     write_json_atomically(path, record)
