@@ -598,7 +598,7 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
     )
     fused = path != "autograd-views"
     if not fused:
-        monkeypatch.setattr(mohd_sparse, "single_autograd_function_applies", lambda *args: False)
+        monkeypatch.setattr(mohd_sparse, "single_autograd_function_dtype", lambda *args: None)
     if path == "fused-grouped-kernel":
         monkeypatch.setattr(mohd_sparse, "grouped_parts", grouped_kernel_parts)
     tokens = 3 * strategy.host_tokens  # grouped plan
@@ -638,6 +638,124 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
         if side == "in":  # the gates reach the router through the input side only
             expected_gates = gates_ref.grad.gather(1, indices)
             torch.testing.assert_close(weights_run.grad.double(), expected_gates, **tolerance, msg="gates")
+
+
+def saved_bytes(run) -> tuple[object, int]:
+    """(run(), bytes of the tensors autograd saved for backward while it ran)."""
+    total = 0
+
+    def pack(tensor):
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = run()
+    return result, total
+
+
+@pytest.mark.parametrize("layout", ["block_major", "row_major"])
+def test_grouped_projections_under_autocast_keep_less_and_match_autocast_linear(monkeypatch, layout):
+    """Under CPU bf16 autocast (a bf16 Trainer run) the grouped path's projections still run as one autograd Function
+    each, on operands cast as `F.linear` under autocast would cast them: the same bf16 output and gradients as the
+    composed form under autocast (within bf16 rounding of a sum; both near the float64 dense formula), while autograd
+    keeps fewer bytes for backward."""
+    hidden, num_sub_dims, num_shared, top_k, features = 64, 8, 3, 2, 96
+    strategy = MoHDGatherStrategy(
+        MOHD.config(
+            hidden_size=hidden,
+            num_sub_dims=num_sub_dims,
+            num_shared_sub_dims=num_shared,
+            num_routed_sub_dims_per_tok=top_k,
+            intermediate_size=features,
+        )
+    )
+    tokens = 6 * strategy.host_tokens
+    generator = torch.Generator().manual_seed(3)
+    indices = torch.rand(tokens, strategy.geometry.num_routed, generator=generator).topk(top_k, dim=1).indices
+    indices = indices + num_shared
+    weights = torch.rand(tokens, top_k, generator=generator)
+    gates, mask = block_gates(strategy, indices, weights.double())
+    for side, (out_features, in_features) in (("in", (features, hidden)), ("out", (hidden, features))):
+        linear, reference = linear_pair(out_features, in_features, True, layout, torch.float32)
+        x = torch.randn(tokens, in_features, generator=generator)
+        upstream = torch.randn(tokens, out_features, generator=generator)
+        runs = {}
+        for path in ("fused", "composed"):
+            if path == "composed":
+                monkeypatch.setattr(mohd_sparse, "single_autograd_function_dtype", lambda *args: None)
+            linear.zero_grad()
+            x_run, weights_run = x.clone().requires_grad_(), weights.clone().requires_grad_()
+            plan = strategy.plan(indices, weights_run)
+
+            def project(plan=plan, x_run=x_run, side=side, linear=linear):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    if side == "in":
+                        return plan.project_in(x_run, [linear])[0]
+                    return plan.project_out(x_run, linear)
+
+            out, kept = saved_bytes(project)
+            fused = type(out.grad_fn).__name__ == f"MoHDGroupedLinear{side.capitalize()}Backward"
+            assert fused == (path == "fused"), (path, type(out.grad_fn).__name__)
+            if fused:  # autocast's dtype, as `F.linear` under autocast
+                assert out.dtype == torch.bfloat16
+            (out.reshape(tokens, -1).float() * upstream).sum().backward()
+            grads = [x_run.grad, linear.weight.grad, linear.bias.grad] + ([weights_run.grad] if side == "in" else [])
+            runs[path] = (out.reshape(tokens, -1).float(), [g.clone() for g in grads], kept)
+        monkeypatch.undo()
+        (fused_out, fused_grads, fused_kept), (composed_out, composed_grads, composed_kept) = runs.values()
+        assert fused_kept < composed_kept, (side, fused_kept, composed_kept)
+        x_ref, gates_ref = x.double().requires_grad_(), gates.clone().requires_grad_()
+        if side == "in":
+            expected = reference((x_ref.view(tokens, num_sub_dims, -1) * gates_ref[..., None]).view(tokens, -1))
+        else:
+            expected = (reference(x_ref).view(tokens, num_sub_dims, -1) * mask[..., None]).view(tokens, -1)
+        (expected * upstream.double()).sum().backward()
+        expected_grads = [x_ref.grad, reference.weight.grad, reference.bias.grad]
+        if side == "in":
+            expected_grads.append(gates_ref.grad.gather(1, indices))
+        for got, other, want in zip(
+            [fused_out, *fused_grads], [composed_out, *composed_grads], [expected, *expected_grads], strict=True
+        ):
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got.double(), other.double(), rtol=0, atol=2e-2 * scale)
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-2 * scale)
+
+
+def backward_node_names(tensor: torch.Tensor) -> set[str]:
+    """The class names of every node of `tensor`'s autograd graph."""
+    names, stack, seen = set(), [tensor.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def test_training_step_under_autocast_runs_the_single_function_products(monkeypatch):
+    """A bf16-autocast training step of a gather model records `MoHDGroupedLinearIn`/`Out` and `MoHDSparseBlockMix`
+    (the products that keep less for backward), and keeps fewer bytes than the same step composed by autograd."""
+    model = MoHDForCausalLM(MOHD.config(sparse_implementation="gather")).train()
+    ids = input_ids(batch=2, length=24)
+    kept = {}
+    for path in ("fused", "composed"):
+        if path == "composed":
+            monkeypatch.setattr(mohd_sparse, "single_autograd_function_dtype", lambda *args: None)
+            monkeypatch.setattr(MoHDGroupedPlan, "sparse_block_positions", lambda *args: None)
+
+        def step():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+        loss, kept[path] = saved_bytes(step)
+        names = backward_node_names(loss)
+        fused_nodes = {"MoHDGroupedLinearInBackward", "MoHDGroupedLinearOutBackward", "MoHDSparseBlockMixBackward"}
+        assert (fused_nodes <= names) == (path == "fused"), (path, sorted(names))
+        assert torch.isfinite(loss)
+    assert kept["fused"] < kept["composed"], kept
 
 
 def test_sparse_block_mix_equals_matmul():

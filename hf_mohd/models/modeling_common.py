@@ -22,8 +22,8 @@ This file is copied next to the weights by `save_pretrained` (remote code), so i
 `RoutedCausalLMMixin`): each family's model classes inherit them.
 """
 
+import contextlib
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -418,6 +418,14 @@ class DecoderLayer(GradientCheckpointingLayer):
         return residual + hidden_states
 
 
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """`torch.autocast(device_type, enabled=False)` where autocast is on for `device_type`, else a null context:
+    entering autocast costs more than a small product (a decoding step's router GEMV)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (..., k) of the k largest `scores` along the last dim; ties go to the lower index.
 
@@ -526,11 +534,7 @@ class TopKRouter(nn.Module):
     def forward(self, hidden_states: torch.Tensor, cache=None, routing_replay=None, token_mask=None, **kwargs):
         compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
         device_type = hidden_states.device.type
-        # switched off only when on: entering torch.autocast costs more than this GEMV in decoding
-        no_autocast = (
-            torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext()
-        )
-        with no_autocast:
+        with autocast_off(device_type):
             logits = F.linear(hidden_states.to(compute_dtype), self.weight.to(compute_dtype))
         scores = self.score(logits)
         if routing_replay is not None:

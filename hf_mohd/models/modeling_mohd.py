@@ -43,6 +43,7 @@ from .modeling_common import (
     RoutedCausalLMMixin,
     RoutedDecoderMixin,
     TopKRouter,
+    autocast_off,
     load_balancing_loss,
     replayed_routes,
 )
@@ -114,7 +115,8 @@ class MoHDGroupFusion(nn.Module):
             weight = weight * scale
         if positions is None:
             return mix_blocks(weight, blocks)
-        return MoHDSparseBlockMix.apply(weight, blocks, positions, blocks.shape[1] - self.num_routed)
+        with autocast_off(blocks.device.type):  # weight and blocks share a dtype: the product autocast would run
+            return MoHDSparseBlockMix.apply(weight, blocks, positions, blocks.shape[1] - self.num_routed)
 
 
 class MoHDSubDimensions(nn.Module):

@@ -49,6 +49,8 @@ from torch.autograd.function import once_differentiable
 from transformers.integrations import moe as transformers_moe
 from transformers.utils.generic import GeneralInterface
 
+from .modeling_common import autocast_off
+
 
 if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -279,7 +281,7 @@ class MoHDGatheredGroupedMatmul(torch.autograd.Function):
     The backward gathers again and recomputes the grouped product with autograd (one extra output-side routed GEMM
     per slot, a few percent of a training step) to get both gradients.
     Shapes: inputs (M, in), index (R,), weight (G, in, s), offsets (G,) int32 group ends -> (R, s).
-    Used where `MoHDGroupedLinearOut` does not apply (autocast, `torch.compile`), with `MoHDRowIndexAdd` on the input
+    Used where `MoHDGroupedLinearOut` does not apply (`torch.compile`, mixed dtypes), with `MoHDRowIndexAdd` on the input
     side.
     """
 
@@ -341,7 +343,7 @@ class MoHDGroupedLinearIn(torch.autograd.Function):
     inputs and the index (as `MoHDRowIndexAdd` does, not each slot's (M, out) output).
     Shapes: shared (M, D_s) (a view of the input), routed (k, M, s) gated routed inputs in the plan's order,
     token_index (k, M), offsets (k, N_r) int32 group ends, weight (out, D), bias (out,) or None -> (M, out).
-    Same dtype for inputs, weight and bias, no autocast (`MoHDGatherStrategy` sends other cases to autograd).
+    Same dtype for inputs, weight and bias, autocast off (the plan casts the operands to autocast's dtype).
     """
 
     @staticmethod
@@ -401,7 +403,7 @@ class MoHDGroupedLinearOut(torch.autograd.Function):
     the weight gradient into one (out, in) tensor in the weight's own layout, instead of the two zero-filled full-size
     gradients of autograd's views and their sum.
     Shapes: hidden_states (M, in), token_index, block_index (k, M) (routed ids 0..N_r-1), offsets (k, N_r) int32,
-    weight (D, in), bias (D,) or None -> (M, N, s). Same dtype for all, no autocast.
+    weight (D, in), bias (D,) or None -> (M, N, s). Same dtype for all, autocast off (as `MoHDGroupedLinearIn`).
     """
 
     @staticmethod
@@ -546,16 +548,24 @@ def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
-def single_autograd_function_applies(linear: nn.Module, *tensors: torch.Tensor) -> bool:
-    """Whether a grouped-plan product with `linear` runs as one autograd Function (`MoHDGroupedLinearIn`,
-    `MoHDGroupedLinearOut`, `MoHDSparseBlockMix`, which keep less for backward): eager (not compiling), autocast
-    off, and `tensors`, the weight and any bias of one dtype. Otherwise (autocast's casts, `torch.compile`'s tracing)
-    autograd composes the same computation from its views of the weight."""
-    dtype = linear.weight.dtype
-    if torch.compiler.is_compiling() or torch.is_autocast_enabled(linear.weight.device.type):
-        return False
-    bias = getattr(linear, "bias", None)
-    return all(t.dtype == dtype for t in tensors) and (bias is None or bias.dtype == dtype)
+def single_autograd_function_dtype(linear: nn.Module, *tensors: torch.Tensor) -> torch.dtype | None:
+    """The dtype in which a grouped-plan product with `linear` runs as one autograd Function (`MoHDGroupedLinearIn`,
+    `MoHDGroupedLinearOut`, which keep less for backward), or None where autograd composes the same computation
+    from its views of the weight instead (`torch.compile`'s tracing; operands of mixed dtypes without autocast).
+
+    Eager with autocast on for the weight's device: autocast's dtype (`autocast_dtype`), the dtype `F.linear` would
+    compute in, unless an operand is float64 (which autocast does not cast); the caller casts the operands and runs
+    the Function with autocast off (`autocast_off`). Eager without autocast: the weight's dtype where `tensors`, the
+    weight and any bias share it.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    weight, bias = linear.weight, getattr(linear, "bias", None)
+    operands = [*tensors, weight, *([] if bias is None else [bias])]
+    cast = autocast_dtype(weight)
+    if cast is not None:
+        return None if any(t.dtype == torch.float64 for t in operands) else cast
+    return weight.dtype if all(t.dtype == weight.dtype for t in operands) else None
 
 
 # Plans: the routing of M tokens, each type computing its own projections
@@ -640,12 +650,22 @@ class MoHDGroupedPlan(MoHDPlan):
         outputs = []
         for linear in linears:
             weight = linear.weight
-            if single_autograd_function_applies(linear, hidden_states, routed):
-                outputs.append(
-                    MoHDGroupedLinearIn.apply(
-                        shared, routed, self.token_index, self.offsets, weight, linear.bias, g.num_routed, g.block
+            dtype = single_autograd_function_dtype(linear, hidden_states, routed)
+            if dtype is not None:
+                bias = None if linear.bias is None else linear.bias.to(dtype)
+                with autocast_off(weight.device.type):
+                    outputs.append(
+                        MoHDGroupedLinearIn.apply(
+                            shared.to(dtype),
+                            routed.to(dtype),
+                            self.token_index,
+                            self.offsets,
+                            weight.to(dtype),
+                            bias,
+                            g.num_routed,
+                            g.block,
+                        )  # fmt: skip
                     )
-                )
                 continue
             out = F.linear(shared, weight[:, : g.shared_width], linear.bias)
             # (N_r, s, out) view of the routed columns: block j is weight[:, D_s + j s : D_s + (j + 1) s].T
@@ -660,10 +680,13 @@ class MoHDGroupedPlan(MoHDPlan):
         """(M, in) -> (M, N, s): shared rows dense, each token's routed rows grouped, other blocks 0."""
         g, m = self.geometry, hidden_states.shape[0]
         weight, bias = linear.weight, linear.bias
-        if single_autograd_function_applies(linear, hidden_states):
-            return MoHDGroupedLinearOut.apply(
-                hidden_states, self.token_index, self.block_index, self.offsets, weight, bias, g.num_shared, g.block
-            )
+        dtype = single_autograd_function_dtype(linear, hidden_states)
+        if dtype is not None:
+            with autocast_off(weight.device.type):
+                return MoHDGroupedLinearOut.apply(
+                    hidden_states.to(dtype), self.token_index, self.block_index, self.offsets, weight.to(dtype),
+                    None if bias is None else bias.to(dtype), g.num_shared, g.block,
+                )  # fmt: skip
         shared = F.linear(hidden_states, weight[: g.shared_width], None if bias is None else bias[: g.shared_width])
         # (N_r, in, s) view of the routed rows: block j is weight[D_s + j s : D_s + (j + 1) s].T
         routed_weight = weight[g.shared_width :].view(g.num_routed, g.block, weight.shape[1]).transpose(1, 2)
@@ -681,9 +704,10 @@ class MoHDGroupedPlan(MoHDPlan):
         return torch.cat([shared, routed_blocks.view(m, g.num_routed, g.block)], dim=1)
 
     def sparse_block_positions(self, blocks: torch.Tensor, fusion: nn.Module) -> torch.Tensor | None:
-        """The routed blocks' rows while autograd records an eager, single-dtype step (where `project_out` ran
-        `MoHDGroupedLinearOut`, whose blocks are zero outside the shared and the routed (token, block) pairs)."""
-        if not torch.is_grad_enabled() or not single_autograd_function_applies(fusion, blocks):
+        """The routed blocks' rows while autograd records an eager step (`project_out`'s blocks are zero outside the
+        shared and the routed (token, block) pairs on both of its paths; `MoHDGroupFusion` casts its weight to the
+        blocks' dtype, and `MoHDSparseBlockMix` runs with autocast off, so autocast does not change the product)."""
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
         g = self.geometry
         return self.token_index * g.num_sub_dims + g.num_shared + self.block_index
