@@ -307,13 +307,11 @@ def logged_seconds(out: Path, steps: int, last_step: int) -> float:
 
 
 def lm_eval_arm(work: Path, arm: str, limit: int, checkpoint: bool = False) -> None:
-    """lm-eval (offline ARC-Easy, PIQA, HellaSwag, LAMBADA; the first `limit` documents of each) with per-document
-    scores, one task at a time: each finished task is written at once, so an interrupted run keeps what it did.
-    With `checkpoint`, the arm's newest training checkpoint is evaluated instead of its `final/` folder (a run still
-    under way), and its held-out perplexity is recorded with it."""
+    """lm-eval of a healing arm (`run_lm_eval`), written to `work`/lm_eval_LABEL_LIMIT.json. With `checkpoint`, the
+    arm's newest training checkpoint is evaluated instead of its `final/` folder (a run still under way), and its
+    held-out perplexity is recorded with it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_mohd.evaluation.harness import evaluate
     from hf_mohd.training.trainer import latest_checkpoint
 
     label, weights = arm, None
@@ -321,18 +319,34 @@ def lm_eval_arm(work: Path, arm: str, limit: int, checkpoint: bool = False) -> N
         weights = Path(latest_checkpoint(str(work / "runs" / arm)))
         step = int(weights.name.rsplit("_", 1)[1])
         label = f"{arm} at {step * TOKENS_PER_STEP} tokens"
-    path = work / f"lm_eval_{label.replace(' ', '_')}_{limit}.json"
+    tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
+
+    def load():
+        if arm == "dense":
+            return AutoModelForCausalLM.from_pretrained(str(work / "teacher"), dtype=torch.float32).eval()
+        return load_student(work, arm, weights)
+
+    extra = {}
+    if checkpoint:
+        extra["held_out_perplexity"] = lambda model: perplexity(model, held_out_windows(tokenizer), 4, desc=label)
+    run_lm_eval(work / f"lm_eval_{label.replace(' ', '_')}_{limit}.json", label, limit, load, tokenizer, extra)
+
+
+def run_lm_eval(path: Path, label: str, limit: int, load, tokenizer, extra=None) -> None:
+    """lm-eval (offline ARC-Easy, PIQA, HellaSwag, LAMBADA; the first `limit` documents of each) of the model that
+    `load()` returns, with per-document scores, one task at a time into `path`: each finished task is written at
+    once, so an interrupted run keeps what it did and a rerun does only what is missing. `extra` maps a field to a
+    function of the model whose value is recorded once with the results."""
+    from hf_mohd.evaluation.harness import evaluate
+
     done = read_json(path, {"arm": label, "limit": limit, "results": {}, "per_doc": {}, "cpu_seconds": {}})
     todo = [task for task in LM_EVAL_TASKS if f"offline_{task}" not in done["results"]]
     if not todo:
         return
-    tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
-    if arm == "dense":
-        model = AutoModelForCausalLM.from_pretrained(str(work / "teacher"), dtype=torch.float32).eval()
-    else:
-        model = load_student(work, arm, weights)
-    if checkpoint and "held_out_perplexity" not in done:
-        done["held_out_perplexity"] = perplexity(model, held_out_windows(tokenizer), 4, desc=label)
+    model = load()
+    for field, measure in (extra or {}).items():
+        if field not in done:
+            done[field] = measure(model)
     for task in todo:
         started = cpu_seconds()
         results = evaluate(model, tokenizer, tasks=[task], limit=limit, batch_size=8, log_samples=True)
@@ -345,7 +359,31 @@ def lm_eval_arm(work: Path, arm: str, limit: int, checkpoint: bool = False) -> N
         done["cpu_seconds"][task] = round(cpu_seconds() - started, 1)
         done["machine"] = ep.machine()
         write_json_atomically(path, done)
-        logger.info("%s %s: %s", arm, task, done["results"][f"offline_{task}"])
+        logger.info("%s %s: %s", label, task, done["results"][f"offline_{task}"])
+
+
+def lm_eval_rows(paths: list[Path], reference: dict | None) -> dict:
+    """ "LABEL (LIMIT docs)" -> accuracy per task (points), mean, and, against `reference` (the dense model's
+    `run_lm_eval` file, the same documents), the paired difference and its standard error; runs under 100
+    documents (smoke runs) are left out."""
+    rows = {}
+    for path in sorted(paths):
+        found = read_json(path, None)
+        if found["limit"] < 100:
+            continue  # smoke runs
+        row = {"documents": found["limit"], "cpu_seconds_per_task": found["cpu_seconds"], "tasks": {}}
+        if "held_out_perplexity" in found:  # a checkpoint of a run still under way
+            row["held_out_perplexity"] = found["held_out_perplexity"]
+        for task, doc in found["per_doc"].items():
+            scores = doc["scores"]
+            entry = {"metric": doc["metric"], "accuracy_points": 100 * sum(scores) / len(scores)}
+            if reference is not None and found["arm"] != "dense" and task in reference["per_doc"]:
+                diff, stderr = paired(scores, reference["per_doc"][task]["scores"])
+                entry.update(minus_dense_points=diff, paired_stderr_points=stderr)
+            row["tasks"][task] = entry
+        row["mean_accuracy_points"] = sum(e["accuracy_points"] for e in row["tasks"].values()) / len(row["tasks"])
+        rows[f"{found['arm']} ({found['limit']} docs)"] = row
+    return rows
 
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -395,24 +433,7 @@ def report(work: Path, output: Path) -> dict:
             "schedule": f"warmup 16 steps, cosine to 0.1 x peak at {budget} tokens",
             "points": rows,
         }
-    lm_eval = {}
-    reference = read_json(work / "lm_eval_dense_500.json", None)
-    for path in sorted(work.glob("lm_eval_*_*.json")):
-        found = read_json(path, None)
-        if found["limit"] < 100:
-            continue  # smoke runs
-        row = {"documents": found["limit"], "cpu_seconds_per_task": found["cpu_seconds"], "tasks": {}}
-        if "held_out_perplexity" in found:  # a checkpoint of a run still under way
-            row["held_out_perplexity"] = found["held_out_perplexity"]
-        for task, doc in found["per_doc"].items():
-            scores = doc["scores"]
-            entry = {"metric": doc["metric"], "accuracy_points": 100 * sum(scores) / len(scores)}
-            if reference is not None and found["arm"] != "dense" and task in reference["per_doc"]:
-                diff, stderr = paired(scores, reference["per_doc"][task]["scores"])
-                entry.update(minus_dense_points=diff, paired_stderr_points=stderr)
-            row["tasks"][task] = entry
-        row["mean_accuracy_points"] = sum(e["accuracy_points"] for e in row["tasks"].values()) / len(row["tasks"])
-        lm_eval[f"{found['arm']} ({found['limit']} docs)"] = row
+    lm_eval = lm_eval_rows(list(work.glob("lm_eval_*_*.json")), read_json(work / "lm_eval_dense_500.json", None))
     for arm, limit in (("dense", 500), ("mohd75", 200), ("mohd50", 200), ("mohd75_all", 500), ("mohd50_all", 500)):
         found = read_json(work / f"lm_eval_{arm}_{limit}.json", {"results": {}})
         for task in LM_EVAL_TASKS:

@@ -5,9 +5,10 @@ The carvings are `experiments.smollm2.carve`'s best granularity, N = 128 routed 
 third of each FFN (f = 1/3, `router_gate="unit"`, routers fitted on 4,096 tokens of the first 8 Wikipedia articles,
 the default calibration text of `hf_mohd.conversion.carve`), at K = 80 (75% of each FFN active) and K = 32 (50%).
 Healing: `hf-mohd train`'s trainer with a `distill` section (KL to the dense teacher at T = 1, no LM loss) and
-`model.trainable: ffn`: only the feed-forward sublayers train (shared and routed experts; the routers of unit gates
-get no gradient, so they stay as fitted), attention, norms and embeddings stay the dense model's. AdamW at 2e-4,
-warmup 16 steps, cosine to 0.1 x at the arm's budget, 4 x 256 tokens per step, the `dense_masked` experts kernel
+`model.trainable: ffn`: only the feed-forward sublayers train (shared and routed experts and the routers; a unit
+gate, s - s.detach() + 1, passes a router the straight-through gradient of its K selected scores only); attention,
+norms and embeddings stay the dense model's. AdamW at 2e-4, warmup 16 steps, cosine to 0.1 x at the arm's budget
+(128k or 256k tokens), 4 x 256 tokens per step, the `dense_masked` experts kernel
 (`model.experts_implementation`: with K = 80 of 128 experts the grouped kernel copies each token 80 times per
 layer and holds the copies for backward), on the multi-source healing text of
 `experiments.smollm2.healing_corpus` (`--corpus-dir`: Wikipedia without its first and last 8 articles, An Anarchist
@@ -21,6 +22,7 @@ Every stage resumes (finished parts are read back from `--work-dir`, training re
 
     python -m experiments.smollm2.heal_carved prepare               # the two carvings, training-free numbers
     python -m experiments.smollm2.heal_carved train carved75_128k   # one arm of ARMS; two may run side by side
+    python -m experiments.smollm2.heal_carved lm-eval carved75_128k # also dense or a carving; 500 documents per task
     python -m experiments.smollm2.heal_carved report                # results/smollm2_carved_healing.json
 
 The dense teacher folder is `experiments.smollm2.heal`'s (`--teacher`, made by `heal prepare`).
@@ -47,12 +49,14 @@ K = 1024
 NUM_EXPERTS = 128
 SHARED_FRACTION = 1 / 3
 CALIBRATION_TOKENS = 4096
+LM_EVAL_LIMIT = 500  # documents per task, the same for every model
 # carving -> (K of NUM_EXPERTS, share of each FFN active)
 CARVINGS = {"carved75": (80, "75%"), "carved50": (32, "50%")}
 # arm -> (carving, trainable, peak lr, budget tokens)
 ARMS = {
     "carved75_128k": ("carved75", "ffn", 2e-4, 128 * K),
     "carved50_128k": ("carved50", "ffn", 2e-4, 128 * K),
+    "carved75_256k": ("carved75", "ffn", 2e-4, 256 * K),
 }
 
 
@@ -158,6 +162,29 @@ def train_arm(work: Path, arm: str, teacher: Path, corpus: Path) -> None:
     logger.info("%s: %s", arm, record["perplexity"])
 
 
+def lm_eval_model(work: Path, name: str, teacher: Path, limit: int) -> None:
+    """lm-eval of `name` (dense, a carving of CARVINGS or an arm of ARMS) at its K, into `work`/lm_eval_NAME_LIMIT.json
+    (`heal.run_lm_eval`: resumable per task, per-document scores for the paired comparison with dense)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name == "dense":
+        folder = teacher
+    elif name in CARVINGS:
+        folder = work / name
+    else:
+        folder = work / "runs" / name / "final"
+    if not (folder / "config.json").exists():
+        sys.exit(f"{folder}: missing; run the stage that makes it first.")
+
+    def load_model():
+        if name == "dense":
+            return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        return load(folder)
+
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    heal.run_lm_eval(work / f"lm_eval_{name}_{limit}.json", name, limit, load_model, tokenizer)
+
+
 def report(work: Path, output: Path) -> dict:
     """The dense, training-free and healed numbers in one JSON, with ratios to dense per source; missing arms listed."""
     prepared = heal.read_json(work / "prepare.json", None)
@@ -197,14 +224,27 @@ def report(work: Path, output: Path) -> dict:
             "resumed": found["resumed"],
             "load_average_after": found["machine"]["load_average"],
         }
+    names = ["dense", *CARVINGS, *ARMS]
+    lm_eval = heal.lm_eval_rows(
+        [
+            work / f"lm_eval_{name}_{LM_EVAL_LIMIT}.json"
+            for name in names
+            if (work / f"lm_eval_{name}_{LM_EVAL_LIMIT}.json").exists()
+        ],
+        heal.read_json(work / f"lm_eval_dense_{LM_EVAL_LIMIT}.json", None),
+    )
+    missing += [
+        f"lm-eval {name} ({LM_EVAL_LIMIT} docs)" for name in names if f"{name} ({LM_EVAL_LIMIT} docs)" not in lm_eval
+    ]
     result = {
-        "command": "python -m experiments.smollm2.heal_carved prepare|train ARM|report",
+        "command": "python -m experiments.smollm2.heal_carved prepare|train ARM|lm-eval NAME|report",
         "complete": not missing,
         "missing": missing,
         "held_out": "experiments/smollm2/results/smollm2_held_out_sources.json's windows: 4,096 tokens per source",
         "dense_perplexity": dense,
         "carvings": carvings,
         "arms": arms,
+        "lm_eval": lm_eval,
         "machine": ep.machine(),
         "torch_threads_per_run": 1,
     }
@@ -214,8 +254,13 @@ def report(work: Path, output: Path) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=("prepare", "train", "report"))
-    parser.add_argument("arm", nargs="?", choices=list(ARMS), help="train: an arm of ARMS.")
+    parser.add_argument("stage", choices=("prepare", "train", "lm-eval", "report"))
+    parser.add_argument(
+        "arm",
+        nargs="?",
+        choices=["dense", *CARVINGS, *ARMS],
+        help="train: an arm of ARMS; lm-eval: also dense or a carving.",
+    )
     parser.add_argument("--work-dir", type=Path, default=Path("runs/heal_carved"))
     parser.add_argument("--teacher", type=Path, default=Path("runs/heal_smollm2/teacher"))
     parser.add_argument("--corpus-dir", type=Path, default=Path("runs/healing_corpus"))
@@ -228,9 +273,13 @@ def main(argv=None) -> int:
     if args.stage == "prepare":
         prepare(args.work_dir, args.teacher, args.corpus_dir)
     elif args.stage == "train":
-        if args.arm is None:
-            parser.error("train needs an arm")
+        if args.arm not in ARMS:
+            parser.error(f"train needs an arm of {list(ARMS)}, got {args.arm!r}")
         train_arm(args.work_dir, args.arm, args.teacher, args.corpus_dir)
+    elif args.stage == "lm-eval":
+        if args.arm is None:
+            parser.error("lm-eval needs a model name")
+        lm_eval_model(args.work_dir, args.arm, args.teacher, LM_EVAL_LIMIT)
     else:
         print(json.dumps(report(args.work_dir, args.output)["arms"], indent=1))
     return 0
