@@ -249,7 +249,118 @@ def report(work: Path, output: Path) -> dict:
         "torch_threads_per_run": 1,
     }
     write_json_atomically(output, result)
+    best = next((arm for arm in ("carved75_256k", "carved75_128k") if arm in arms), None)
+    if best is not None:
+        model_card(work, result, best).save(output.parent / "smollm2_carved75_healed_model_card.md")
     return result
+
+
+SPEED_RESULT = Path(__file__).resolve().parents[2] / "bench" / "results" / "amd_epyc_zen5" / "carved_speed_n128.json"
+
+
+def speed_text() -> str:
+    """One paragraph of the 75% carving's speed against dense from `bench.bench_carved`'s N = 128 run ("" without
+    it)."""
+    if not SPEED_RESULT.exists():
+        return ""
+    found = json.loads(SPEED_RESULT.read_text(encoding="utf-8"))
+    line = next(line for line in found["summary"] if line.startswith("carved_75%"))
+    cells = dict(part.strip().split(" ", 1) for part in line.split(";")[1:])
+    return (
+        f"\n\nSpeed against the dense model in the same run (fp32, 1 torch thread, {found['machine']['cpu_model']}, "
+        f"experts kernel `gather`): prefill of 4 x 512 tokens {cells['prefill_4x512']}, greedy decoding at batch 1 "
+        f"{cells['decode_b1']}, at batch 4 {cells['decode_b4']}."
+    )
+
+
+def carving_notes(folder: Path) -> str:
+    """The carving paragraph `hf-mohd convert latent-moe --carve` wrote into `folder`/README.md's Notes section."""
+    text = (folder / "README.md").read_text(encoding="utf-8")
+    notes = text.split("## Notes", 1)[1].split("\n## ", 1)[0]
+    return next(paragraph for paragraph in notes.split("\n\n") if paragraph.strip().startswith("Carved"))
+
+
+def model_card(work: Path, result: dict, arm: str):
+    """The model card of a healed carving: the carving's choices, the healing, held-out perplexity on the five
+    sources (training-free, healed, healed with every expert active) and lm-eval with paired differences to dense."""
+    from transformers import AutoConfig
+
+    import hf_mohd  # noqa: F401
+    from hf_mohd.model_card import render_model_card
+
+    found = result["arms"][arm]
+    carving = result["carvings"][found["carving"]]
+    dense = result["dense_perplexity"]
+    rows = [
+        ("dense SmolLM2-135M", dense, {s: 1.0 for s in dense}),
+        ("carved, training-free", carving["perplexity"]["target"], carving["ratio_to_dense"]["target"]),
+        (
+            f"healed {found['budget_tokens']:,} tokens",
+            found["perplexity"]["target"],
+            found["ratio_to_dense"]["target"],
+        ),
+        (
+            "healed, every expert active",
+            found["perplexity"]["every_expert_active"],
+            found["ratio_to_dense"]["every_expert_active"],
+        ),
+    ]
+    table = "| | " + " | ".join(dense) + " |\n|---|" + "---|" * len(dense) + "\n"
+    table += "\n".join(
+        f"| {name} | " + " | ".join(f"{ppl[s]:.1f} ({ratio[s]:.2f}x)" for s in dense) + " |"
+        for name, ppl, ratio in rows
+    )
+    evaluated = result["lm_eval"].get(f"{arm} ({LM_EVAL_LIMIT} docs)")
+    eval_text = ""
+    if evaluated is not None:
+        tasks = evaluated["tasks"]
+        eval_text = (
+            f"\n\nlm-eval, the first {LM_EVAL_LIMIT} documents of each task (acc_norm where the task has it), "
+            "difference to the dense model on the same documents with its paired standard error: "
+            + "; ".join(
+                f"{task.removeprefix('offline_')} {e['accuracy_points']:.1f} ({e['minus_dense_points']:+.1f} "
+                f"± {e['paired_stderr_points']:.1f})"
+                for task, e in tasks.items()
+            )
+            + f"; mean {evaluated['mean_accuracy_points']:.1f} points."
+        )
+    notes = (
+        carving_notes(work / found["carving"])
+        + "\n\n"
+        + f"Healed by distillation from the dense model (KL at T = 1, no LM loss) for {found['budget_tokens']:,} "
+        "tokens of a multi-source text (English Wikipedia without the calibration and held-out articles, An Anarchist "
+        "FAQ, the Python documentation, the Brown corpus), AdamW at peak lr "
+        f"{found['lr']}, warmup 16 steps, cosine to 0.1x; only the FFN sublayers (experts, shared expert, routers) "
+        "trained.\n\nHeld-out perplexity, 4,096 tokens of each source (none in the calibration or healing text; the "
+        "KJV bible's source never seen), with the ratio to the dense model:\n\n"
+        + table
+        + eval_text
+        + speed_text()
+        + ("" if result["complete"] else "\n\nPartial: " + "; ".join(result["missing"]) + ".")
+    )
+    training = {
+        "teacher": "SmolLM2-135M-Instruct (dense, fp32)",
+        "objective": "KL(teacher || student) at T = 1",
+        "trainable": found["trainable"],
+        "peak_learning_rate": found["lr"],
+        "tokens": found["budget_tokens"],
+        "hardware": f"{result['machine']['cpu']}, 1 torch thread",
+    }
+    eval_file = heal.read_json(work / f"lm_eval_{arm}_{LM_EVAL_LIMIT}.json", None)
+    corpus = json.loads((RESULTS_DIR / "healing_corpus.json").read_text(encoding="utf-8"))
+    return render_model_card(
+        AutoConfig.from_pretrained(work / "runs" / arm / "final"),
+        base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+        datasets=[
+            f"{source['description']}; licence: {source['licence'].split(' (')[0]}"
+            for source in corpus["sources"].values()
+            if source["role"] == "healing"
+        ],
+        eval_results={"results": eval_file["results"]} if eval_file and eval_file["results"] else None,
+        training=training,
+        notes=notes,
+        language="en",
+    )
 
 
 def main(argv=None) -> int:
