@@ -17,6 +17,12 @@ Variants (every one but the last two is a linear router, the form the model has,
 - `two_neurons`: per expert the true |h| of its two neurons of highest mean |h| (a quarter of the expert's gate and
   up rows for every expert: 2 x 256 x 576 multiply-adds per token).
 
+Groupings: the same layers carved again from the dense FFN (`--teacher`) with the shared neurons kept and the
+routed ones grouped by balanced spherical k-means of other features than the carving's co-activation |h|: the gate
+rows, the gate and up rows side by side, and the signed gate activations silu(g_i x) on 4,096 fitting tokens; each
+with its ridge router fitted on 8,192 fitting tokens. Per grouping: recall, and the relative error of the FFN output
+||y_K - y|| / ||y|| on the held-out tokens with the router's K and with the oracle's K (y: the dense FFN's output).
+
     python -m experiments.smollm2.carve_routers      # writes results/smollm2_carve_routers.json
 """
 
@@ -146,10 +152,51 @@ def layer_variants(block, x: torch.Tensor, x_held: torch.Tensor, sizes: list[int
     return row
 
 
+def grouping_variants(weights: dict, layer: int, x: torch.Tensor, x_held: torch.Tensor, k: int, n: int) -> dict:
+    """Recall and relative FFN output error of the groupings of the module docstring at one layer, from the dense
+    FFN's `weights` (safetensors names); the shared neurons are the carving's rule (highest mean |h|, a third)."""
+    from hf_mohd.conversion.carve import MASS_FLOOR, _log_mass_target, balanced_spherical_kmeans
+    from hf_mohd.models.modeling_common import topk_lower_index
+
+    prefix = f"model.layers.{layer}.mlp."
+    gate, up, down = (weights[prefix + name + ".weight"].float() for name in ("gate_proj", "up_proj", "down_proj"))
+    silu = torch.nn.functional.silu
+    x = x[:8192]
+    inner, inner_held = silu(x @ gate.T) * (x @ up.T), silu(x_held @ gate.T) * (x_held @ up.T)
+    order = inner.abs().mean(0).argsort(descending=True, stable=True)
+    shared_size = gate.shape[0] // 3
+    shared, rest = order[:shared_size].sort().values, order[shared_size:].sort().values
+    dense_out = inner_held @ down.T
+    features = {
+        "co-activation |h| (the carving's)": inner[:4096, rest].abs().T,
+        "gate rows": gate[rest],
+        "gate and up rows": torch.cat([gate[rest], up[rest]], 1),
+        "signed gate activations": silu(x[:4096] @ gate[rest].T).T,
+    }
+    rows = {}
+    for name, feature in features.items():
+        labels, _ = balanced_spherical_kmeans(feature, n, seed=0)
+        experts = torch.stack([rest[labels == e] for e in range(n)])  # (N, width)
+        mass, mass_held = inner[:, experts].abs().sum(-1), inner_held[:, experts].abs().sum(-1)
+        router = ridge(x, _log_mass_target(mass.double(), MASS_FLOOR * mass.mean().item() + 1e-30))
+        oracle = topk_lower_index(mass_held, k)
+        row = {"recall": recall(x_held @ router.T, oracle, k)}
+        for route, chosen in (("router", topk_lower_index(x_held @ router.T, k)), ("oracle", oracle)):
+            active = torch.zeros(x_held.shape[0], gate.shape[0])
+            active[:, shared] = 1.0
+            picked = torch.zeros(x_held.shape[0], n).scatter_(1, chosen, 1.0)
+            active[:, experts.reshape(-1)] = picked.repeat_interleave(experts.shape[1], 1)
+            error = ((inner_held * active) @ down.T - dense_out).norm() / dense_out.norm()
+            row[f"output_error_{route}"] = error.item()
+        rows[name] = row
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--carving", type=Path, default=Path("runs/heal_carved/carved75"))
     parser.add_argument("--corpus-dir", type=Path, default=Path("runs/healing_corpus"))
+    parser.add_argument("--teacher", type=Path, default=Path("runs/heal_smollm2/teacher"), help="the dense model.")
     parser.add_argument("--tokens", type=int, default=32768, help="fitting tokens (default 32,768).")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1).")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "smollm2_carve_routers.json")
@@ -162,6 +209,8 @@ def main(argv=None) -> int:
     from experiments.smollm2.heal_carved import load
     from hf_mohd.conversion.carve import _blocks
 
+    if not (args.teacher / "model.safetensors").exists():
+        sys.exit(f"{args.teacher}: no dense model; run python -m experiments.smollm2.heal prepare first.")
     if not (args.carving / "config.json").exists():
         sys.exit(f"{args.carving}: missing; run python -m experiments.smollm2.heal_carved prepare first.")
     started = time.process_time()
@@ -179,6 +228,21 @@ def main(argv=None) -> int:
         logger.info("layer %d: %s", layer, {name: round(value, 4) for name, value in layers[layer].items()})
     names = list(layers[LAYERS[0]])
     gate = blocks[0].gate
+    from safetensors.torch import load_file
+
+    weights = load_file(args.teacher / "model.safetensors")
+    groupings = {}
+    for layer in LAYERS:
+        groupings[layer] = grouping_variants(weights, layer, x[layer], x_held[layer], gate.top_k, gate.num_experts)
+        logger.info("groupings, layer %d: %s", layer, groupings[layer])
+    grouping_names = list(groupings[LAYERS[0]])
+    grouping_mean = {
+        name: {
+            field: sum(groupings[layer][name][field] for layer in LAYERS) / len(LAYERS)
+            for field in groupings[LAYERS[0]][name]
+        }
+        for name in grouping_names
+    }
     result = {
         "command": "python -m experiments.smollm2.carve_routers " + " ".join(argv or sys.argv[1:]),
         "carving": str(args.carving),
@@ -191,12 +255,17 @@ def main(argv=None) -> int:
             "mean_over_layers": {n: sum(r[n] for r in layers.values()) / len(layers) for n in names},
             "layers": layers,
         },
+        "groupings": {"mean_over_layers": grouping_mean, "layers": groupings},
         "cpu_seconds": round(time.process_time() - started, 1),
         "machine": ep.machine(),
         "torch_threads": args.threads,
     }
     write_json_atomically(args.output, result)
-    print(json.dumps(result["recall_of_oracle_top_k"]["mean_over_layers"], indent=1))
+    print(
+        json.dumps(
+            {"routers": result["recall_of_oracle_top_k"]["mean_over_layers"], "groupings": grouping_mean}, indent=1
+        )
+    )
     return 0
 
 

@@ -57,6 +57,7 @@ ARMS = {
     "carved75_128k": ("carved75", "ffn", 2e-4, 128 * K),
     "carved50_128k": ("carved50", "ffn", 2e-4, 128 * K),
     "carved75_256k": ("carved75", "ffn", 2e-4, 256 * K),
+    "carved50_256k": ("carved50", "ffn", 2e-4, 256 * K),
 }
 
 
