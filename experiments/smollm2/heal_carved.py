@@ -349,8 +349,10 @@ def model_card(work: Path, result: dict, arm: str):
     }
     eval_file = heal.read_json(work / f"lm_eval_{arm}_{LM_EVAL_LIMIT}.json", None)
     corpus = json.loads((RESULTS_DIR / "healing_corpus.json").read_text(encoding="utf-8"))
+    config = AutoConfig.from_pretrained(work / "runs" / arm / "final")
+    config.name_or_path = f"SmolLM2-135M-{arm}"  # the card's title, not the run folder's name
     return render_model_card(
-        AutoConfig.from_pretrained(work / "runs" / arm / "final"),
+        config,
         base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
         datasets=[
             f"{source['description']}; licence: {source['licence'].split(' (')[0]}"
