@@ -248,7 +248,8 @@ def test_contiguous_until_generate_then_block_major_and_invisible_on_disk(tmp_pa
     prompt = input_ids(1, 3, seed=4)
     gather.eval().generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
     masked.eval().generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
-    assert gather.model.layers[1].mlp.up_proj.weight.stride() == (1, 96)  # (out, in) = (96, 64)
+    # (out, in) = (96, 64), gate/up fused into one (64, 192) storage
+    assert gather.model.layers[1].mlp.up_proj.weight.stride() == (1, 192)
     assert gather.model.layers[1].mlp.down_proj.weight.is_contiguous()  # the output side reads rows
     assert all(param.is_contiguous() for param in masked.parameters())
     gather.save_pretrained(tmp_path)
@@ -262,12 +263,72 @@ def test_contiguous_until_generate_then_block_major_and_invisible_on_disk(tmp_pa
     reloaded.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert reloaded.model.layers[0].self_attn.k_proj.weight.is_contiguous()  # the layout chosen is kept
     reloaded.to_weight_layout("block_major")
-    assert reloaded.model.layers[0].self_attn.k_proj.weight.stride() == (1, 32)  # 2 kv heads of 16
+    # q (64) / k, v (2 kv heads of 16 each) fused into one (64, 128) storage
+    assert reloaded.model.layers[0].self_attn.k_proj.weight.stride() == (1, 128)
     with torch.no_grad():
         x = input_ids(1, 1, seed=5)
         torch.testing.assert_close(reloaded(input_ids=x).logits, masked(input_ids=x).logits, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="layout must be one of"):
         gather.to_weight_layout("column")
+
+
+def test_fused_input_projections_share_one_storage_and_equal_masked(monkeypatch, tmp_path):
+    """`to_weight_layout("block_major")` stores q/k/v and gate/up of each sublayer as column ranges of one tensor
+    (`fuse_block_major_`): values, shapes and the state dict unchanged; every gather plan computes them with one
+    product per span (counted: the fused tensor is handed out) and equals the masked path, without autograd; with
+    autograd the per-linear products run and every weight gets its own gradient; a cast ends the fusion by itself."""
+    gather, masked = pair()
+    before = {name: tensor.clone() for name, tensor in gather.state_dict().items()}
+    gather.to_weight_layout("block_major")
+    attention, mlp = gather.model.layers[0].self_attn, gather.model.layers[0].mlp
+    qkv, gate_up = [attention.q_proj, attention.k_proj, attention.v_proj], [mlp.gate_proj, mlp.up_proj]
+    assert mohd_sparse.shares_block_major_storage(qkv) and mohd_sparse.shares_block_major_storage(gate_up)
+    assert attention.v_proj.weight.data_ptr() == attention.q_proj.weight.data_ptr() + (64 + 32) * 8  # float64
+    state = gather.state_dict()
+    assert state.keys() == before.keys()
+    for name, tensor in state.items():
+        assert tensor.is_contiguous() and torch.equal(tensor, before[name]), name  # row-major copies, same values
+    assert mohd_sparse.shares_block_major_storage(qkv)  # the copies leave the parameters fused
+
+    handed_out = []
+    original = mohd_sparse.fused_block_major_weight
+
+    def counting(linears):
+        fused = original(linears)
+        handed_out.append(fused is not None)
+        return fused
+
+    monkeypatch.setattr(mohd_sparse, "fused_block_major_weight", counting)
+    gather.eval(), masked.eval()
+    with torch.no_grad():
+        for plan in ("union", "per_block"):
+            gather.set_small_batch_plan(plan)
+            for length in (1, 2, 3, 9):  # spans plans (1-3 tokens) and the grouped plan (9)
+                handed_out.clear()
+                x = input_ids(1, length, seed=length)
+                torch.testing.assert_close(
+                    gather(input_ids=x).logits, masked(input_ids=x).logits, rtol=1e-10, atol=1e-10
+                )
+                assert handed_out and all(handed_out), (plan, length)
+        # index-tensor plan (compiled and accelerator runs), built under the patch, computed fused on the host
+        sub_dims, hidden = attention.sub_dims, torch.randn(2, 64, dtype=torch.float64)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.compiler, "is_compiling", lambda: True)
+            indexed = sub_dims.strategy.plan(torch.tensor([[3, 7], [5, 4]]), torch.rand(2, 2, dtype=torch.float64))
+        assert isinstance(indexed, MoHDIndexedPlan)
+        reference = sub_dims.masked.plan(indexed.block_index, indexed.gates[:, :: indexed.geometry.block])
+        handed_out.clear()
+        for fused_out, dense_out in zip(
+            indexed.project_in(hidden, qkv), reference.project_in(hidden, qkv), strict=True
+        ):
+            torch.testing.assert_close(fused_out, dense_out, rtol=1e-12, atol=1e-12)
+        assert handed_out == [True]
+    handed_out.clear()
+    assert_same_training_step(gather, masked, input_ids(2, 5))  # per-linear products, each weight its gradient
+    assert handed_out and not any(handed_out)
+    gather.save_pretrained(tmp_path)  # safetensors refuses shared storages: the hook's copies are what is saved
+    gather.to(torch.float32)
+    assert not mohd_sparse.shares_block_major_storage(qkv)  # a cast copies each weight: the fusion ends by itself
 
 
 @pytest.mark.parametrize("layout", ["block_major", "row_major"])

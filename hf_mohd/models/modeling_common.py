@@ -65,7 +65,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
+        # fp32, or float64 kept (equivalence tests), chosen on the host: no promote_types op per norm
+        hidden_states = hidden_states.to(torch.float64 if input_dtype == torch.float64 else torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * hidden_states.to(input_dtype)
@@ -426,6 +427,11 @@ def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def cast_to(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor.to(dtype)`, without dispatching an op when it already has that dtype (the same tensor either way)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (..., k) of the k largest `scores` along the last dim; ties go to the lower index.
 
@@ -532,10 +538,11 @@ class TopKRouter(nn.Module):
         return torch.where(padding, torch.arange(self.top_k, device=chosen.device), chosen)
 
     def forward(self, hidden_states: torch.Tensor, cache=None, routing_replay=None, token_mask=None, **kwargs):
-        compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        device_type = hidden_states.device.type
-        with autocast_off(device_type):
-            logits = F.linear(hidden_states.to(compute_dtype), self.weight.to(compute_dtype))
+        # fp32, or the input dtype when wider (float64); host-side dtype rules and no-op casts skipped: the router
+        # runs once per sublayer and token in decoding, where each dispatched op costs time
+        compute_dtype = hidden_states.dtype if hidden_states.dtype == torch.float64 else torch.float32
+        with autocast_off(hidden_states.device.type):
+            logits = F.linear(cast_to(hidden_states, compute_dtype), cast_to(self.weight, compute_dtype))
         scores = self.score(logits)
         if routing_replay is not None:
             chosen = self.replayed_choices(routing_replay, token_mask, hidden_states.shape[:-1])

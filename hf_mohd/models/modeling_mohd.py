@@ -44,6 +44,7 @@ from .modeling_common import (
     RoutedDecoderMixin,
     TopKRouter,
     autocast_off,
+    cast_to,
     load_balancing_loss,
     replayed_routes,
 )
@@ -53,9 +54,11 @@ from .mohd_sparse import (
     MoHDMaskedStrategy,
     MoHDSparseBlockMix,
     MoHDTensorParallelProjections,
+    fuse_block_major_,
     mix_blocks,
     resolve_small_batch_plan,
     set_linear_layout_,
+    unfused_state_dict_hook,
 )
 
 
@@ -90,7 +93,7 @@ class MoHDRouter(TopKRouter):
         # CODEPATH: routed_gate="unit": the value 1 exactly (p - p = 0), the gradient of p (straight-through).
         elif self.routed_gate == "unit":
             chosen_scores = chosen_scores - chosen_scores.detach() + 1.0
-        return chosen_scores.to(input_dtype)
+        return cast_to(chosen_scores, input_dtype)
 
 
 class MoHDGroupFusion(nn.Module):
@@ -110,7 +113,7 @@ class MoHDGroupFusion(nn.Module):
         matrix rather than to the M x D blocks. `positions` (k, M), given where `blocks` is zero outside the first N_s
         blocks and the routed blocks at rows `positions` of `blocks.view(-1, s)` (the grouped gather path's output),
         lets the product keep only those blocks for backward (`MoHDSparseBlockMix`)."""
-        weight = self.weight.to(blocks.dtype)
+        weight = cast_to(self.weight, blocks.dtype)
         if scale != 1.0:
             weight = weight * scale
         if positions is None:
@@ -275,6 +278,7 @@ class MoHDAttention(Attention):
         kv_width = config.num_key_value_heads * config.head_dim
         widths = {"q_proj": config.num_attention_heads * config.head_dim, "k_proj": kv_width, "v_proj": kv_width}
         self.sub_dims = MoHDSubDimensions(config, layer_idx, "attn", widths, sublayer="attention")
+        self.register_state_dict_post_hook(unfused_state_dict_hook)  # q/k/v saved row-major in every layout
 
     def forward(
         self,
@@ -302,6 +306,7 @@ class MoHDMLP(MLP):
         super().__init__(config)
         widths = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
         self.sub_dims = MoHDSubDimensions(config, layer_idx, "mlp", widths, sublayer="ffn")
+        self.register_state_dict_post_hook(unfused_state_dict_hook)  # gate/up saved row-major in every layout
 
     def forward(self, hidden_states: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
         plan = self.sub_dims.route(
@@ -355,13 +360,16 @@ class MoHDPreTrainedModel(PreTrainedModel):
         gate/up) in `layout`, in place, like `Module.to(memory_format=...)`: a storage format, not a hyperparameter
         (results do not depend on it), and the layout `generate` keeps from then on.
 
-        "block_major": column-major, `weight.t()` contiguous, so each s-column sub-dimension block is one contiguous
-        span and batch-1 decoding streams only the active blocks; `generate` stores the weights this way before it
-        decodes, unless told otherwise here. "row_major": the plain, contiguous `nn.Linear` layout, which a model has
-        after `__init__` and `from_pretrained` (so that `fully_shard`, DeepSpeed and `Trainer` with FSDP take it as
-        it is). Values, shapes, parameters, `state_dict` and saved checkpoints are the same for both; results agree
-        up to BLAS summation order. Masked-strategy sublayers, projections that are not plain `nn.Linear` and sharded
-        weights other than tensor-parallel ones are left alone.
+        "block_major": column-major, so each s-column sub-dimension block is one contiguous span and batch-1
+        decoding streams only the active blocks; the input projections of a sublayer (q/k/v, gate/up) share one
+        (D, sum of widths) storage (`fuse_block_major_`), so that the gather plans compute them with one product per
+        span of blocks (each weight is the transpose of a column range of it, strides (1, sum of widths)). `generate`
+        stores the weights this way before it decodes, unless told otherwise here. "row_major": the plain, contiguous
+        `nn.Linear` layout, which a model has after `__init__` and `from_pretrained` (so that `fully_shard`, DeepSpeed
+        and `Trainer` with FSDP take it as it is). Values, shapes, parameters, `state_dict` (which gives fused weights
+        as row-major copies) and saved checkpoints are the same for both; results agree up to BLAS summation order.
+        Masked-strategy sublayers, projections that are not plain `nn.Linear` and sharded weights other than
+        tensor-parallel ones are left alone.
 
         Raises:
             ValueError: `layout` is not one of "block_major", "row_major".
@@ -374,6 +382,10 @@ class MoHDPreTrainedModel(PreTrainedModel):
             if isinstance(sub_dims, MoHDSubDimensions):
                 for name in sub_dims.strategy.block_major_projections:
                     set_linear_layout_(getattr(module, name, None), layout)
+                for names in sub_dims.strategy.fused_projections if layout == "block_major" else ():
+                    linears = [getattr(module, name, None) for name in names]
+                    if all(linear is not None for linear in linears):
+                        fuse_block_major_(linears)
         return self
 
     def set_sparse_implementation(self, implementation: str) -> None:  # trf-ignore: TRF033 (execution choice)

@@ -647,24 +647,29 @@ class MoHDGroupedPlan(MoHDPlan):
         rows = self.token_index * g.num_sub_dims + g.num_shared + self.block_index
         routed = hidden_states.reshape(m * g.num_sub_dims, g.block).index_select(0, rows.reshape(-1))
         routed = routed.view(*rows.shape, g.block) * self.gates
+        fused = fused_block_major_weight(linears)
+        if fused is not None and single_autograd_function_dtype(linears[0], hidden_states, routed) == fused.dtype:
+            # all the linears in one product (`fuse_block_major_`; no gradient is wanted), split into their outputs
+            with autocast_off(fused.device.type):
+                out = MoHDGroupedLinearIn.apply(
+                    shared.to(fused.dtype), routed.to(fused.dtype), self.token_index, self.offsets, fused.t(), None,
+                    g.num_routed, g.block,
+                )  # fmt: skip
+            return list(out.split([linear.weight.shape[0] for linear in linears], dim=1))
         outputs = []
+        cast = {}  # the operands cast once per dtype, not once per linear
         for linear in linears:
             weight = linear.weight
             dtype = single_autograd_function_dtype(linear, hidden_states, routed)
             if dtype is not None:
+                if dtype not in cast:
+                    cast[dtype] = shared.to(dtype), routed.to(dtype)
                 bias = None if linear.bias is None else linear.bias.to(dtype)
                 with autocast_off(weight.device.type):
                     outputs.append(
                         MoHDGroupedLinearIn.apply(
-                            shared.to(dtype),
-                            routed.to(dtype),
-                            self.token_index,
-                            self.offsets,
-                            weight.to(dtype),
-                            bias,
-                            g.num_routed,
-                            g.block,
-                        )  # fmt: skip
+                            *cast[dtype], self.token_index, self.offsets, weight.to(dtype), bias, g.num_routed, g.block
+                        )
                     )
                 continue
             out = F.linear(shared, weight[:, : g.shared_width], linear.bias)
@@ -733,6 +738,12 @@ class MoHDIndexedPlan(MoHDPlan):
         shared = hidden_states[:, : g.shared_width]
         values = hidden_states.gather(1, self.columns) * self.gates  # (M, k * s) gated routed inputs
         columns, flat_values = self.columns.view(-1), values.view(-1)
+        fused = fused_block_major_weight(linears)
+        if fused is not None and fused.dtype == values.dtype:
+            # all the linears at once (`fuse_block_major_`): one bag over the rows of the fused (D, sum out) weight
+            routed = F.embedding_bag(columns, fused, self.token_starts, mode="sum", per_sample_weights=flat_values)
+            out = torch.addmm(routed, shared, fused[: g.shared_width])
+            return list(out.split([linear.weight.shape[0] for linear in linears], dim=1))
         dense = None
         outputs = []
         for linear in linears:
@@ -805,6 +816,20 @@ class MoHDSpansPlan(MoHDPlan):
         columns = [slice(start * g.block, stop * g.block) for start, stop in self.spans]
         # `out=` forms are not autocast ops: the functional forms where autocast would cast the operands
         in_place = not torch.is_grad_enabled() and autocast_dtype(gated) in (None, gated.dtype)
+        fused = fused_block_major_weight(linears)
+        if fused is not None and in_place and fused.dtype == gated.dtype:
+            # one product per span for all the linears (`fuse_block_major_`), split into their outputs (views)
+            out = torch.mm(gated[:, columns[0]], fused[columns[0]])
+            if self.rows is None:
+                for span in columns[1:]:
+                    torch.addmm(out, gated[:, span], fused[span], out=out)
+            else:
+                for span, rows in zip(columns[1:], self.rows[1:], strict=True):
+                    if isinstance(rows, slice):
+                        torch.addmm(out[rows], gated[rows, span], fused[span], out=out[rows])
+                    else:
+                        out.index_add_(0, rows, gated[:, span].index_select(0, rows) @ fused[span])
+            return list(out.split([linear.weight.shape[0] for linear in linears], dim=1))
         outputs = []
         for linear in linears:
             weight = linear.weight
@@ -852,10 +877,11 @@ class MoHDSpansPlan(MoHDPlan):
                     product = F.linear(hidden_states.index_select(0, tokens), weight[rows], span_bias)
                     out[:, rows].index_copy_(0, tokens, product)
             return out.view(m, g.num_sub_dims, g.block)
+        weight_t = weight.t()  # (in, D): each span of blocks is a column range of it
         for start, stop in self.spans:
             rows = slice(start * g.block, stop * g.block)
             if direct:
-                torch.mm(hidden_states, weight[rows].t(), out=out[:, rows])
+                torch.mm(hidden_states, weight_t[:, rows], out=out[:, rows])
             else:
                 out[:, rows] = F.linear(hidden_states, weight[rows], None if bias is None else bias[rows])
         out = out.view(m, g.num_sub_dims, g.block)
@@ -935,6 +961,8 @@ class MoHDMaskedStrategy:
 
     # the projections whose weights this strategy wants stored block-major (`set_linear_layout_`): none
     block_major_projections: tuple[str, ...] = ()
+    # the groups of those that it wants in one block-major storage each (`fuse_block_major_`): none
+    fused_projections: tuple[tuple[str, ...], ...] = ()
 
     def __init__(self, config, geometry: MoHDSubDimGeometry | None = None):
         self.geometry = geometry or MoHDSubDimGeometry.of(config)
@@ -983,6 +1011,7 @@ class MoHDGatherStrategy:
     """
 
     block_major_projections = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    fused_projections = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
     def __init__(self, config, geometry: MoHDSubDimGeometry | None = None):
         self.geometry = geometry or MoHDSubDimGeometry.of(config)
@@ -1066,6 +1095,100 @@ def set_linear_layout_(linear: nn.Module, layout: str) -> None:
         weight.data = weight.data.t().contiguous().t()
     elif layout == "row_major" and not weight.is_contiguous():
         weight.data = weight.data.contiguous()
+
+
+def fusable_linears(linears) -> bool:
+    """Whether `linears` (two or more) can share one block-major storage (`fuse_block_major_`): plain `nn.Linear`
+    without bias whose weights are plain (not distributed, not meta) tensors of one dtype, device and input width."""
+    if len(linears) < 2 or any(type(linear) is not nn.Linear or linear.bias is not None for linear in linears):
+        return False
+    first = linears[0].weight
+    return all(
+        type(linear.weight.data) is torch.Tensor
+        and not linear.weight.is_meta
+        and (linear.weight.dtype, linear.weight.device, linear.weight.shape[1])
+        == (first.dtype, first.device, first.shape[1])
+        for linear in linears
+    )
+
+
+def fused_block_major_weight(linears) -> torch.Tensor | None:
+    """The (in, sum of out) row-major tensor whose consecutive column ranges are the weights of `linears` transposed,
+    in order (the storage `fuse_block_major_` gives them), or None where they are not stored that way.
+
+    Read from the tensors themselves (same storage, consecutive starts, strides (1, sum of out)), not from a flag
+    kept beside them: a weight replaced or copied since (`.to()`, `load_state_dict(assign=True)`, a row-major layout)
+    ends the fusion by itself. The tensor is a view (`as_strided`) that autograd would attribute to the first weight
+    alone, so it is given only where no gradient is wanted (autograd off, or weights that do not require grad) and
+    outside `torch.compile` (which cannot read data pointers). One block-major product with it computes all the
+    linears' outputs (q/k/v, gate/up): one GEMM per span of blocks instead of one per linear.
+    """
+    if torch.compiler.is_compiling() or not shares_block_major_storage(linears):
+        return None
+    weights = [linear.weight for linear in linears]
+    if torch.is_grad_enabled() and any(weight.requires_grad for weight in weights):
+        return None
+    first, total = weights[0], sum(weight.shape[0] for weight in weights)
+    return torch.as_strided(first, (first.shape[1], total), (total, 1))
+
+
+def shares_block_major_storage(linears) -> bool:
+    """Whether the weights of `linears` are the consecutive column ranges, transposed, of one row-major
+    (in, sum of out) tensor (`fuse_block_major_`); host-side checks of strides and data pointers only."""
+    if not fusable_linears(linears):
+        return False
+    weights = [linear.weight for linear in linears]
+    total = sum(weight.shape[0] for weight in weights)
+    storage, expected = weights[0].untyped_storage().data_ptr(), weights[0].data_ptr()
+    for weight in weights:
+        if weight.stride() != (1, total) or weight.data_ptr() != expected:
+            return False
+        if weight.untyped_storage().data_ptr() != storage:
+            return False
+        expected += weight.shape[0] * weight.element_size()
+    return True
+
+
+def unfused_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict post-hook of a MoHD sublayer (`nn.Module.register_state_dict_post_hook`): the entries of input
+    projections that share one storage (`fuse_block_major_`) become row-major copies, as a checkpoint stores them
+    in any layout (safetensors and `save_pretrained` refuse tensors that share a storage). `state_dict(keep_vars=True)`
+    entries (the parameters themselves) are left as they are."""
+    for names in MoHDGatherStrategy.fused_projections:
+        linears = [getattr(module, name, None) for name in names]
+        if any(linear is None for linear in linears) or not shares_block_major_storage(linears):
+            continue
+        for name in names:
+            key = f"{prefix}{name}.weight"
+            tensor = state_dict.get(key)
+            if tensor is not None and not isinstance(tensor, nn.Parameter):
+                state_dict[key] = tensor.contiguous()
+
+
+@torch.no_grad()
+def fuse_block_major_(linears) -> bool:
+    """Stores the weights of `linears` (a sublayer's input projections: q/k/v, gate/up) block-major in one shared
+    (in, sum of out) tensor, each weight the transpose of its column range, in place: the parameters keep their
+    objects, names, shapes and values; their data become views with strides (1, sum of out). Returns whether they
+    are stored so (already, or now); linears that `fusable_linears` rejects are left alone.
+
+    `state_dict` gives the fused weights as row-major copies (the `MoHDSubDimensions` state-dict hook), since
+    safetensors and `save_pretrained` refuse tensors that share a storage: checkpoints are the same in every layout.
+    """
+    if not fusable_linears(linears):
+        return False
+    if shares_block_major_storage(linears):
+        return True
+    first = linears[0].weight
+    widths = [linear.weight.shape[0] for linear in linears]
+    fused = torch.empty(first.shape[1], sum(widths), dtype=first.dtype, device=first.device)
+    start = 0
+    for linear, width in zip(linears, widths, strict=True):
+        columns = fused[:, start : start + width]
+        columns.copy_(linear.weight.data.t())
+        linear.weight.data = columns.t()
+        start += width
+    return True
 
 
 @torch.no_grad()
