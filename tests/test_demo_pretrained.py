@@ -69,3 +69,29 @@ def test_missing_checkpoint_and_short_text_name_what_is_missing(monkeypatch, tmp
     save_tiny_llama(tmp_path / "llama", tied=True, sharded=False)
     with pytest.raises(ValueError, match="less than one window"):
         held_out_ids(AutoTokenizer.from_pretrained(tmp_path / "llama"), 100)
+
+
+def test_decoding_speed_times_the_models_in_turn_and_records_the_load(stage_result):
+    """Each round runs every model once, in turn (a change of load falls on all alike); the medians are per model;
+    the stage records the load around the timings and the report states it."""
+    import torch
+
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def generate(self, prompt, max_new_tokens, **kwargs):
+            calls.append((self.name, max_new_tokens))
+
+    speeds = demo_pretrained.decode_tokens_per_s(
+        {"a": Recorder("a"), "b": Recorder("b")}, torch.zeros(1, 3, dtype=torch.long), new_tokens=5, reps=2
+    )
+    assert calls == [("a", 5), ("b", 5)] * 3  # one warm-up round, then two timed rounds
+    assert set(speeds) == {"a", "b"} and all(speed > 0 for speed in speeds.values())
+    _, result = stage_result
+    load = result["decode_load_average"]
+    assert len(load["before"]) == 3 and len(load["after"]) == 3
+    assert f"load average {load['before'][0]:.2f} at the start" in "\n".join(pretrained_report_lines(result))
+    assert demo_pretrained.load_note(None) == ""

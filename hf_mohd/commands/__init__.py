@@ -19,7 +19,7 @@ import os
 import sys
 
 
-# One exit status per kind of bad input (README "What bad input gives" lists them).
+# One exit status per kind of bad input (docs/bad-input.md lists them).
 EXIT_STATUS = {
     "failed": 1,  # the input was read, but a check the command ran failed (convert --verify)
     "usage": 2,  # a bad option or option value (argparse's own errors too)
@@ -55,14 +55,30 @@ class CommandError(Exception):
         return f"error: {self.where}: {message}"
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """argparse's help, with "(default: X)" after each option's help where the default says something (not None,
+    False, an empty list or an argparse sentinel): `ArgumentDefaultsHelpFormatter` without its noise on flags."""
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        default = action.default
+        if "%(default)" in help_text or default in (None, False, [], "") or default is argparse.SUPPRESS:
+            return help_text
+        if action.option_strings and action.nargs != 0:
+            help_text += " (default: %(default)s)"
+        return help_text
+
+
 def add_command(subparsers, name: str, run, **parser_options) -> argparse.ArgumentParser:
     """Adds the subcommand `name`, which calls `run(args)` (returning the exit status), and returns its parser.
 
     The one-line help shown in the parent's command list is the first paragraph of `run`'s docstring, the `--help`
-    description the rest (none for a one-paragraph docstring); argparse folds their white space. `parser_options`
-    go to `add_parser` (e.g. `formatter_class`).
+    description the rest (none for a one-paragraph docstring); argparse folds their white space. Each option's
+    help ends with its default (`argparse.ArgumentDefaultsHelpFormatter`, for options that have help and a default
+    other than None or False). `parser_options` go to `add_parser` (e.g. `formatter_class`).
     """
     summary, _, details = inspect.cleandoc(run.__doc__ or "").partition("\n\n")
+    parser_options.setdefault("formatter_class", DefaultsHelpFormatter)
     parser = subparsers.add_parser(name, help=summary, description=details or None, **parser_options)
     parser.set_defaults(func=run)
     return parser

@@ -16,25 +16,42 @@ def register(subparsers) -> None:
         "--models", default=",".join(defaults.models), help="Comma-separated subset of llama-dense,mohd,latent-moe."
     )
     parser.add_argument(
-        "--quick", action="store_true", help="A tiny smoke run (a few minutes): small models, few steps."
+        "--quick",
+        action="store_true",
+        help="A smoke run: tiny models, at most 10 steps, 4 lm-eval documents per task; the pretrained stage still "
+        "loads SmolLM2-135M (512 held-out tokens per source) unless --no-pretrained.",
     )
-    parser.add_argument("--no-progress", action="store_true", help="No progress bars.")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="No progress bars from training, perplexity, loading and saving (lm-eval keeps its own).",
+    )
     parser.add_argument(
         "--no-pretrained",
         action="store_true",
         help="Skip the pretrained stage (SmolLM2-135M dense vs carved into experts vs converted to MoHD, "
-        "training-free; about 7 minutes).",
+        "training-free; about 5 of the main job's 14 minutes on 2 idle cores, README.md's table per CPU).",
     )
 
 
 def run(args) -> int:
     """Train, evaluate, reload and compare a dense Llama, a MoHD and a LatentMoE model, then SmolLM2-135M against its
-    carved and MoHD versions (about 16 minutes on 2 idle cores; `--no-pretrained` skips the SmolLM2 stage).
+    carved and MoHD versions (about 14 minutes on 2 idle cores, 5 of them the SmolLM2 stage, which
+    `--no-pretrained` skips; README.md gives the time per CPU).
 
     An unknown model or lm-eval task prints `error: --models: ...` / `error: --eval-tasks: ...` (exit status 2)
     before anything is trained.
     """
     import os
+
+    if args.no_progress:  # the libraries' own switches: weights loading and saving, datasets, Hub transfers
+        import datasets
+        import huggingface_hub
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        huggingface_hub.utils.disable_progress_bars()
+        datasets.disable_progress_bars()
 
     from hf_mohd.demo import DemoConfig, run_demo
 

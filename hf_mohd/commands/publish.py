@@ -16,7 +16,7 @@ def register(subparsers) -> None:
     parser.add_argument("--private", action="store_true", default=None, help="Create the repository private.")
     parser.add_argument("--revision", help="Branch to commit to (default: main).")
     parser.add_argument("--create-pr", action="store_true", help="Open a pull request instead of committing.")
-    parser.add_argument("--commit-message", default="Upload model with hf-mohd")
+    parser.add_argument("--commit-message", default="Upload model with hf-mohd", help="The Hub commit's message.")
     parser.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co).")
 
 

@@ -72,18 +72,9 @@ def register(subparsers) -> None:
     p.add_argument("--wide-latent-size", type=int, help="Force l of the deep regime.")
 
 
-class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's defaults formatter, silent where there is no default to show (required or unset options)."""
-
-    def _get_help_string(self, action):
-        if action.required or action.default is None:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def _command(subparsers, name: str, run) -> argparse.ArgumentParser:
-    """`add_command` with option defaults shown in `--help` and `run`'s `ValueError`s turned into `CommandError`s."""
-    return add_command(subparsers, name, _guard(run), formatter_class=_DefaultsHelpFormatter)
+    """`add_command` with `run`'s `ValueError`s turned into `CommandError`s."""
+    return add_command(subparsers, name, _guard(run))
 
 
 def _guard(func):

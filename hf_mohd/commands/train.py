@@ -75,9 +75,9 @@ def run(args) -> int:
     that is empty or does not parse, truncated or garbage `model.init_from` weights, data with no text (5); an invalid
     field (or --set value), an architecture field its config class does not have, or a run folder whose checkpoints
     were trained with another model (6); a malformed --set (2). A finished run is not trained or evaluated again.
-    A process of a multi-process run (`WORLD_SIZE` > 1) ends through `exit_process` once training is done, which skips
-    the interpreter's finalization (see there: a gloo teardown race otherwise aborts it now and then).
     """
+    # A process of a multi-process run (`WORLD_SIZE` > 1) ends through `exit_process` once training is done, which
+    # skips the interpreter's finalization (see there: a gloo teardown race otherwise aborts it now and then).
     import json
     import os
 
