@@ -647,15 +647,6 @@ class MoHDGroupedPlan(MoHDPlan):
         rows = self.token_index * g.num_sub_dims + g.num_shared + self.block_index
         routed = hidden_states.reshape(m * g.num_sub_dims, g.block).index_select(0, rows.reshape(-1))
         routed = routed.view(*rows.shape, g.block) * self.gates
-        fused = fused_block_major_weight(linears)
-        if fused is not None and single_autograd_function_dtype(linears[0], hidden_states, routed) == fused.dtype:
-            # all the linears in one product (`fuse_block_major_`; no gradient is wanted), split into their outputs
-            with autocast_off(fused.device.type):
-                out = MoHDGroupedLinearIn.apply(
-                    shared.to(fused.dtype), routed.to(fused.dtype), self.token_index, self.offsets, fused.t(), None,
-                    g.num_routed, g.block,
-                )  # fmt: skip
-            return list(out.split([linear.weight.shape[0] for linear in linears], dim=1))
         outputs = []
         cast = {}  # the operands cast once per dtype, not once per linear
         for linear in linears:
@@ -810,25 +801,21 @@ class MoHDSpansPlan(MoHDPlan):
         `weight.T`: the first span (the shared blocks) is one GEMM, each further span one accumulating GEMM (`addmm`)
         on the gated input, whose rows are 0 for the tokens that did not pick a block; in place when autograd and
         autocast are off. Under autocast the products are its ops, as `nn.Linear`'s: it casts the gated input and
-        the weight blocks read to its dtype, the outputs are in it. Row-major weights take one dense product."""
+        the weight blocks read to its dtype, the outputs are in it. Row-major weights take one dense product. One
+        token without autograd, on linears sharing one storage (`fuse_block_major_`): one product per span for all
+        of them."""
         g, m = self.geometry, hidden_states.shape[0]
         gated = (hidden_states.view(m, g.num_sub_dims, g.block) * self.gates[..., None]).view(m, -1)
         columns = [slice(start * g.block, stop * g.block) for start, stop in self.spans]
         # `out=` forms are not autocast ops: the functional forms where autocast would cast the operands
         in_place = not torch.is_grad_enabled() and autocast_dtype(gated) in (None, gated.dtype)
-        fused = fused_block_major_weight(linears)
-        if fused is not None and in_place and fused.dtype == gated.dtype:
-            # one product per span for all the linears (`fuse_block_major_`), split into their outputs (views)
+        # one token (decoding at batch 1): one product per span for all the linears (`fuse_block_major_`), split
+        # into their outputs (views); with several rows, BLAS runs one wide product slower than the narrow ones
+        fused = fused_block_major_weight(linears) if m == 1 and in_place else None
+        if fused is not None and fused.dtype == gated.dtype:
             out = torch.mm(gated[:, columns[0]], fused[columns[0]])
-            if self.rows is None:
-                for span in columns[1:]:
-                    torch.addmm(out, gated[:, span], fused[span], out=out)
-            else:
-                for span, rows in zip(columns[1:], self.rows[1:], strict=True):
-                    if isinstance(rows, slice):
-                        torch.addmm(out[rows], gated[rows, span], fused[span], out=out[rows])
-                    else:
-                        out.index_add_(0, rows, gated[:, span].index_select(0, rows) @ fused[span])
+            for span in columns[1:]:
+                torch.addmm(out, gated[:, span], fused[span], out=out)
             return list(out.split([linear.weight.shape[0] for linear in linears], dim=1))
         outputs = []
         for linear in linears:
@@ -1121,7 +1108,8 @@ def fused_block_major_weight(linears) -> torch.Tensor | None:
     ends the fusion by itself. The tensor is a view (`as_strided`) that autograd would attribute to the first weight
     alone, so it is given only where no gradient is wanted (autograd off, or weights that do not require grad) and
     outside `torch.compile` (which cannot read data pointers). One block-major product with it computes all the
-    linears' outputs (q/k/v, gate/up): one GEMM per span of blocks instead of one per linear.
+    linears' outputs (q/k/v, gate/up): one GEMM per span of blocks instead of one per linear, which the plans use for
+    one token on the host (`MoHDSpansPlan`) and for few tokens by index tensors (`MoHDIndexedPlan`).
     """
     if torch.compiler.is_compiling() or not shares_block_major_storage(linears):
         return None
