@@ -331,7 +331,13 @@ def test_fused_input_projections_share_one_storage_and_equal_masked(monkeypatch,
     for ids in (input_ids(2, 5), input_ids(1, 1)):  # per-linear products, each weight its own gradient
         assert_same_training_step(gather, masked, ids)
     assert not any(handed_out)
-    gather.save_pretrained(tmp_path)  # safetensors refuses shared storages: the hook's copies are what is saved
+    assert gather.has_fused_input_projections()
+    gather.save_pretrained(tmp_path)  # written row-major one sublayer at a time, then fused again
+    assert mohd_sparse.shares_block_major_storage(qkv) and gather.decoding_weight_layout == "block_major"
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(saved[name], before[name]) for name in before if name in saved)
     gather.to(torch.float32)
     assert not mohd_sparse.shares_block_major_storage(qkv)  # a cast copies each weight: the fusion ends by itself
 

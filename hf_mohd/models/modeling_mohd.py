@@ -58,6 +58,7 @@ from .mohd_sparse import (
     mix_blocks,
     resolve_small_batch_plan,
     set_linear_layout_,
+    shares_block_major_storage,
     unfused_state_dict_hook,
 )
 
@@ -387,6 +388,30 @@ class MoHDPreTrainedModel(PreTrainedModel):
                     if all(linear is not None for linear in linears):
                         fuse_block_major_(linears)
         return self
+
+    def has_fused_input_projections(self) -> bool:
+        """Whether some sublayer's input projections share one block-major storage (`to_weight_layout`)."""
+        for module in self.modules():
+            sub_dims = getattr(module, "sub_dims", None)
+            for names in sub_dims.strategy.fused_projections if isinstance(sub_dims, MoHDSubDimensions) else ():
+                linears = [getattr(module, name, None) for name in names]
+                if all(linear is not None for linear in linears) and shares_block_major_storage(linears):
+                    return True
+        return False
+
+    def save_pretrained(self, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`; weights whose input projections share a block-major storage (after
+        `generate`) are stored row-major while it writes and in their layout again afterwards, one sublayer at a
+        time, so that saving never holds a second copy of them all (which `state_dict`'s row-major copies of shared
+        storages would be)."""
+        if not self.has_fused_input_projections():
+            return super().save_pretrained(*args, **kwargs)
+        layout = self.decoding_weight_layout
+        self.to_weight_layout("row_major")
+        try:
+            return super().save_pretrained(*args, **kwargs)
+        finally:
+            self.to_weight_layout(layout)
 
     def set_sparse_implementation(self, implementation: str) -> None:  # trf-ignore: TRF033 (execution choice)
         """Switches every MoHD sublayer to a strategy of `MoHDSparseInterface` ("gather", "masked", or one registered
