@@ -28,6 +28,10 @@ forward FLOPs per token at context 512.
     python -m bench.bench_carved --reps 3      # results/carved_speed.json (about 10 minutes on one thread)
     python -m bench.bench_carved --reps 3 --experts 128 --output ...   # the finer carving (K = 80 and 32 of 128)
 
+`--profile` adds, per model, a `torch.profiler` record of one batch-1 decoding step (after the 32-token prompt and
+three steps from its cache): the number of top-level aten ops and the self CPU time of the most expensive ops, which
+say whether a step's time goes to reading weights (`mm`, `embedding_bag`) or to dispatching small ops.
+
 Kernels (`--kernels`): transformers' `grouped_mm` (the LatentMoE default), this package's `gather` (the picked
 experts' weights read directly while decoding, `dense_masked` or grouped for many tokens), `dense_masked`, `eager`,
 `batched_mm`.
@@ -56,12 +60,40 @@ KERNELS = ("grouped_mm", "gather", "dense_masked", "eager", "batched_mm")
 DEFAULT_KERNELS = ("grouped_mm", "gather")
 
 
+def decode_step_profile(model, prompt: torch.Tensor, top: int = 8) -> dict:
+    """Profile of one greedy decoding step of `model` after `prompt` (1, P) and three warm-up steps: {"aten_ops":
+    top-level aten ops, "self_cpu_ms": their total self CPU time, "most_expensive": {op: self CPU ms} of the `top`
+    ops by self time}."""
+    with torch.inference_mode():
+        out = model(input_ids=prompt, use_cache=True)
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            out = model(input_ids=token, cache=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            model(input_ids=token, cache=cache, use_cache=True)
+    events = profile.key_averages()
+    top_level = [
+        event
+        for event in profile.events()
+        if event.name.startswith("aten::")
+        and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))
+    ]
+    ranked = sorted(events, key=lambda event: -event.self_cpu_time_total)[:top]
+    return {
+        "aten_ops": len(top_level),
+        "self_cpu_ms": sum(event.self_cpu_time_total for event in events) / 1e3,
+        "most_expensive": {event.key: round(event.self_cpu_time_total / 1e3, 3) for event in ranked},
+    }
+
+
 def main():
     parser = common.base_arguments(__doc__.splitlines()[0])
     parser.add_argument("--calibration-tokens", type=int, default=4096)
     parser.add_argument("--experts", type=int, default=64, help="N routed experts (default 64).")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--kernels", nargs="+", default=list(DEFAULT_KERNELS), choices=KERNELS)
+    parser.add_argument("--profile", action="store_true", help="also profile one batch-1 decoding step per model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -109,6 +141,15 @@ def main():
             {name: functools.partial(time_generate, model, prompt, args.new_tokens) for name, model in models.items()},
             args.reps,
         )
+    if args.profile:
+        results["decode_step_profile"] = {
+            name: decode_step_profile(model, prompts[1]) for name, model in models.items()
+        }
+        for name, profile in results["decode_step_profile"].items():
+            print(
+                f"{name:24s} one decoding step: {profile['aten_ops']} aten ops, {profile['self_cpu_ms']:.1f} ms "
+                f"self CPU; {profile['most_expensive']}"
+            )
     summary = []
     for name in models:
         cost = accounting[name]
