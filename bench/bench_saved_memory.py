@@ -18,10 +18,14 @@ forward with labels in training mode, in fp32 eager and under CPU bf16 autocast 
 and `torch.autograd.graph.saved_tensors_hooks` adds up the distinct storages autograd keeps for backward (a tensor
 saved by two ops counts once). `mohd_gather_composed` is the gather model with its single-Function products
 (`MoHDGroupedLinearIn`, `MoHDGroupedLinearOut`) switched off, the composition autograd records otherwise: the
-saving those Functions make. Memory is counted, not timed, so the numbers do not depend on the machine's load.
+saving those Functions make. With `--compile`, `llama_compiled` and `mohd_gather_compiled` are the same models under
+`torch.compile` (fp32; counted after one compiling step): there the Functions are not used, and the graph that
+AOTAutograd's partitioner saves for backward is counted (the hooks see what its compiled autograd Function keeps).
+Memory is counted, not timed, so the numbers do not depend on the machine's load.
 
     python -m bench.bench_saved_memory            # fixed shape, writes bench/results/saved_memory.json
     python -m bench.bench_saved_memory --quick    # 2 layers, batch 2 x seq 128
+    python -m bench.bench_saved_memory --compile  # also the compiled models (a few minutes of compiling)
 """
 
 import argparse
@@ -69,6 +73,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller shape (2 layers, batch 2 x seq 128)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--output", type=Path, default=None, help="result JSON path")
+    parser.add_argument("--compile", action="store_true", help="also count the fp32 models under torch.compile")
     args = parser.parse_args()
     shape = common.setup(args)
     models, _ = build_models(shape)
@@ -81,6 +86,12 @@ def main() -> None:
             measured[name] = saved_storage_bytes(model, ids, autocast)
         with composed_products():
             measured["mohd_gather_composed"] = saved_storage_bytes(models["mohd_gather"], ids, autocast)
+        if args.compile and not autocast:
+            for name in ("llama", "mohd_gather"):
+                compiled = torch.compile(models[name])
+                compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # compiles forward and backward
+                models[name].zero_grad(set_to_none=True)
+                measured[f"{name}_compiled"] = saved_storage_bytes(compiled, ids, autocast)
         rows[precision] = {
             name: {"saved_mib": round(value / 2**20, 1), "x_llama": round(value / measured["llama"], 3)}
             for name, value in measured.items()
