@@ -73,12 +73,7 @@ def decode_step_profile(model, prompt: torch.Tensor, top: int = 8) -> dict:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             model(input_ids=token, cache=cache, use_cache=True)
     events = profile.key_averages()
-    top_level = [
-        event
-        for event in profile.events()
-        if event.name.startswith("aten::")
-        and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))
-    ]
+    top_level = common.top_level_aten_events(profile)
     ranked = sorted(events, key=lambda event: -event.self_cpu_time_total)[:top]
     return {
         "aten_ops": len(top_level),

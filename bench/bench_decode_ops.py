@@ -44,12 +44,7 @@ def top_level_ops(model, prompt: torch.Tensor, new_tokens: int) -> collections.C
     """Counter of the top-level aten ops of one greedy `generate` of `new_tokens` tokens after `prompt`."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return collections.Counter(
-        event.name
-        for event in profile.events()
-        if event.name.startswith("aten::")
-        and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))
-    )
+    return collections.Counter(event.name for event in common.top_level_aten_events(profile))
 
 
 def main() -> None:

@@ -293,6 +293,17 @@ def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> dict:
     }
 
 
+def top_level_aten_events(profile) -> list:
+    """The events of a `torch.profiler.profile` that are aten ops not called from inside another aten op: the ops a
+    forward dispatches itself, each costing dispatch time whatever it computes."""
+    return [
+        event
+        for event in profile.events()
+        if event.name.startswith("aten::")
+        and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))
+    ]
+
+
 def command_line() -> str:
     """The command that runs this process: `python -m bench.<module> ...` for a module run with -m."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)

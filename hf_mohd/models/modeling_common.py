@@ -65,8 +65,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
-        # fp32, or float64 kept (equivalence tests), chosen on the host: no promote_types op per norm
-        hidden_states = hidden_states.to(torch.float64 if input_dtype == torch.float64 else torch.float32)
+        hidden_states = hidden_states.to(at_least_fp32(input_dtype))
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * hidden_states.to(input_dtype)
@@ -427,6 +426,12 @@ def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """`torch.promote_types(dtype, torch.float32)` for a floating dtype, decided on the host (no dispatched op):
+    float64 stays (equivalence tests), every narrower float becomes float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def cast_to(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`tensor.to(dtype)`, without dispatching an op when it already has that dtype (the same tensor either way)."""
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
@@ -538,9 +543,9 @@ class TopKRouter(nn.Module):
         return torch.where(padding, torch.arange(self.top_k, device=chosen.device), chosen)
 
     def forward(self, hidden_states: torch.Tensor, cache=None, routing_replay=None, token_mask=None, **kwargs):
-        # fp32, or the input dtype when wider (float64); host-side dtype rules and no-op casts skipped: the router
-        # runs once per sublayer and token in decoding, where each dispatched op costs time
-        compute_dtype = hidden_states.dtype if hidden_states.dtype == torch.float64 else torch.float32
+        # host-side dtype rule and no no-op casts: the router runs once per sublayer and token in decoding, where
+        # each dispatched op costs time
+        compute_dtype = at_least_fp32(hidden_states.dtype)
         with autocast_off(hidden_states.device.type):
             logits = F.linear(cast_to(hidden_states, compute_dtype), cast_to(self.weight, compute_dtype))
         scores = self.score(logits)

@@ -55,6 +55,7 @@ from .mohd_sparse import (
     MoHDSparseBlockMix,
     MoHDTensorParallelProjections,
     fuse_block_major_,
+    fused_projection_groups,
     mix_blocks,
     resolve_small_batch_plan,
     set_linear_layout_,
@@ -383,21 +384,19 @@ class MoHDPreTrainedModel(PreTrainedModel):
             if isinstance(sub_dims, MoHDSubDimensions):
                 for name in sub_dims.strategy.block_major_projections:
                     set_linear_layout_(getattr(module, name, None), layout)
-                for names in sub_dims.strategy.fused_projections if layout == "block_major" else ():
-                    linears = [getattr(module, name, None) for name in names]
-                    if all(linear is not None for linear in linears):
+                for linears in fused_projection_groups(module, sub_dims.strategy.fused_projections):
+                    if layout == "block_major":
                         fuse_block_major_(linears)
         return self
 
     def has_fused_input_projections(self) -> bool:
         """Whether some sublayer's input projections share one block-major storage (`to_weight_layout`)."""
-        for module in self.modules():
-            sub_dims = getattr(module, "sub_dims", None)
-            for names in sub_dims.strategy.fused_projections if isinstance(sub_dims, MoHDSubDimensions) else ():
-                linears = [getattr(module, name, None) for name in names]
-                if all(linear is not None for linear in linears) and shares_block_major_storage(linears):
-                    return True
-        return False
+        return any(
+            shares_block_major_storage(linears)
+            for module in self.modules()
+            if isinstance(getattr(module, "sub_dims", None), MoHDSubDimensions)
+            for linears in fused_projection_groups(module)
+        )
 
     def save_pretrained(self, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`; weights whose input projections share a block-major storage (after

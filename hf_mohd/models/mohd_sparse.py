@@ -734,7 +734,7 @@ class MoHDIndexedPlan(MoHDPlan):
             # all the linears at once (`fuse_block_major_`): one bag over the rows of the fused (D, sum out) weight
             routed = F.embedding_bag(columns, fused, self.token_starts, mode="sum", per_sample_weights=flat_values)
             out = torch.addmm(routed, shared, fused[: g.shared_width])
-            return list(out.split([linear.weight.shape[0] for linear in linears], dim=1))
+            return split_outputs(out, linears)
         dense = None
         outputs = []
         for linear in linears:
@@ -816,7 +816,7 @@ class MoHDSpansPlan(MoHDPlan):
             out = torch.mm(gated[:, columns[0]], fused[columns[0]])
             for span in columns[1:]:
                 torch.addmm(out, gated[:, span], fused[span], out=out)
-            return list(out.split([linear.weight.shape[0] for linear in linears], dim=1))
+            return split_outputs(out, linears)
         outputs = []
         for linear in linears:
             weight = linear.weight
@@ -1084,6 +1084,19 @@ def set_linear_layout_(linear: nn.Module, layout: str) -> None:
         weight.data = weight.data.contiguous()
 
 
+def split_outputs(out: torch.Tensor, linears) -> list[torch.Tensor]:
+    """(M, sum of out) product of fused linears -> one (M, out) view per linear, in order."""
+    return list(out.split([linear.weight.shape[0] for linear in linears], dim=1))
+
+
+def fused_projection_groups(module: nn.Module, groups=None) -> list[list[nn.Module]]:
+    """The linears of `module` (a MoHD sublayer) for each group of names in `groups` (default: the gather strategy's
+    `fused_projections`) that it has entirely: [q, k, v] for attention, [gate, up] for the MLP."""
+    names_groups = MoHDGatherStrategy.fused_projections if groups is None else groups
+    groups = [[getattr(module, name, None) for name in names] for names in names_groups]
+    return [linears for linears in groups if all(linear is not None for linear in linears)]
+
+
 def fusable_linears(linears) -> bool:
     """Whether `linears` (two or more) can share one block-major storage (`fuse_block_major_`): plain `nn.Linear`
     without bias whose weights are plain (not distributed, not meta) tensors of one dtype, device and input width."""
@@ -1142,31 +1155,29 @@ def unfused_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, lo
     projections that share one storage (`fuse_block_major_`) become row-major copies, as a checkpoint stores them
     in any layout (safetensors and `save_pretrained` refuse tensors that share a storage). `state_dict(keep_vars=True)`
     entries (the parameters themselves) are left as they are."""
-    for names in MoHDGatherStrategy.fused_projections:
-        linears = [getattr(module, name, None) for name in names]
-        if any(linear is None for linear in linears) or not shares_block_major_storage(linears):
+    names = {linear: name for name, linear in module.named_children()}
+    for linears in fused_projection_groups(module):
+        if not shares_block_major_storage(linears):
             continue
-        for name in names:
-            key = f"{prefix}{name}.weight"
+        for linear in linears:
+            key = f"{prefix}{names[linear]}.weight"
             tensor = state_dict.get(key)
             if tensor is not None and not isinstance(tensor, nn.Parameter):
                 state_dict[key] = tensor.contiguous()
 
 
 @torch.no_grad()
-def fuse_block_major_(linears) -> bool:
+def fuse_block_major_(linears) -> None:
     """Stores the weights of `linears` (a sublayer's input projections: q/k/v, gate/up) block-major in one shared
     (in, sum of out) tensor, each weight the transpose of its column range, in place: the parameters keep their
-    objects, names, shapes and values; their data become views with strides (1, sum of out). Returns whether they
-    are stored so (already, or now); linears that `fusable_linears` rejects are left alone.
+    objects, names, shapes and values; their data become views with strides (1, sum of out). Linears already stored
+    so, and those that `fusable_linears` rejects, are left alone.
 
-    `state_dict` gives the fused weights as row-major copies (the `MoHDSubDimensions` state-dict hook), since
-    safetensors and `save_pretrained` refuse tensors that share a storage: checkpoints are the same in every layout.
+    `state_dict` gives the fused weights as row-major copies (`unfused_state_dict_hook`), since safetensors and
+    `save_pretrained` refuse tensors that share a storage: checkpoints are the same in every layout.
     """
-    if not fusable_linears(linears):
-        return False
-    if shares_block_major_storage(linears):
-        return True
+    if not fusable_linears(linears) or shares_block_major_storage(linears):
+        return
     first = linears[0].weight
     widths = [linear.weight.shape[0] for linear in linears]
     fused = torch.empty(first.shape[1], sum(widths), dtype=first.dtype, device=first.device)
@@ -1176,7 +1187,6 @@ def fuse_block_major_(linears) -> bool:
         columns.copy_(linear.weight.data.t())
         linear.weight.data = columns.t()
         start += width
-    return True
 
 
 @torch.no_grad()
