@@ -70,6 +70,9 @@ class DemoConfig:
         pretrained: run the pretrained stage (SmolLM2-135M dense vs carved vs MoHD, training-free).
         pretrained_eval_limit, pretrained_held_out_tokens: lm-eval documents per task and held-out tokens per
             source of that stage.
+        threads: torch intra-op threads for the whole job (`torch.set_num_threads`); 0 keeps torch's default, one
+            per core. On a machine other jobs share, fewer threads than cores avoid the threads waiting on each
+            other (each synchronisation point waits for the slowest thread).
     """
 
     output_dir: str = "runs/demo"
@@ -93,14 +96,21 @@ class DemoConfig:
     pretrained: bool = True
     pretrained_eval_limit: int = 50
     pretrained_held_out_tokens: int = 2048
+    threads: int = 0
 
     def __post_init__(self):
-        """Checks `models` and `eval_tasks` before anything trains.
+        """Checks `models`, `eval_tasks` and `threads` before anything trains.
 
         Raises:
-            ValueError: an unknown model name (``--models``) or lm-eval task (``--eval-tasks``).
+            ValueError: an unknown model name (``--models``) or lm-eval task (``--eval-tasks``), or a negative
+                thread count (``--threads``).
         """
         from .evaluation.harness import resolve_tasks
+
+        if not isinstance(self.threads, int) or self.threads < 0:
+            raise ValueError(
+                f"--threads: expected a whole number >= 1 (or 0 for torch's default), got {self.threads!r}."
+            )
 
         unknown = sorted(set(self.models) - set(DEMO_MODELS))
         if unknown:
@@ -407,6 +417,8 @@ def run_demo(demo: DemoConfig) -> str:
     """Run the main job; returns the path of `report.md`."""
     from .evaluation import evaluate, summarize
 
+    if demo.threads:
+        torch.set_num_threads(demo.threads)
     started, cpu_total = time.perf_counter(), time.process_time()
     load_start = os.getloadavg()
     report_dir = os.path.join(demo.output_dir, "report")

@@ -296,6 +296,7 @@ CASES += [
     ("publish-hub-unreachable", ["publish", "{mohd}", "me/x", "--endpoint", "{hub}"], HUB, "{hub}"),
     # demo
     ("demo-unknown-model", ["demo", "--output-dir", "{out}", "--models", "gpt"], USAGE, "--models"),
+    ("demo-negative-threads", ["demo", "--output-dir", "{out}", "--threads", "-2"], USAGE, "--threads"),
     # argparse's own usage errors, in the same one-line form
     ("usage-missing-argument", ["eval"], USAGE, "model"),
     ("usage-bad-choice", ["convert", "mohd", "{llama}", "{out}", "--dtype", "float8"], USAGE, "--dtype"),

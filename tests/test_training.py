@@ -272,7 +272,11 @@ def test_cli_overrides_and_help():
 
 @pytest.mark.parametrize(
     ("option", "value", "message"),
-    [("--models", "llama-dense,gpt", "error: --models: unknown ['gpt']"), ("--eval-tasks", "piqa,nope", "'nope'")],
+    [
+        ("--models", "llama-dense,gpt", "error: --models: unknown ['gpt']"),
+        ("--eval-tasks", "piqa,nope", "'nope'"),
+        ("--threads", "-1", "expected a whole number >= 1"),
+    ],
 )
 def test_demo_rejects_unknown_models_and_tasks_before_training(tmp_path, capsys, option, value, message):
     """A misspelt model or lm-eval task fails at once with one line naming the option, before any data or training
@@ -283,6 +287,35 @@ def test_demo_rejects_unknown_models_and_tasks_before_training(tmp_path, capsys,
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {option}: ") and message in err and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_demo_threads_apply_to_the_whole_job(tmp_path, monkeypatch):
+    """`--threads N` sets torch's intra-op threads before the first step of the job (the corpus), and 0 leaves
+    torch's setting alone."""
+    import torch
+
+    import hf_mohd.demo as demo_module
+    from hf_mohd.cli import main
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def first_step(folder):
+        seen.append(torch.get_num_threads())
+        raise Stop
+
+    monkeypatch.setattr(demo_module, "wikipedia_corpus", first_step)
+    before = torch.get_num_threads()
+    try:
+        for threads in ("1", "0"):
+            torch.set_num_threads(2)
+            with pytest.raises(Stop):
+                main(["demo", "--output-dir", str(tmp_path / "out"), "--threads", threads])
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2]
 
 
 def _write_yaml(path, values) -> str:

@@ -27,6 +27,13 @@ def register(subparsers) -> None:
         help="No progress bars from training, perplexity, loading and saving (lm-eval keeps its own).",
     )
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=defaults.threads,
+        help="torch threads for the whole job; 0 keeps torch's default (one per core). On a machine other jobs "
+        "share, use fewer than the idle cores: busy cores make the threads wait on each other.",
+    )
+    parser.add_argument(
         "--no-pretrained",
         action="store_true",
         help="Skip the pretrained stage (SmolLM2-135M dense vs carved into experts vs converted to MoHD, "
@@ -39,7 +46,8 @@ def run(args) -> int:
     carved and MoHD versions (about 14 minutes on 2 idle cores, 5 of them the SmolLM2 stage, which
     `--no-pretrained` skips; README.md gives the time per CPU).
 
-    An unknown model or lm-eval task prints `error: --models: ...` / `error: --eval-tasks: ...` (exit status 2)
+    An unknown model or lm-eval task, or a negative thread count, prints `error: --models: ...` /
+    `error: --eval-tasks: ...` / `error: --threads: ...` (exit status 2)
     before anything is trained.
     """
     import os
@@ -67,8 +75,9 @@ def run(args) -> int:
             models=[m.strip() for m in args.models.split(",") if m.strip()],
             progress_bar=not args.no_progress,
             pretrained=not args.no_pretrained,
+            threads=args.threads,
         )
-    except ValueError as error:  # names the option: --models or --eval-tasks
+    except ValueError as error:  # names the option: --models, --eval-tasks or --threads
         raise CommandError("usage", str(error).split(":", 1)[0], str(error)) from error
     if args.quick:
         demo = demo.quick()
