@@ -69,6 +69,19 @@ def as_command_error(error: BaseException) -> CommandError | None:
     return None
 
 
+def quiet_deepspeed_on_cpu() -> None:
+    """Sets `DS_ACCELERATOR=cpu` when torch sees no accelerator and the variable is unset: DeepSpeed (imported by
+    Accelerate and transformers wherever it is installed) then takes the CPU it would pick anyway, without warning
+    "Setting accelerator to CPU ..." on each command. A set `DS_ACCELERATOR`, or an accelerator torch sees, leaves
+    DeepSpeed's own detection alone."""
+    if "DS_ACCELERATOR" in os.environ:
+        return
+    import torch
+
+    if not torch.accelerator.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs `hf-mohd` with `argv` (default: the process's arguments) and returns its exit status.
 
@@ -82,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     debug = args.debug or os.environ.get("HF_MOHD_DEBUG", "") not in ("", "0")
+    quiet_deepspeed_on_cpu()
     try:
         return int(args.func(args) or 0)
     except Exception as raised:

@@ -341,9 +341,11 @@ def write_report(
         "MoHD embedding is twice as wide).",
         "",
         "Tokens/s: over the whole run's wall clock, then the median over its logging intervals, which a stall caused "
-        "by another job on the machine does not move; compare the models by the second.",
+        "by another job on the machine does not move; compare the models by the second. Training loop: the optimizer "
+        "steps with their periodic evaluations; the train time under Time and machine is the whole `train` call "
+        "(set-up, loop, final evaluation and save).",
         "",
-        "| model | total params | activated decoder params | train loss (last) | held-out ppl | train time (s) | "
+        "| model | total params | activated decoder params | train loss (last) | held-out ppl | training loop (s) | "
         "tokens/s (run / median interval) | reload max abs logit diff |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -470,7 +472,7 @@ def run_demo(demo: DemoConfig) -> str:
             "lm_eval_seconds": eval_seconds,
             "log": full_log,
         }
-        timing[f"{name}: train / lm-eval, wall s (CPU s, all threads)"] = (
+        timing[f"{name}: train (whole call) / lm-eval, wall s (CPU s, all threads)"] = (
             f"{train_wall:.0f} ({train_cpu:.0f}) / {eval_seconds:.0f} ({eval_cpu:.0f})"
         )
         print(

@@ -209,6 +209,33 @@ def test_refuses_missing_paths_and_non_llama_gguf(tmp_path):
         load_dense_llama(tmp_path, gguf_file="gpt2.gguf")
 
 
+def test_gguf_dequantisation_bar_obeys_the_transformers_progress_switch(capsys):
+    """transformers' GGUF loader draws its bar with plain `tqdm`; while transformers' progress bars are off it draws
+    nothing, and the loader's own `tqdm` is back after the block."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as transformers_logging
+
+    from hf_mohd.conversion.source import gguf_progress_bar_follows_transformers
+
+    original = gguf_utils.tqdm
+
+    def draw() -> str:
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors...", mininterval=0):
+            pass
+        return capsys.readouterr().err
+
+    transformers_logging.disable_progress_bar()
+    try:
+        with gguf_progress_bar_follows_transformers():
+            assert draw() == ""
+        assert gguf_utils.tqdm is original
+    finally:
+        transformers_logging.enable_progress_bar()
+    with gguf_progress_bar_follows_transformers():
+        assert "de-quantizing" in draw()  # switch on: the bar as before
+    assert gguf_utils.tqdm is original
+
+
 # ------------------------------------------------------------------------------------------------------ to MoHD
 
 

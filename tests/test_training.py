@@ -1,5 +1,6 @@
 """Trainer tests: exact resumption, config errors, packing, and two processes ending with identical weights."""
 
+import importlib.util
 import json
 import os
 import random
@@ -114,6 +115,43 @@ def test_resume_after_interruption_reproduces_the_uninterrupted_run(tmp_path, mo
     assert (again.steps, again.eval_loss, again.eval_perplexity) == (6, last.eval_loss, last.eval_perplexity)
     assert "already complete (6 of 6 steps)" in capsys.readouterr().out
     assert [json.loads(line) for line in open(tmp_path / "resumed" / "log.jsonl")] == logged
+
+
+def test_checkpoint_drops_only_the_tied_weights_warning(tmp_path, caplog):
+    """Accelerate warns "Removed shared tensor" for every tied LM head it leaves out of a checkpoint; the trainer
+    drops that warning when the removed names are a declared tie (reloading re-ties them, and the weights round-trip
+    equal) and keeps it for any other shared tensor."""
+    import logging
+
+    from accelerate import Accelerator
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_mohd.training.trainer import TiedWeightsSaveFilter, load_checkpoint, save_checkpoint
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    config.tie_word_embeddings = True
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(LlamaForCausalLM(config))
+    with caplog.at_level(logging.WARNING):
+        path = save_checkpoint(accelerator, str(tmp_path), step=1, keep=1)
+    assert "Removed shared tensor" not in caplog.text
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.model.embed_tokens.weight.zero_()
+    load_checkpoint(accelerator, path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    torch.testing.assert_close(model.lm_head.weight, saved["lm_head.weight"], rtol=0, atol=0)
+
+    quiet = TiedWeightsSaveFilter({"lm_head.weight", "model.embed_tokens.weight"})
+
+    def kept(message: str) -> bool:
+        return quiet.filter(logging.LogRecord("accelerate.utils.other", logging.WARNING, "", 0, message, None, None))
+
+    assert not kept("Removed shared tensor {'lm_head.weight'} while saving. This should be OK")
+    assert kept("Removed shared tensor {'lm_head.weight', 'model.layers.0.mlp.up_proj.weight'} while saving.")
+    assert kept("Some other warning")
 
 
 def test_exit_process_flushes_output_and_logging_and_exits_with_the_status():
@@ -268,6 +306,64 @@ def test_cli_overrides_and_help():
     assert (args.tasks, args.limit) == ("piqa", 10)
     args = build_parser().parse_args(["demo", "--quick"])
     assert args.quick and args.max_steps > 0
+
+
+def test_commands_tell_deepspeed_the_cpu_without_overriding_a_choice(monkeypatch, tmp_path):
+    """Without an accelerator, a command sets DS_ACCELERATOR=cpu (DeepSpeed's own pick, minus its warning); a value
+    the user set is kept. In a fresh process that imports DeepSpeed the warning is then gone."""
+    from hf_mohd.cli import main
+
+    missing = str(tmp_path / "none")
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    assert main(["accounting", missing]) == 3  # a missing folder: the error comes after the set-up
+    assert os.environ.get("DS_ACCELERATOR") == ("cpu" if not torch.accelerator.is_available() else None)
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
+    assert main(["accounting", missing]) == 3
+    assert os.environ["DS_ACCELERATOR"] == "xpu"
+    if importlib.util.find_spec("deepspeed") is None or torch.accelerator.is_available():
+        return
+    code = "from hf_mohd.cli import quiet_deepspeed_on_cpu; quiet_deepspeed_on_cpu(); import deepspeed"
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    quiet = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    loud = subprocess.run(
+        [sys.executable, "-c", "import deepspeed"], env=env, capture_output=True, text=True, check=True
+    )
+    assert "Setting accelerator to CPU" in loud.stdout + loud.stderr  # the warning this removes
+    assert "Setting accelerator to CPU" not in quiet.stdout + quiet.stderr
+
+
+def test_every_option_help_states_its_default_once():
+    """Each subcommand option's help ends with its default in one form, "(default: X)" inside the closing full stop,
+    whether argparse's formatter adds it or the help writes a default that depends on other options; an option whose
+    default comes from elsewhere says where."""
+    import argparse
+    import re
+
+    from hf_mohd.cli import build_parser
+
+    def parsers(parser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    yield from parsers(child)
+
+    helps = {}
+    for parser in parsers(build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.option_strings and action.help and action.help is not argparse.SUPPRESS:
+                text = formatter._get_help_string(action) % {**vars(action), "prog": parser.prog}
+                helps[(parser.prog, action.option_strings[-1])] = " ".join(text.split())
+    assert len(helps) > 100
+    for key, text in helps.items():
+        assert len(re.findall(r"\bdefault\b", text, flags=re.IGNORECASE)) <= 1, (key, text)
+        assert not re.search(r"\(default [^:]", text), (key, text)  # one wording: "(default: X)"
+    mohd = {option: text for (prog, option), text in helps.items() if prog.endswith("convert mohd")}
+    assert mohd["--preset"].endswith("(default: full).")
+    assert mohd["--calibration-tokens"] == "Calibration tokens used at most (default: 16384)."
+    assert "(default: none with --preset full, else inverse_active)" in mohd["--activation-scaling"]
+    assert "experiments/" not in mohd["--perplexity-json"]
 
 
 @pytest.mark.parametrize(

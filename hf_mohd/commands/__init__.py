@@ -64,8 +64,10 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         default = action.default
         if "%(default)" in help_text or default in (None, False, [], "") or default is argparse.SUPPRESS:
             return help_text
-        if action.option_strings and action.nargs != 0:
-            help_text += " (default: %(default)s)"
+        if action.option_strings and action.nargs != 0:  # inside the closing full stop: "Text (default: X)."
+            stripped = help_text.rstrip()
+            period = "." if stripped.endswith(".") else ""
+            help_text = stripped.removesuffix(".") + " (default: %(default)s)" + period
         return help_text
 
 
@@ -102,6 +104,7 @@ def add_deprecated_alias(subparsers, name: str, run, replacement: str, old: str 
         return status
 
     description = f"{notice} {summary}" + (f"\n\n{details}" if details else "")
+    parser_options.setdefault("formatter_class", DefaultsHelpFormatter)
     parser = subparsers.add_parser(name, help=notice, description=description, **parser_options)
     parser.set_defaults(func=aliased)
     return parser

@@ -22,7 +22,7 @@ def _arguments(parser, output_format: str) -> None:
     )
     parser.add_argument("--preset", help="Apply a MoHD preset (e.g. compression_50) to a LLaMA config first.")
     parser.add_argument(
-        "--context-length", type=int, default=2048, help="Keys per query for the attention-score FLOPs (default 2048)."
+        "--context-length", type=int, default=2048, help="Keys per query for the attention-score FLOPs."
     )
     output = parser.add_mutually_exclusive_group()
     output.add_argument(

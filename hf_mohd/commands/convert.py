@@ -30,7 +30,7 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", choices=DTYPES, help="dtype of the converted weights (default: the source's; GGUF -> float32)."
     )
-    parser.add_argument("--seed", type=int, default=0, help="Seed of the freshly initialised weights (default 0).")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the freshly initialised weights.")
     parser.add_argument("--base-model", help="Hub id of the source model, for the model card's `base_model`.")
     parser.add_argument(
         "--verify",
@@ -39,14 +39,15 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "LatentMoE with every expert active) against the source LLaMA's logits on random tokens; fail if they differ by more than --atol. With `mohd --rotate` the "
         "check runs in float64 (the same rotation applied to a float64 copy of the source).",
     )
-    parser.add_argument("--atol", type=float, default=1e-4, help="Tolerance of --verify (default 1e-4).")
+    parser.add_argument("--atol", type=float, default=1e-4, help="Tolerance of --verify (max abs logit difference).")
     parser.add_argument(
         "--perplexity-json",
         nargs="+",
-        help="Results of experiments/smollm2/evaluate_perplexity.py to quote in the model card (perplexity table and command).",
+        help="Perplexity results to quote in the model card's table: JSON files with a `command` and per-model "
+        "`perplexity` by source (the format of the repository's SmolLM2 perplexity evaluation, docs/conversion.md).",
     )
     parser.add_argument("--overwrite", action="store_true", help="Replace OUTPUT if it exists.")
-    parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors shard (default 5GB).")
+    parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors shard.")
     parser.add_argument("-q", "--quiet", action="store_true", help="Only warnings and errors.")
 
 
@@ -57,30 +58,49 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--preset",
         choices=MOHD_PRESETS + ("none",),
         default="full",
-        help="full: every sub-dimension shared, exact (default); compression_50 / compression_75: 8 or 12 of 16 "
-        "sub-dimensions active (docs/design.md section 3); none: give the three counts below.",
+        help="full: every sub-dimension shared, exact, with activation scaling and group fusion off; "
+        "compression_50 / compression_75: 8 or 12 of 16 sub-dimensions active (docs/design.md section 3), the "
+        "options below at MoHDConfig's defaults unless given; none: give the three counts below.",
     )
-    parser.add_argument("--num-sub-dims", type=int, help="N, sub-dimensions (must divide hidden_size).")
-    parser.add_argument("--num-shared-sub-dims", type=int, help="N_s, always-active sub-dimensions.")
-    parser.add_argument("--num-routed-sub-dims-per-tok", type=int, help="k, routed sub-dimensions per token.")
     parser.add_argument(
-        "--activation-scaling", choices=("inverse_active", "none"), help="Scale active outputs by N / active, or not."
+        "--num-sub-dims", type=int, help="N, sub-dimensions (must divide hidden_size; default: the preset's)."
+    )
+    parser.add_argument(
+        "--num-shared-sub-dims", type=int, help="N_s, always-active sub-dimensions (default: the preset's)."
+    )
+    parser.add_argument(
+        "--num-routed-sub-dims-per-tok", type=int, help="k, routed sub-dimensions per token (default: the preset's)."
+    )
+    parser.add_argument(
+        "--activation-scaling",
+        choices=("inverse_active", "none"),
+        help="Scale active outputs by N / active, or not (default: none with --preset full, else inverse_active).",
     )
     parser.add_argument(
         "--routed-gate",
         choices=("softmax", "normalized", "unit"),
-        help="Input gate of a routed block (unit: 1, straight-through; every block active is then the source).",
+        help="Input gate of a routed block (unit: 1, straight-through; every block active is then the source) "
+        "(default: softmax).",
     )
-    parser.add_argument("--group-fusion", choices=("mix", "none"), help="Identity-initialised N x N block mixer.")
     parser.add_argument(
-        "--sparse-modules", nargs="+", choices=("attention", "ffn"), help="Sublayers to sparsify (default both)."
+        "--group-fusion",
+        choices=("mix", "none"),
+        help="Identity-initialised N x N block mixer, or none (default: none with --preset full, else mix).",
     )
-    parser.add_argument("--sparse-implementation", choices=("gather", "masked"), help="Execution path.")
+    parser.add_argument(
+        "--sparse-modules", nargs="+", choices=("attention", "ffn"), help="Sublayers to sparsify (default: both)."
+    )
+    parser.add_argument(
+        "--sparse-implementation",
+        choices=("gather", "masked"),
+        help="Execution path: gather reads only the active blocks' weights, masked multiplies at full width and "
+        "zeroes the rest (default: gather).",
+    )
     parser.add_argument(
         "--channel-order",
         choices=("original", "importance"),
         default="original",
-        help="original: blocks are the source's consecutive hidden channels (default); importance: channels sorted by "
+        help="original: blocks are the source's consecutive hidden channels; importance: channels sorted by "
         "weight mass first, so the shared blocks hold the heaviest ones (same function at full activation).",
     )
     parser.add_argument(
@@ -89,13 +109,13 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         default="none",
         help="pca: fold the RMSNorm weights and rotate the residual stream into the PCA basis of the calibration "
         "hidden states (one global orthogonal Q, SliceGPT arXiv 2401.15024 section 3; exact at full activation; the "
-        "LM head is untied from the embedding). Needs --calibration-text. Default none.",
+        "LM head is untied from the embedding). Needs --calibration-text.",
     )
     parser.add_argument(
         "--routers",
         choices=("random", "fitted"),
         default="random",
-        help="random: N(0, initializer_range^2) with --seed (default); fitted: ridge regression of each routed "
+        help="random: N(0, initializer_range^2) with --seed; fitted: ridge regression of each routed "
         "block's log input energy on the calibration text (needs --calibration-text).",
     )
     parser.add_argument(
@@ -103,15 +123,13 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="UTF-8 text file of calibration text for --rotate pca / --routers fitted (keep it disjoint from "
         "evaluation text), tokenized with the source tokenizer.",
     )
-    parser.add_argument(
-        "--calibration-tokens", type=int, default=16384, help="Calibration tokens used at most (default 16384)."
-    )
-    parser.add_argument("--calibration-window", type=int, default=256, help="Tokens per calibration row (256).")
+    parser.add_argument("--calibration-tokens", type=int, default=16384, help="Calibration tokens used at most.")
+    parser.add_argument("--calibration-window", type=int, default=256, help="Tokens per calibration row.")
     parser.add_argument(
         "--routed-budgets",
         choices=("uniform", "greedy"),
         default="uniform",
-        help="uniform: every sublayer at k (default); greedy: each layer and sublayer kind its own k, allocated on "
+        help="uniform: every sublayer at k; greedy: each layer and sublayer kind its own k, allocated on "
         "the calibration text under the parameter budget of k everywhere (needs --calibration-text).",
     )
     parser.set_defaults(func=run_mohd)
@@ -121,8 +139,8 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def add_latent_moe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Arguments of LLaMA -> LatentMoE upcycling (`hf-mohd convert latent-moe`)."""
     _add_common_arguments(parser)
-    parser.add_argument("--num-experts", type=int, default=8, help="N, routed experts per layer (default 8).")
-    parser.add_argument("--num-experts-per-tok", type=int, default=2, help="K, routed experts per token (default 2).")
+    parser.add_argument("--num-experts", type=int, default=8, help="N, routed experts per layer.")
+    parser.add_argument("--num-experts-per-tok", type=int, default=2, help="K, routed experts per token.")
     parser.add_argument(
         "--moe-intermediate-size",
         type=int,
@@ -134,18 +152,22 @@ def add_latent_moe_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     parser.add_argument(
         "--expert-init",
         choices=("slices", "random"),
-        help="slices (default): routed experts start from slices of the dense FFN, projected to the latent width; "
-        "random: N(0, initializer_range^2). Either way fc2_latent_proj is zero, so the output equals the source's.",
+        help="slices: routed experts start from slices of the dense FFN, projected to the latent width; "
+        "random: N(0, initializer_range^2). Either way fc2_latent_proj is zero, so the output equals the source's (default: slices).",
     )
     parser.add_argument(
         "--router-score-func",
         choices=("softmax", "sigmoid"),
         default="softmax",
         help="Router scores: softmax (balanced by the aux loss) or sigmoid (DeepSeek-V3 / Nemotron-H style, balanced "
-        "by a selection bias) (default softmax).",
+        "by a selection bias).",
     )
     parser.add_argument(
-        "--dense-layers", type=int, nargs="+", default=[], help="Layer indices kept dense (their FFN copied as is)."
+        "--dense-layers",
+        type=int,
+        nargs="+",
+        default=[],
+        help="Layer indices kept dense (their FFN copied as is; default: none).",
     )
     carving = parser.add_argument_group(
         "carving (--carve)",
@@ -161,7 +183,7 @@ def add_latent_moe_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     carving.add_argument(
         "--shared-fraction",
         type=float,
-        help="Share of the FFN neurons in the shared expert, in [0, 1) (default 0.25); the rest must split into "
+        help="Share of the FFN neurons in the shared expert, in [0, 1) (default: 0.25); the rest must split into "
         "--num-experts equal experts.",
     )
     carving.add_argument(
@@ -179,23 +201,31 @@ def add_latent_moe_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
         "evaluation text; default: the first 8 articles of the gensim Wikipedia sample, whose last 8 are the "
         "evaluations' held-out text).",
     )
-    carving.add_argument("--calibration-tokens", type=int, help="Calibration tokens used at most (default 8192).")
-    carving.add_argument("--calibration-window", type=int, help="Tokens per calibration row (default 256).")
+    carving.add_argument("--calibration-tokens", type=int, help="Calibration tokens used at most (default: 8192).")
+    carving.add_argument("--calibration-window", type=int, help="Tokens per calibration row (default: 256).")
     parser.set_defaults(func=run_latent_moe)
     return parser
 
 
 def register(subparsers) -> None:
+    from . import DefaultsHelpFormatter
+
     parser = subparsers.add_parser(
         "convert", help="Convert a dense LLaMA checkpoint (safetensors folder or GGUF) to MoHD or LatentMoE."
     )
     families = parser.add_subparsers(dest="family", metavar="FAMILY", required=True)
     add_mohd_arguments(
-        families.add_parser("mohd", help="LLaMA -> MoHD: exact at full activation, then the chosen sparsity.")
+        families.add_parser(
+            "mohd",
+            help="LLaMA -> MoHD: exact at full activation, then the chosen sparsity.",
+            formatter_class=DefaultsHelpFormatter,
+        )
     )
     add_latent_moe_arguments(
         families.add_parser(
-            "latent-moe", help="LLaMA -> LatentMoE upcycling: dense FFN -> shared expert, latent up-projection zero."
+            "latent-moe",
+            help="LLaMA -> LatentMoE upcycling: dense FFN -> shared expert, latent up-projection zero.",
+            formatter_class=DefaultsHelpFormatter,
         )
     )
 

@@ -39,7 +39,7 @@ def add_gguf_arguments(parser):
     """The arguments of `hf-mohd export gguf` (and of its deprecated alias)."""
     parser.add_argument("source", help="Folder saved from a LatentMoEForCausalLM, with its tokenizer files.")
     parser.add_argument("output", help="GGUF file to write.")
-    parser.add_argument("--outtype", choices=OUTTYPES, default="f32", help="Weight type of the GGUF (default: f32).")
+    parser.add_argument("--outtype", choices=OUTTYPES, default="f32", help="Weight type of the GGUF.")
     parser.add_argument("--tokenizer", help="Folder of the tokenizer to embed (default: the one in SOURCE).")
     parser.add_argument(
         "--converter",

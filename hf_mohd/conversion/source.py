@@ -25,6 +25,8 @@ a floating type; anything else raises `ConversionError` naming the file, the ten
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -338,6 +340,25 @@ def _gguf_metadata(path: Path) -> dict[str, object]:
     return meta
 
 
+@contextlib.contextmanager
+def gguf_progress_bar_follows_transformers():
+    """Within the block, transformers' GGUF dequantisation bar ("Converting and de-quantizing GGUF tensors...") obeys
+    transformers' progress-bar switch (`transformers.utils.logging.disable_progress_bar`), as its weight-loading bars
+    do: the GGUF loader calls `tqdm` directly, so while the switch is off its module's `tqdm` is a disabled one."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as transformers_logging
+
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None or transformers_logging.is_progress_bar_enabled():
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
 def _load_gguf(path: Path, dtype: torch.dtype | None) -> DenseLlamaSource:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -349,7 +370,8 @@ def _load_gguf(path: Path, dtype: torch.dtype | None) -> DenseLlamaSource:
             "wrong_type",
         )
     logger.info("Reading and dequantising %s (tensor types %s)", path.name, ", ".join(meta["tensor_types"]))
-    model = LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype or torch.float32)
+    with gguf_progress_bar_follows_transformers():
+        model = LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype or torch.float32)
     config = model.config
     expected = _expected_shapes(config)
     state_dict = _complete(dict(model.state_dict()), expected, config, path.name)

@@ -9,9 +9,11 @@ only. A checkpoint is written to a temporary folder and renamed when complete, s
 leaves the previous checkpoint intact, and resuming from it replays exactly the steps that were lost.
 """
 
+import ast
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import pickle
@@ -213,6 +215,42 @@ class RunLog:
         self.accelerator.log(scalars, step=record["step"])
 
 
+class TiedWeightsSaveFilter(logging.Filter):
+    """Drops Accelerate's "Removed shared tensor {...} while saving" warning (`clean_state_dict_for_safetensors`) when
+    every removed name is one side of a weight tie the model declares (`all_tied_weights_keys`, e.g. `lm_head.weight`
+    tied to `model.embed_tokens.weight`): loading re-ties those, so nothing is lost. Any other removed tensor keeps
+    the warning.
+
+    Args:
+        tied_names: parameter names that take part in a declared tie (both sides).
+    """
+
+    PATTERN = re.compile(r"Removed shared tensor (\{.*?\}) while saving")
+
+    def __init__(self, tied_names: set[str]):
+        super().__init__()
+        self.tied_names = tied_names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        match = self.PATTERN.search(record.getMessage())
+        if match is None:
+            return True
+        try:
+            removed = ast.literal_eval(match.group(1))
+        except (ValueError, SyntaxError):
+            return True
+        return not (isinstance(removed, set) and removed <= self.tied_names)
+
+
+def tied_parameter_names(accelerator) -> set[str]:
+    """Both sides of every weight tie declared by the models `accelerator` prepared (`all_tied_weights_keys`)."""
+    names = set()
+    for model in accelerator._models:
+        ties = getattr(accelerator.unwrap_model(model), "all_tied_weights_keys", None) or {}
+        names.update(ties.keys(), ties.values())
+    return names
+
+
 def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
     """`save_state` into a temporary folder, then rename it to `checkpoints/step_<n>` (atomic on POSIX,
     `hf_mohd.atomic_folder.move_folder_into_place`) and prune.
@@ -231,6 +269,9 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(root, exist_ok=True)
     accelerator.wait_for_everyone()
+    quiet_ties = TiedWeightsSaveFilter(tied_parameter_names(accelerator))
+    accelerate_saver = logging.getLogger("accelerate.utils.other")
+    accelerate_saver.addFilter(quiet_ties)
     try:
         accelerator.save_state(tmp)
     except OSError as error:
@@ -242,6 +283,8 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
             f"Writing checkpoint {final} failed ({error.strerror or error}); {kept}, and a rerun with resume='auto' "
             "starts from it.",
         ) from error
+    finally:
+        accelerate_saver.removeFilter(quiet_ties)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         move_folder_into_place(tmp, final)
@@ -327,7 +370,6 @@ def exit_process(status: int = 0) -> NoReturn:
     Call it last, after `train` has returned on every rank: stdout, stderr and logging are flushed here, and every
     file the trainer writes (checkpoints, `final/`, `log.jsonl`, TensorBoard) is complete and closed by then.
     """
-    import logging
     import sys
 
     logging.shutdown()
