@@ -24,7 +24,7 @@ Shapes: see the legend in `modeling_common.py`; here E = num_experts, K = num_ex
 (`RoutedDecoderMixin`, `RoutedCausalLMMixin`).
 """
 
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,7 @@ from .modeling_common import (
     RoutedDecoderMixin,
     TopKRouter,
     activation,
+    cast_to,
     load_balancing_loss,
     replayed_routes,
 )
@@ -103,8 +104,12 @@ class LatentMoERouter(TopKRouter):
 
     def gates(self, chosen_scores: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
         # CODEPATH: router_gate="unit" (a carved dense FFN): gate exactly 1, gradient straight through to the scores.
-        if self.unit_gates:
-            return chosen_scores - chosen_scores.detach() + 1.0
+        if self.unit_gates:  # without autograd the same ones, without the straight-through ops
+            return (
+                chosen_scores - chosen_scores.detach() + 1.0
+                if torch.is_grad_enabled()
+                else torch.ones_like(chosen_scores)
+            )
         # CODEPATH: norm_topk_prob=True (Mixtral, DeepSeek-V3, Nemotron-H) renormalises the K selected scores.
         if self.norm_topk_prob:
             chosen_scores = chosen_scores / (chosen_scores.sum(-1, keepdim=True) + 1e-20)
@@ -240,13 +245,32 @@ ExpertsInterface.register("dense_masked", dense_masked_experts_forward)
 GATHER_FEW_TOKENS = 8  # most tokens of the gather kernel's direct read (decoding, draft verification)
 
 
+def stored_transposed(weight: torch.Tensor) -> bool:
+    """Whether the 3-D `weight` (E, a, b) is stored as a contiguous (E, b, a) tensor (`weight.transpose(1, 2)`
+    contiguous), read from its strides on the host (no tensor op: the check runs per layer and decoded token)."""
+    _, rows, cols = weight.shape
+    expected = (rows * cols, 1, rows)  # strides of a contiguous (E, b, a) read as (E, a, b)
+    return all(
+        size == 1 or stride == want for size, stride, want in zip(weight.shape, weight.stride(), expected, strict=True)
+    )
+
+
 def experts_in_decoding_layout(experts: nn.Module) -> bool:
     """Whether the experts' fused weights are stored expert-input-major (`LatentMoEPreTrainedModel.
     to_experts_layout("decoding")`): `gate_up_proj` / `up_proj` (E, o, l) with `transpose(1, 2)` contiguous, and
     `down_proj` (E, l, m) likewise, so that one expert's weights for one input scalar (a row of o) and for one hidden
     unit (a row of l) are contiguous rows of an embedding table."""
     first = experts.gate_up_proj if experts.has_gate else experts.up_proj
-    return first.transpose(1, 2).is_contiguous() and experts.down_proj.transpose(1, 2).is_contiguous()
+    return stored_transposed(first) and stored_transposed(experts.down_proj)
+
+
+@lru_cache(maxsize=64)
+def bag_starts(count: int, step: int) -> torch.Tensor:
+    """(count,) int64 CPU tensor 0, step, 2 step, ...: the gather kernel's bag offsets (and with step 1 the row
+    numbers inside one expert), made once per shape rather than per layer and decoded token. Read-only: callers
+    must not modify it."""
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.arange(0, count * step, step)
 
 
 def gather_experts_forward(
@@ -285,31 +309,34 @@ def gather_experts_forward(
         if hidden_states.dtype == torch.float64:  # torch's grouped kernel takes no float64
             return LatentMoEExpertsBase.forward(self, hidden_states, top_k_index, top_k_weights)
         return aligned_grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    # Every step below is one dispatched op per layer and decoded token, so constants come from `bag_starts` and
+    # no-op casts are skipped.
     num_experts, width = self.num_experts, hidden_states.shape[1]
-    valid = top_k_index < num_experts
-    experts = torch.where(valid, top_k_index, 0)
-    gates = torch.where(valid, top_k_weights, 0).to(hidden_states.dtype)
+    experts, gates = top_k_index, top_k_weights
+    if self._is_expert_parallel:  # off-rank ids (>= E, weight 0) read expert 0's rows with gate 0
+        valid = top_k_index < num_experts
+        experts, gates = torch.where(valid, top_k_index, 0), torch.where(valid, top_k_weights, 0)
+    gates = cast_to(gates, hidden_states.dtype)
     weight = self.gate_up_proj if self.has_gate else self.up_proj  # (E, o, l)
-    up_rows = (experts[..., None] * width + torch.arange(width)).view(-1)  # (M K l)
-    per_scalar = hidden_states[:, None, :].expand(num_tokens, num_top_k, width).reshape(-1)
+    up_rows = torch.add(bag_starts(width, 1), experts.unsqueeze(-1), alpha=width).view(-1)  # (M K l): e l + i
     hidden = F.embedding_bag(
         up_rows,
         weight.transpose(1, 2).reshape(num_experts * width, weight.shape[1]),
-        torch.arange(0, up_rows.numel(), width),
+        bag_starts(num_tokens * num_top_k, width),
         mode="sum",
-        per_sample_weights=per_scalar,
+        per_sample_weights=hidden_states.repeat(1, num_top_k).view(-1),  # x_i for row (token, k, i)
     )  # (M K, o)
     hidden = (self._apply_gate(hidden) if self.has_gate else self.act_fn(hidden)) * gates.view(-1, 1)  # (M K, m)
     inner = hidden.shape[1]
-    down_rows = (experts[..., None] * inner + torch.arange(inner)).view(-1)  # (M K m)
+    down_rows = torch.add(bag_starts(inner, 1), experts.unsqueeze(-1), alpha=inner).view(-1)  # (M K m): e m + j
     out = F.embedding_bag(
         down_rows,
         self.down_proj.transpose(1, 2).reshape(num_experts * inner, width),
-        torch.arange(0, down_rows.numel(), num_top_k * inner),
+        bag_starts(num_tokens, num_top_k * inner),
         mode="sum",
-        per_sample_weights=hidden.reshape(-1),
+        per_sample_weights=hidden.view(-1),
     )  # (M, l)
-    return out.to(hidden_states.dtype)
+    return cast_to(out, hidden_states.dtype)
 
 
 ExpertsInterface.register("gather", gather_experts_forward)

@@ -93,8 +93,12 @@ class MoHDRouter(TopKRouter):
         if self.routed_gate == "normalized":
             chosen_scores = self.top_k * chosen_scores / chosen_scores.sum(-1, keepdim=True)
         # CODEPATH: routed_gate="unit": the value 1 exactly (p - p = 0), the gradient of p (straight-through).
-        elif self.routed_gate == "unit":
-            chosen_scores = chosen_scores - chosen_scores.detach() + 1.0
+        elif self.routed_gate == "unit":  # without autograd the same ones, without the straight-through ops
+            chosen_scores = (
+                chosen_scores - chosen_scores.detach() + 1.0
+                if torch.is_grad_enabled()
+                else torch.ones_like(chosen_scores)
+            )
         return cast_to(chosen_scores, input_dtype)
 
 
