@@ -172,6 +172,20 @@ def test_gather_experts_read_only_the_picked_experts_and_equal_the_eager_loop(ml
         )
 
 
+def test_layout_check_from_strides_agrees_with_torch():
+    """`stored_transposed` (host-side, from the strides) says what `weight.transpose(1, 2).is_contiguous()` says, size-1
+    dimensions (any stride) included, for weights stored either way and for a strided slice."""
+    from hf_mohd.models.modeling_latent_moe import stored_transposed
+
+    for shape in [(4, 6, 5), (1, 6, 5), (4, 1, 5), (4, 6, 1), (1, 1, 1)]:
+        plain = torch.empty(shape)
+        transposed = torch.empty(shape[0], shape[2], shape[1]).transpose(1, 2)
+        sliced = torch.empty(shape[0], shape[2], 2 * shape[1]).transpose(1, 2)[:, ::2]
+        for weight in (plain, transposed, sliced):
+            assert stored_transposed(weight) == weight.transpose(1, 2).is_contiguous(), (shape, weight.stride())
+    assert stored_transposed(torch.empty(4, 5, 6).transpose(1, 2)) and not stored_transposed(torch.empty(4, 6, 5))
+
+
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
 def test_experts_honour_a_kernel_registered_globally(implementation):
     """A kernel registered with `ExpertsInterface.register` after import (as transformers' kernels integration does)
