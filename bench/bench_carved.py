@@ -30,7 +30,9 @@ forward FLOPs per token at context 512.
 
 `--profile` adds, per model, a `torch.profiler` record of one batch-1 decoding step (after the 32-token prompt and
 three steps from its cache): the number of top-level aten ops and the self CPU time of the most expensive ops, which
-say whether a step's time goes to reading weights (`mm`, `embedding_bag`) or to dispatching small ops.
+say whether a step's time goes to reading weights (`mm`, `embedding_bag`) or to dispatching small ops. `--ablate`
+adds the in-situ cost of each feed-forward part of a batch-1 decoding step (the step timed with the part replaced by
+zeros; `decode_ablation`) and the rate at which that part reads its weights.
 
 Kernels (`--kernels`): transformers' `grouped_mm` (the LatentMoE default), this package's `gather` (the picked
 experts' weights read directly while decoding, `dense_masked` or grouped for many tokens), `dense_masked`, `eager`,
@@ -39,7 +41,9 @@ experts' weights read directly while decoding, `dense_masked` or grouped for man
 
 import functools
 import os
+import statistics
 import tempfile
+import time
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -82,6 +86,84 @@ def decode_step_profile(model, prompt: torch.Tensor, top: int = 8) -> dict:
     }
 
 
+class Zeros(torch.nn.Module):
+    """Stands in for a feed-forward part in `decode_ablation`: returns zeros shaped like its first input."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return torch.zeros_like(hidden_states)
+
+
+def decode_step_ms(model, prompt: torch.Tensor, steps: int = 24) -> float:
+    """Median wall ms of one batch-1 decoding forward of `model` from the cache of `prompt` (1, P), over `steps`
+    steps (the forward alone: no sampling or `generate` bookkeeping)."""
+    with torch.inference_mode():
+        out = model(input_ids=prompt, use_cache=True)
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            out = model(input_ids=token, cache=cache, use_cache=True)
+            times.append(time.perf_counter() - started)
+            token = out.logits[:, -1:].argmax(-1)
+    return statistics.median(times) * 1e3
+
+
+def decode_ablation(models: dict, prompt: torch.Tensor, reps: int) -> dict:
+    """In-situ cost of each feed-forward part in a batch-1 decoding step: the step's median time with the part
+    replaced by zeros (`Zeros`), subtracted from the full step's, medians of `reps` interleaved rounds. Parts: the
+    dense MLP; the carved models' routed experts and shared expert. With the bytes each part reads per step (fp32
+    weights; routed: the K picked experts of every layer), the part's effective read rate in GB/s, which says whether
+    it streams its weights as fast as a dense GEMV does.
+
+    Returns:
+        {model: {"full_ms", "<part>_ms" (step without it), "<part>_cost_ms", "<part>_bytes", "<part>_gb_per_s"}}.
+    """
+    parts = {}
+    for name, model in models.items():
+        layers = model.model.layers
+        if name == "dense":
+            mlp_bytes = sum(sum(p.numel() for p in layer.mlp.parameters()) * 4 for layer in layers)
+            parts[name] = {"mlp": ([(layer, "mlp") for layer in layers], mlp_bytes)}
+            continue
+        routed_bytes = shared_bytes = 0
+        for layer in layers:
+            experts, config = layer.mlp.experts, model.config
+            per_expert = sum(p[0].numel() for p in (experts.gate_up_proj, experts.down_proj)) * 4
+            routed_bytes += per_expert * config.num_experts_per_tok
+            shared_bytes += sum(p.numel() for p in layer.mlp.shared_experts.parameters()) * 4
+        parts[name] = {
+            "routed_experts": ([(layer.mlp, "experts") for layer in layers], routed_bytes),
+            "shared_expert": ([(layer.mlp, "shared_experts") for layer in layers], shared_bytes),
+        }
+    rounds = {name: {"full": []} | {part: [] for part in parts[name]} for name in models}
+    for _ in range(reps):
+        for name, model in models.items():
+            rounds[name]["full"].append(decode_step_ms(model, prompt))
+            for part, (slots, _) in parts[name].items():
+                saved = [getattr(owner, attribute) for owner, attribute in slots]
+                for owner, attribute in slots:
+                    setattr(owner, attribute, Zeros())
+                try:
+                    rounds[name][part].append(decode_step_ms(model, prompt))
+                finally:
+                    for (owner, attribute), module in zip(slots, saved, strict=True):
+                        setattr(owner, attribute, module)
+    result = {}
+    for name, times in rounds.items():
+        full = statistics.median(times["full"])
+        entry = {"full_ms": full}
+        for part, (_, read) in parts[name].items():
+            without = statistics.median(times[part])
+            entry |= {
+                f"{part}_ms": without,
+                f"{part}_cost_ms": full - without,
+                f"{part}_bytes": read,
+                f"{part}_gb_per_s": read / max(full - without, 1e-9) / 1e6,
+            }
+        result[name] = entry
+    return result
+
+
 def main():
     parser = common.base_arguments(__doc__.splitlines()[0])
     parser.add_argument("--calibration-tokens", type=int, default=4096)
@@ -89,6 +171,11 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--kernels", nargs="+", default=list(DEFAULT_KERNELS), choices=KERNELS)
     parser.add_argument("--profile", action="store_true", help="also profile one batch-1 decoding step per model")
+    parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help="also time batch-1 decoding steps with each feed-forward part replaced by zeros (`decode_ablation`)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -145,6 +232,16 @@ def main():
                 f"{name:24s} one decoding step: {profile['aten_ops']} aten ops, {profile['self_cpu_ms']:.1f} ms "
                 f"self CPU; {profile['most_expensive']}"
             )
+    if args.ablate:
+        ablated = {name: model for name, model in models.items() if name == "dense" or name.endswith("_gather")}
+        results["decode_ablation"] = decode_ablation(ablated, prompts[1], args.reps)
+        for name, entry in results["decode_ablation"].items():
+            parts = ", ".join(
+                f"{key.removesuffix('_cost_ms')} {value:.2f} ms ({entry[key.replace('_cost_ms', '_gb_per_s')]:.1f} GB/s)"
+                for key, value in entry.items()
+                if key.endswith("_cost_ms")
+            )
+            print(f"{name:24s} decoding step {entry['full_ms']:.2f} ms; in situ: {parts}")
     summary = []
     for name in models:
         cost = accounting[name]
