@@ -353,7 +353,7 @@ def write_report(
         p = r["params"]
         lines.append(
             f"| {name} | {p['total']:,} | {p['activated_decoder']:,} | {r['final_train_loss']:.3f} | "
-            f"{r['eval_perplexity']:.1f} | {r['train_seconds']:.0f} | {r['tokens_per_s']:.0f} / {r['median_tokens_per_s']:.0f} | "
+            f"{r['eval_perplexity']:.1f} | {seconds(r['train_seconds'])} | {r['tokens_per_s']:.0f} / {r['median_tokens_per_s']:.0f} | "
             f"{r['reload_max_abs_diff']:.1e} |"
         )
     if tasks:
@@ -415,6 +415,11 @@ def write_report(
 # The job ----------------------------------------------------------------------------------------------------------
 
 
+def seconds(value: float) -> str:
+    """A duration in seconds for the report: whole seconds from 10 s, one decimal below (a `--quick` run's loop)."""
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
 def run_demo(demo: DemoConfig) -> str:
     """Run the main job; returns the path of `report.md`."""
     from .evaluation import evaluate, summarize
@@ -433,6 +438,8 @@ def run_demo(demo: DemoConfig) -> str:
     tokenizer_dir = os.path.join(demo.output_dir, "tokenizer")
     tokenizer.save_pretrained(tokenizer_dir)
     held_out = pack(eval_texts, tokenizer, demo.seq_len)
+    if demo.max_documents:  # the figures above describe the whole sample; the run reads its first articles
+        provenance["articles used (max_documents)"] = demo.max_documents
     provenance["training tokens per epoch"] = pack(train_texts, tokenizer, demo.seq_len).numel()
     provenance["held-out tokens"] = held_out.numel()
     provenance["documents (train / held-out)"] = f"{len(train_texts)} / {len(eval_texts)}"
@@ -476,8 +483,8 @@ def run_demo(demo: DemoConfig) -> str:
             f"{train_wall:.0f} ({train_cpu:.0f}) / {eval_seconds:.0f} ({eval_cpu:.0f})"
         )
         print(
-            f"== {name}: held-out perplexity {run.eval_perplexity:.1f}, train {run.seconds:.0f} s, lm-eval "
-            f"{eval_seconds:.0f} s",
+            f"== {name}: held-out perplexity {run.eval_perplexity:.1f}, training loop {seconds(run.seconds)} s, "
+            f"lm-eval {seconds(eval_seconds)} s",
             flush=True,
         )
 

@@ -2,6 +2,7 @@
 
 import glob
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -82,10 +83,15 @@ def tiny_llama(folder):
 
 
 @pytest.mark.slow
-def test_runner_matches_lm_eval_cli(tmp_path):
+def test_runner_matches_lm_eval_cli(tmp_path, caplog):
+    """Our runner's scores equal the lm-eval CLI's on the same folder; passing a model object (as the demo does)
+    does not bring lm-eval's warnings about objects or about guessing the model's kind."""
     folder = str(tmp_path / "llama")
     model, tokenizer = tiny_llama(folder)
-    ours = summarize(evaluate(model, tokenizer, tasks="arc_easy", limit=40, batch_size=4))["arc_easy"]
+    with caplog.at_level(logging.WARNING):
+        ours = summarize(evaluate(model, tokenizer, tasks="arc_easy", limit=40, batch_size=4))["arc_easy"]
+    for warning in ("not of type `str`", "already-initialized model", "neither marked as CausalLM", "Custom kwargs"):
+        assert warning not in caplog.text
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args", f"pretrained={folder}"]

@@ -357,13 +357,20 @@ def test_every_option_help_states_its_default_once():
                 helps[(parser.prog, action.option_strings[-1])] = " ".join(text.split())
     assert len(helps) > 100
     for key, text in helps.items():
-        assert len(re.findall(r"\bdefault\b", text, flags=re.IGNORECASE)) <= 1, (key, text)
-        assert not re.search(r"\(default [^:]", text), (key, text)  # one wording: "(default: X)"
+        mentions = re.findall(r"\bdefault\b", text, flags=re.IGNORECASE)
+        assert len(mentions) <= 1, (key, text)
+        if mentions and not text.endswith("(the default)."):  # one form, at the end: "... (default: X)."
+            tail = text[text.index("(default: ") :] if "(default: " in text else ""
+            assert tail and tail.rstrip(".").endswith(")") and ") (default:" not in text, (key, text)
+            assert tail.count("(") == tail.count(")"), (key, text)
     mohd = {option: text for (prog, option), text in helps.items() if prog.endswith("convert mohd")}
     assert mohd["--preset"].endswith("(default: full).")
     assert mohd["--calibration-tokens"] == "Calibration tokens used at most (default: 16384)."
     assert "(default: none with --preset full, else inverse_active)" in mohd["--activation-scaling"]
     assert "experiments/" not in mohd["--perplexity-json"]
+    assert mohd["--seed"].endswith("(default: 0).")  # a default of 0 is shown too
+    for text in helps.values():  # the help of an installed package names no repository file
+        assert not re.search(r"(docs/|experiments/|configs/|README\.md's|README\.md gives)", text), text
 
 
 @pytest.mark.parametrize(

@@ -57,12 +57,14 @@ class CommandError(Exception):
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """argparse's help, with "(default: X)" after each option's help where the default says something (not None,
-    False, an empty list or an argparse sentinel): `ArgumentDefaultsHelpFormatter` without its noise on flags."""
+    False, an empty list or string, or an argparse sentinel; 0 is shown): `ArgumentDefaultsHelpFormatter` without
+    its noise on flags."""
 
     def _get_help_string(self, action):
         help_text = action.help or ""
         default = action.default
-        if "%(default)" in help_text or default in (None, False, [], "") or default is argparse.SUPPRESS:
+        says_nothing = default is None or default is False or default is argparse.SUPPRESS or default in ([], "")
+        if "%(default)" in help_text or says_nothing:
             return help_text
         if action.option_strings and action.nargs != 0:  # inside the closing full stop: "Text (default: X)."
             stripped = help_text.rstrip()

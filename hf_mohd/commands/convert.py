@@ -21,7 +21,8 @@ MOHD_PRESETS = ("full", "compression_50", "compression_75")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_common_arguments(parser: argparse.ArgumentParser, exact_model: str) -> None:
+    """Arguments both families take; `exact_model` says, in --verify's help, which converted model equals the source."""
     parser.add_argument(
         "source", help="Dense LLaMA checkpoint: a local folder (config.json + safetensors) or a .gguf file."
     )
@@ -35,16 +36,20 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify",
         action="store_true",
-        help="Before writing, check the exact model (MoHD at full activation, LatentMoE as converted, a carved "
-        "LatentMoE with every expert active) against the source LLaMA's logits on random tokens; fail if they differ by more than --atol. With `mohd --rotate` the "
-        "check runs in float64 (the same rotation applied to a float64 copy of the source).",
+        help=f"Before writing, check {exact_model} against the source LLaMA's logits on random tokens; fail if they "
+        "differ by more than --atol.",
     )
-    parser.add_argument("--atol", type=float, default=1e-4, help="Tolerance of --verify (max abs logit difference).")
+    parser.add_argument(
+        "--atol",
+        type=float,
+        default=1e-4,
+        help="Tolerance of --verify: the largest absolute logit difference allowed.",
+    )
     parser.add_argument(
         "--perplexity-json",
         nargs="+",
-        help="Perplexity results to quote in the model card's table: JSON files with a `command` and per-model "
-        "`perplexity` by source (the format of the repository's SmolLM2 perplexity evaluation, docs/conversion.md).",
+        help="Perplexity results to quote in the model card's table: JSON files, each with the `command` that made "
+        "it and, per model, its `perplexity` on each held-out source.",
     )
     parser.add_argument("--overwrite", action="store_true", help="Replace OUTPUT if it exists.")
     parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors shard.")
@@ -53,17 +58,21 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Arguments of LLaMA -> MoHD (of `hf-mohd convert mohd`)."""
-    _add_common_arguments(parser)
+    _add_common_arguments(
+        parser,
+        "the model at full activation (every sub-dimension active); with --rotate the check runs in float64, the "
+        "same rotation applied to a float64 copy of the source",
+    )
     parser.add_argument(
         "--preset",
         choices=MOHD_PRESETS + ("none",),
         default="full",
         help="full: every sub-dimension shared, exact, with activation scaling and group fusion off; "
-        "compression_50 / compression_75: 8 or 12 of 16 sub-dimensions active (docs/design.md section 3), the "
+        "compression_50 / compression_75: 8 or 12 of 16 sub-dimensions active (6 or 9 shared, 2 or 3 routed), the "
         "options below at MoHDConfig's defaults unless given; none: give the three counts below.",
     )
     parser.add_argument(
-        "--num-sub-dims", type=int, help="N, sub-dimensions (must divide hidden_size; default: the preset's)."
+        "--num-sub-dims", type=int, help="N, sub-dimensions; must divide hidden_size (default: the preset's)."
     )
     parser.add_argument(
         "--num-shared-sub-dims", type=int, help="N_s, always-active sub-dimensions (default: the preset's)."
@@ -79,8 +88,9 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument(
         "--routed-gate",
         choices=("softmax", "normalized", "unit"),
-        help="Input gate of a routed block (unit: 1, straight-through; every block active is then the source) "
-        "(default: softmax).",
+        help="Input gate of a routed block: softmax, its router probability; normalized, the probabilities scaled "
+        "to sum to k; unit, exactly 1 with the router trained straight-through, so that with every block active "
+        "the model equals the source (default: softmax).",
     )
     parser.add_argument(
         "--group-fusion",
@@ -101,7 +111,7 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         choices=("original", "importance"),
         default="original",
         help="original: blocks are the source's consecutive hidden channels; importance: channels sorted by "
-        "weight mass first, so the shared blocks hold the heaviest ones (same function at full activation).",
+        "weight mass first, so the shared blocks hold the heaviest ones, the same function at full activation.",
     )
     parser.add_argument(
         "--rotate",
@@ -116,7 +126,7 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         choices=("random", "fitted"),
         default="random",
         help="random: N(0, initializer_range^2) with --seed; fitted: ridge regression of each routed "
-        "block's log input energy on the calibration text (needs --calibration-text).",
+        "block's log input energy on the calibration text, which --calibration-text gives.",
     )
     parser.add_argument(
         "--calibration-text",
@@ -130,7 +140,7 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         choices=("uniform", "greedy"),
         default="uniform",
         help="uniform: every sublayer at k; greedy: each layer and sublayer kind its own k, allocated on "
-        "the calibration text under the parameter budget of k everywhere (needs --calibration-text).",
+        "the calibration text under the parameter budget of k everywhere; needs --calibration-text.",
     )
     parser.set_defaults(func=run_mohd)
     return parser
@@ -138,7 +148,7 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def add_latent_moe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Arguments of LLaMA -> LatentMoE upcycling (`hf-mohd convert latent-moe`)."""
-    _add_common_arguments(parser)
+    _add_common_arguments(parser, "the model as converted (with --carve: every expert active, at full width)")
     parser.add_argument("--num-experts", type=int, default=8, help="N, routed experts per layer.")
     parser.add_argument("--num-experts-per-tok", type=int, default=2, help="K, routed experts per token.")
     parser.add_argument(
@@ -159,15 +169,15 @@ def add_latent_moe_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
         "--router-score-func",
         choices=("softmax", "sigmoid"),
         default="softmax",
-        help="Router scores: softmax (balanced by the aux loss) or sigmoid (DeepSeek-V3 / Nemotron-H style, balanced "
-        "by a selection bias).",
+        help="Router scores: softmax, balanced by the aux loss, or sigmoid as in DeepSeek-V3 and Nemotron-H, "
+        "balanced by a selection bias.",
     )
     parser.add_argument(
         "--dense-layers",
         type=int,
         nargs="+",
         default=[],
-        help="Layer indices kept dense (their FFN copied as is; default: none).",
+        help="Layer indices kept dense, their FFN copied as is (default: none).",
     )
     carving = parser.add_argument_group(
         "carving (--carve)",
@@ -183,22 +193,22 @@ def add_latent_moe_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     carving.add_argument(
         "--shared-fraction",
         type=float,
-        help="Share of the FFN neurons in the shared expert, in [0, 1) (default: 0.25); the rest must split into "
-        "--num-experts equal experts.",
+        help="Share of the FFN neurons in the shared expert, in [0, 1); the rest must split into --num-experts "
+        "equal experts (default: 0.25).",
     )
     carving.add_argument(
         "--latent-size",
         type=int,
-        help="l, latent width of the routed experts, 1 <= l <= hidden_size (moe_latent_size=l; default: full width): "
-        "per layer fc1_latent_proj / fc2_latent_proj = the top-l PCA directions of the FFN input on the calibration "
-        "text (uncentred), the routed experts' rows read and write in that basis; router and shared expert stay full "
+        help="l, latent width of the routed experts, 1 <= l <= hidden_size, saved as moe_latent_size: per layer "
+        "fc1_latent_proj / fc2_latent_proj = the top-l PCA directions of the FFN input on the calibration text "
+        "(uncentred), the routed experts' rows read and write in that basis; router and shared expert stay full "
         "width (LatentMoE arXiv 2601.18089). l = hidden_size is the full-width carve; l < hidden_size is not exact, "
-        "so it does not go with --verify.",
+        "so it does not go with --verify (default: full width).",
     )
     carving.add_argument(
         "--calibration-text",
-        help="UTF-8 text file for the partition, the latent basis and the router fit (keep it disjoint from "
-        "evaluation text; default: the first 8 articles of the gensim Wikipedia sample, whose last 8 are the "
+        help="UTF-8 text file for the partition, the latent basis and the router fit; keep it disjoint from "
+        "evaluation text (default: the first 8 articles of the gensim Wikipedia sample, whose last 8 are the "
         "evaluations' held-out text).",
     )
     carving.add_argument("--calibration-tokens", type=int, help="Calibration tokens used at most (default: 8192).")

@@ -20,7 +20,9 @@ def register(subparsers) -> None:
     p = _command(subparsers, "alpha-transform", run_alpha_transform)
     p.add_argument("config", help="config.json (or folder) of a standard MoE (moe_latent_size unset).")
     p.add_argument("--alpha", type=float, required=True, help="Compression factor (4 in Nemotron 3).")
-    p.add_argument("--output", help="Where to write the new config (a .json file, else a folder); default: print it.")
+    p.add_argument(
+        "--output", help="Where to write the new config, a .json file or else a folder (default: print it)."
+    )
 
     p = _command(subparsers, "propose-shape", run_propose_shape)
     source = p.add_mutually_exclusive_group(required=True)
@@ -31,7 +33,7 @@ def register(subparsers) -> None:
         "--max-aspect-deviation",
         type=float,
         default=0.4,
-        help="Bound on |l/m - 1| (0.4: the near-square plateau of arXiv 2610.14644 section 3.2).",
+        help="Bound on |l/m - 1|; 0.4 is the near-square plateau of arXiv 2610.14644 section 3.2.",
     )
     p.add_argument("--multiple", type=int, default=64, help="Alignment of l and m.")
     p.add_argument("--max-latent-size", type=int, help="Upper bound on l (with --config: hidden_size).")
@@ -45,7 +47,7 @@ def register(subparsers) -> None:
     inputs.add_argument("--input-ids", help="JSON file holding a list of token-id lists.")
     p.add_argument("--tokenizer", help="Tokenizer folder for --text-file (when omitted: the model folder).")
     p.add_argument("--gguf-file", help="GGUF file inside the model folder to load (transformers dequantises it).")
-    p.add_argument("--max-length", type=int, default=512, help="Tokens per sequence (--text-file).")
+    p.add_argument("--max-length", type=int, default=512, help="Tokens per sequence of --text-file.")
     p.add_argument("--max-tokens", type=int, default=20000, help="Pool of non-padding tokens.")
     p.add_argument("--num-samples", type=int, default=5000, help="Tokens kept at random from the pool.")
     p.add_argument("--batch-size", type=int, default=8, help="Sequences per forward pass.")
@@ -64,7 +66,8 @@ def register(subparsers) -> None:
         "--max-aspect-deviation",
         type=float,
         default=0.3,
-        help="Bound on |l/m - 1| of both regimes (0.3: the allocation's 'up to 30%%' of arXiv 2610.14644 section 4.2).",
+        help="Bound on |l/m - 1| of both regimes; 0.3 is the allocation's 'up to 30%%' of arXiv 2610.14644 "
+        "section 4.2.",
     )
     p.add_argument("--multiple", type=int, default=64, help="Alignment of l and m.")
     p.add_argument("--shared-multiple", type=int, help="Alignment of m_s (when omitted: --multiple).")
