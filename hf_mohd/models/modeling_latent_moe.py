@@ -290,7 +290,9 @@ def gather_experts_forward(
       more than computing every expert; else transformers' grouped kernel
       (`aligned_grouped_mm_experts_forward`; the eager loop in float64, which that kernel does not take).
     Shapes: hidden_states (M, l), top_k_index and top_k_weights (M, K) -> (M, l). Expert-parallel off-rank ids (>= E)
-    are dropped. Layouts, biases and post-expert norms the direct read does not cover take the many-token forms.
+    are dropped; the direct read looks for them only on experts that transformers has split
+    (`_is_expert_parallel`, set by its expert-parallel sharding), where alone they occur. Layouts, biases and
+    post-expert norms the direct read does not cover take the many-token forms.
     """
     num_tokens, num_top_k = top_k_index.shape
     direct = (
