@@ -26,6 +26,7 @@ Memory is counted, not timed, so the numbers do not depend on the machine's load
     python -m bench.bench_saved_memory            # fixed shape, writes bench/results/saved_memory.json
     python -m bench.bench_saved_memory --quick    # 2 layers, batch 2 x seq 128
     python -m bench.bench_saved_memory --compile  # also the compiled models (a few minutes of compiling)
+    python -m bench.bench_saved_memory --compile --breakdown  # and each fp32 count's activations by shape
 """
 
 import argparse
@@ -40,14 +41,23 @@ from bench.bench_mohd import build_models
 from hf_mohd.models import mohd_sparse
 
 
-def saved_storage_bytes(model, ids: torch.Tensor, autocast: bool) -> int:
-    """Bytes of the distinct storages autograd saves for backward in one forward with labels of `model` on `ids`."""
-    storages = {}
+def saved_storage_bytes(model, ids: torch.Tensor, autocast: bool, breakdown: dict | None = None) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward with labels of `model` on `ids`.
+
+    `breakdown`, when given, receives the activations among them (storages that are not the model's parameters), as
+    {"(shape) dtype": [storages, MiB]}: what the count is made of beyond the weights backward reads."""
+    storages, activations = {}, {}
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     @torch.compiler.disable  # a hook, not model code: dynamo would otherwise compile it once per dtype
     def pack(tensor):
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in parameters:
+            activations[storage.data_ptr()] = (
+                f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}",
+                storage.nbytes(),
+            )
         return tensor
 
     context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
@@ -55,6 +65,11 @@ def saved_storage_bytes(model, ids: torch.Tensor, autocast: bool) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), context:
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     del loss
+    if breakdown is not None:
+        for key, nbytes in activations.values():
+            entry = breakdown.setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] = round(entry[1] + nbytes / 2**20, 2)
     return sum(storages.values())
 
 
@@ -75,16 +90,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--output", type=Path, default=None, help="result JSON path")
     parser.add_argument("--compile", action="store_true", help="also count the fp32 models under torch.compile")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also list each fp32 count's activations (storages other than parameters) by shape",
+    )
     args = parser.parse_args()
     shape = common.setup(args)
     models, _ = build_models(shape)
     models.pop("llama_active")
     ids = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]))
-    rows = {}
+    rows, breakdowns = {}, {}
     for precision, autocast in (("fp32", False), ("bf16_autocast", True)):
         measured = {}
         for name, model in models.items():
-            measured[name] = saved_storage_bytes(model, ids, autocast)
+            breakdown = breakdowns.setdefault(name, {}) if args.breakdown and not autocast else None
+            measured[name] = saved_storage_bytes(model, ids, autocast, breakdown)
         with composed_products():
             measured["mohd_gather_composed"] = saved_storage_bytes(models["mohd_gather"], ids, autocast)
         rows[precision] = measured
@@ -93,7 +114,8 @@ def main() -> None:
             compiled = torch.compile(models[name])
             compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # compiles forward and backward
             models[name].zero_grad(set_to_none=True)
-            rows["fp32"][f"{name}_compiled"] = saved_storage_bytes(compiled, ids, False)
+            breakdown = breakdowns.setdefault(f"{name}_compiled", {}) if args.breakdown else None
+            rows["fp32"][f"{name}_compiled"] = saved_storage_bytes(compiled, ids, False, breakdown)
     for precision, measured in rows.items():
         rows[precision] = {
             name: {"saved_mib": round(value / 2**20, 1), "x_llama": round(value / measured["llama"], 3)}
@@ -107,11 +129,21 @@ def main() -> None:
         "shape": shape,
         "what": "bytes of the distinct storages autograd keeps for backward in one training forward (with labels)",
         "saved": rows,
+        "fp32_activations_by_shape": {
+            name: {
+                "total_mib": round(sum(mib for _, mib in parts.values()), 1),
+                "parts": dict(sorted(parts.items(), key=lambda item: -item[1][1])),
+            }
+            for name, parts in breakdowns.items()
+        },
         "machine": common.machine_description(),
         "machine_end": {"load_average_1_5_15": [round(x, 2) for x in os.getloadavg()]},
     }
     output = args.output or common.RESULTS_DIR / ("saved_memory_quick.json" if args.quick else "saved_memory.json")
     common.write_results(output, payload)
+    for name, entry in payload["fp32_activations_by_shape"].items():
+        largest = ", ".join(f"{key} x{count} {mib} MiB" for key, (count, mib) in list(entry["parts"].items())[:6])
+        print(f"fp32 activations {name:22s} {entry['total_mib']:9.1f} MiB: {largest}")
     print(f"wrote {output}")
 
 
