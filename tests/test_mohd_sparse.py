@@ -891,6 +891,18 @@ def test_grouped_matmul_equals_per_group_matmul(dtype, contraction, out_features
         assert _grouped_mm_aligned(inputs) and _grouped_mm_aligned(grouped)  # the kernel directly, no copy
 
 
+def test_compiled_training_step_breaks_only_at_the_recomputing_backward():
+    """dynamo traces the grouped plan's routing counts (a fixed-length `scatter_add_`, not `bincount`, whose output
+    length depends on the data) and `MoHDRowIndexAdd` (which returns its dirty input): the only graph breaks of a
+    compiled training forward left are at the output side's `MoHDGatheredGroupedMatmul`, whose backward recomputes the
+    product with `torch.autograd.grad`."""
+    model = make_model(0, torch.float32, sparse_implementation="gather").train()
+    ids = input_ids(4, 16)  # 64 tokens: the grouped plan
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids, use_cache=False)
+    reasons = [str(item.reason) for item in explained.break_reasons]
+    assert reasons and all("autograd.grad" in reason for reason in reasons), reasons
+
+
 def test_compiled_training_step_matches_eager():
     """Under `torch.compile` the grouped plan composes its products (the single autograd Functions are eager's) and
     AOTAutograd's partitioner chooses what backward keeps: the compiled training step's loss and gradients equal the

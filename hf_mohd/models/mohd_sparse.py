@@ -265,7 +265,8 @@ class MoHDRowIndexAdd(torch.autograd.Function):
     def forward(ctx, out: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(index)
         ctx.mark_dirty(out)
-        return out.index_add_(0, index, source)
+        out.index_add_(0, index, source)
+        return out  # the dirty input itself, which dynamo needs to see returned to trace the Function
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -1038,7 +1039,10 @@ class MoHDGatherStrategy:
         slots = (indices - g.num_shared).t()
         order = torch.argsort(slots, dim=1, stable=True)
         slot_offset = torch.arange(g.top_k, device=indices.device)[:, None] * g.num_routed
-        counts = torch.bincount((slots + slot_offset).reshape(-1), minlength=g.top_k * g.num_routed)
+        # per (slot, block) token counts; `scatter_add_` into a fixed-length vector rather than `bincount`, whose
+        # output length depends on the data and so breaks a `torch.compile` graph at every sublayer
+        keys = (slots + slot_offset).reshape(-1)
+        counts = keys.new_zeros(g.top_k * g.num_routed).scatter_add_(0, keys, torch.ones_like(keys))
         offsets = torch.cumsum(counts.view(g.top_k, g.num_routed), dim=1).to(torch.int32)
         return MoHDGroupedPlan(g, weights.t().gather(1, order)[..., None], order, slots.gather(1, order), offsets)
 
