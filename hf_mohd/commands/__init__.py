@@ -78,7 +78,8 @@ def add_command(subparsers, name: str, run, **parser_options) -> argparse.Argume
 
     The one-line help shown in the parent's command list is the first paragraph of `run`'s docstring, the `--help`
     description the rest (none for a one-paragraph docstring); argparse folds their white space. Each option's
-    help ends with its default where that says something (`DefaultsHelpFormatter`). `parser_options` go to `add_parser` (e.g. `formatter_class`).
+    help ends with its default where that says something (`DefaultsHelpFormatter`). `parser_options` go to
+    `add_parser` (e.g. `formatter_class`).
     """
     summary, _, details = inspect.cleandoc(run.__doc__ or "").partition("\n\n")
     parser_options.setdefault("formatter_class", DefaultsHelpFormatter)

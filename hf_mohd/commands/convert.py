@@ -163,7 +163,8 @@ def add_latent_moe_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
         "--expert-init",
         choices=("slices", "random"),
         help="slices: routed experts start from slices of the dense FFN, projected to the latent width; "
-        "random: N(0, initializer_range^2). Either way fc2_latent_proj is zero, so the output equals the source's (default: slices).",
+        "random: N(0, initializer_range^2). Either way fc2_latent_proj is zero, so the output equals the source's "
+        "(default: slices).",
     )
     parser.add_argument(
         "--router-score-func",

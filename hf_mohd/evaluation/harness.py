@@ -5,11 +5,12 @@ includes this package's task folder, so any model `AutoModelForCausalLM` loads (
 exactly as `lm_eval --model hf --include_path <tasks dir>` would score it (tests/test_evaluation.py checks this).
 """
 
-import contextlib
 import logging
 import os
 
 import huggingface_hub
+
+from ..log_filters import filtered_loggers
 
 
 # Files from which `AutoTokenizer.from_pretrained(folder)` can build a tokenizer.
@@ -86,50 +87,41 @@ def evaluate(
             a model object without `tokenizer`.
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import hf_mohd  # noqa: F401  (registers the model types with the Auto classes)
-
-    task_names = resolve_tasks(tasks)  # an unknown task fails before the model is loaded
-    with _without_expected_lm_eval_warnings():
-        return _run_harness(
-            model, tokenizer, task_names, limit, batch_size, device, num_fewshot, seed, trust_remote_code, log_samples
-        )
-
-
-def _run_harness(
-    model, tokenizer, task_names, limit, batch_size, device, num_fewshot, seed, trust_remote_code, log_samples
-) -> dict:
-    """`evaluate`'s work once the tasks are resolved: the `HFLM` wrapper and `simple_evaluate`."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    if isinstance(model, str):
-        _check_local_model(model)
-        _check_tokenizer_source(model if tokenizer is None else tokenizer)
-        lm = HFLM(
-            pretrained=model,
-            tokenizer=tokenizer,
-            device=device,
-            batch_size=batch_size,
-            trust_remote_code=trust_remote_code,
-            backend="causal",  # every model here is a causal LM; lm-eval would guess from the model type
+    import hf_mohd  # noqa: F401  (registers the model types with the Auto classes)
+
+    task_names = resolve_tasks(tasks)  # an unknown task fails before the model is loaded
+    with filtered_loggers(_ExpectedLmEvalWarnings(), "lm_eval.models.huggingface", "lm_eval.api.task"):
+        if isinstance(model, str):
+            _check_local_model(model)
+            _check_tokenizer_source(model if tokenizer is None else tokenizer)
+            lm = HFLM(
+                pretrained=model,
+                tokenizer=tokenizer,
+                device=device,
+                batch_size=batch_size,
+                trust_remote_code=trust_remote_code,
+                backend="causal",  # every model here is a causal LM; lm-eval would guess from the model type
+            )
+        else:
+            if tokenizer is None:
+                raise ValueError("Pass `tokenizer` together with a model object.")
+            lm = HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size, backend="causal")
+        return simple_evaluate(
+            model=lm,
+            tasks=task_names,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=TaskManager(include_path=TASKS_DIR),
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+            log_samples=log_samples,
         )
-    else:
-        if tokenizer is None:
-            raise ValueError("Pass `tokenizer` together with a model object.")
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size, backend="causal")
-    return simple_evaluate(
-        model=lm,
-        tasks=task_names,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=TaskManager(include_path=TASKS_DIR),
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-        log_samples=log_samples,
-    )
 
 
 class _ExpectedLmEvalWarnings(logging.Filter):
@@ -146,20 +138,6 @@ class _ExpectedLmEvalWarnings(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         return not any(expected in message for expected in self.MESSAGES)
-
-
-@contextlib.contextmanager
-def _without_expected_lm_eval_warnings():
-    """Within the block, `_ExpectedLmEvalWarnings` filters the lm-eval loggers that emit those warnings."""
-    quiet = _ExpectedLmEvalWarnings()
-    loggers = [logging.getLogger(name) for name in ("lm_eval.models.huggingface", "lm_eval.api.task")]
-    for lm_logger in loggers:
-        lm_logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        for lm_logger in loggers:
-            lm_logger.removeFilter(quiet)
 
 
 def _check_local_model(model: str) -> None:

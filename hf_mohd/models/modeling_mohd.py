@@ -388,8 +388,8 @@ class MoHDPreTrainedModel(PreTrainedModel):
             if isinstance(sub_dims, MoHDSubDimensions):
                 for name in sub_dims.strategy.block_major_projections:
                     set_linear_layout_(getattr(module, name, None), layout)
-                for linears in fused_projection_groups(module, sub_dims.strategy.fused_projections):
-                    if layout == "block_major":
+                if layout == "block_major":
+                    for linears in fused_projection_groups(module, sub_dims.strategy.fused_projections):
                         fuse_block_major_(linears)
         return self
 

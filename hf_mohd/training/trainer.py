@@ -29,6 +29,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from ..atomic_folder import move_folder_into_place, write_folder_atomically
 from ..evaluation.perplexity import evaluate_perplexity
+from ..log_filters import filtered_loggers
 from .config import TrainConfig, TrainConfigError, architecture_config
 from .data import PackedBatches, load_documents, pack, split_documents, train_bpe_tokenizer
 from .distill import (
@@ -269,11 +270,9 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(root, exist_ok=True)
     accelerator.wait_for_everyone()
-    quiet_ties = TiedWeightsSaveFilter(tied_parameter_names(accelerator))
-    accelerate_saver = logging.getLogger("accelerate.utils.other")
-    accelerate_saver.addFilter(quiet_ties)
     try:
-        accelerator.save_state(tmp)
+        with filtered_loggers(TiedWeightsSaveFilter(tied_parameter_names(accelerator)), "accelerate.utils.other"):
+            accelerator.save_state(tmp)
     except OSError as error:
         shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial files took
         previous = latest_checkpoint(output_dir)
@@ -283,8 +282,6 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
             f"Writing checkpoint {final} failed ({error.strerror or error}); {kept}, and a rerun with resume='auto' "
             "starts from it.",
         ) from error
-    finally:
-        accelerate_saver.removeFilter(quiet_ties)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         move_folder_into_place(tmp, final)
