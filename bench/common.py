@@ -24,7 +24,6 @@ import argparse
 import ctypes
 import datetime
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -75,40 +74,13 @@ def setup(args) -> dict:
     return dict(QUICK_SHAPE if args.quick else BENCH_SHAPE)
 
 
-def _cpuinfo_fields() -> dict:
-    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if not line.strip():
-                break
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return fields
-
-
-def _cpu_model() -> str:
-    """Model name, with vendor, family, model and stepping: a VM may name only "AMD EPYC", which family 25 model 1
-    (Zen 3) and family 25 model 17 (Zen 4) share."""
-    fields = _cpuinfo_fields()
-    name = fields.get("model name") or platform.processor() or "unknown"
-    if "cpu family" in fields:
-        name += (
-            f" ({fields.get('vendor_id', '?')} family {fields['cpu family']} model {fields.get('model', '?')}"
-            f" stepping {fields.get('stepping', '?')})"
-        )
-    return name
-
-
 def machine_description() -> dict:
     """CPU model, core count, load average, torch threads and library versions (stored with every result)."""
-    from hf_mohd.versions import library_versions
+    from hf_mohd.versions import cpu_model, library_versions
 
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "logical_cpus": os.cpu_count(),
         "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
         "torch_threads": torch.get_num_threads(),

@@ -43,6 +43,7 @@ from .demo_pretrained import (
 from .models.accounting import parameter_counts
 from .training import TrainConfig, train, train_config_from_dict
 from .training.data import load_documents, pack, split_documents, train_bpe_tokenizer
+from .versions import cpu_model, library_versions
 
 
 PROMPT = "The history of the city"
@@ -70,6 +71,7 @@ class DemoConfig:
         pretrained: run the pretrained stage (SmolLM2-135M dense vs carved vs MoHD, training-free).
         pretrained_eval_limit, pretrained_held_out_tokens: lm-eval documents per task and held-out tokens per
             source of that stage.
+        smoke_run: set by `quick()`: the `--quick` smoke setting (the report's title says so).
         threads: torch intra-op threads for the whole job (`torch.set_num_threads`); 0 keeps torch's default, one
             per core. On a machine other jobs share, fewer threads than cores avoid the threads waiting on each
             other (each synchronisation point waits for the slowest thread).
@@ -97,6 +99,7 @@ class DemoConfig:
     pretrained_eval_limit: int = 50
     pretrained_held_out_tokens: int = 2048
     threads: int = 0
+    smoke_run: bool = False
 
     def __post_init__(self):
         """Checks `models`, `eval_tasks` and `threads` before anything trains.
@@ -139,6 +142,7 @@ class DemoConfig:
             routing_blocks=4,
             pretrained_eval_limit=min(self.pretrained_eval_limit, 4),
             pretrained_held_out_tokens=512,
+            smoke_run=True,
         )
 
     def pretrained_stage(self) -> PretrainedStageConfig:
@@ -333,7 +337,7 @@ def write_report(
     returns its path."""
     tasks = sorted({task for r in results.values() for task in r.get("lm_eval", {})})
     lines = [
-        "# hf-mohd main job: dense Llama vs MoHD vs LatentMoE",
+        "# hf-mohd main job: dense Llama vs MoHD vs LatentMoE" + (" (--quick smoke run)" if demo.smoke_run else ""),
         "",
         f"Same corpus, tokenizer ({demo.vocab_size} BPE tokens), data order, {demo.max_steps} optimizer steps of "
         f"{demo.micro_batch_size} x {demo.seq_len} tokens, AdamW lr {demo.lr} with cosine schedule, fp32 on CPU.",
@@ -504,7 +508,8 @@ def run_demo(demo: DemoConfig) -> str:
             )
 
     timing["total, wall s (CPU s)"] = f"{time.perf_counter() - started:.0f} ({time.process_time() - cpu_total:.0f})"
-    timing["CPU cores"] = os.cpu_count()
+    timing["CPU"] = f"{cpu_model()}, {os.cpu_count()} cores"
+    timing["libraries"] = ", ".join(f"{name} {version}" for name, version in library_versions().items() if version)
     timing["load average (1 min) at start / end"] = f"{load_start[0]:.1f} / {os.getloadavg()[0]:.1f}"
     timing["torch threads"] = torch.get_num_threads()
     # written into a staging sibling renamed into place: an interrupted run leaves no partial report folder

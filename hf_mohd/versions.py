@@ -1,5 +1,5 @@
 """The versions of the libraries hf-mohd runs on: the supported ranges, the check made when `hf_mohd` is imported,
-and the record stored with every committed result.
+and the record stored with every committed result (with the CPU model, `cpu_model`).
 
 The supported ranges are the package's own requirements (`pyproject.toml`'s `dependencies`, read back from the
 installed package's metadata), so that they have one home. The set the test suite was run with is pinned in
@@ -8,6 +8,7 @@ installed package's metadata), so that they have one home. The set the test suit
 
 import importlib.metadata
 import platform
+from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.version import Version
@@ -80,3 +81,30 @@ def _installed_version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def _cpuinfo_fields() -> dict:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's model name, with vendor, family, model and stepping where /proc/cpuinfo gives them: a VM may name
+    only "AMD EPYC", which family 25 model 1 (Zen 3) and family 25 model 17 (Zen 4) share."""
+    fields = _cpuinfo_fields()
+    name = fields.get("model name") or platform.processor() or "unknown"
+    if "cpu family" in fields:
+        name += (
+            f" ({fields.get('vendor_id', '?')} family {fields['cpu family']} model {fields.get('model', '?')}"
+            f" stepping {fields.get('stepping', '?')})"
+        )
+    return name
