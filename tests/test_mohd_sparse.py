@@ -427,10 +427,10 @@ def test_auto_small_batch_plan_follows_the_timing(monkeypatch):
         monkeypatch.delenv(mohd_sparse.SMALL_BATCH_PLAN_ENV)
     assert timings == [torch.float64, torch.float32] * 2
 
-    # without a request nothing is timed: a new model's plan is "union", and forwards and generate never time
+    # without a request nothing is timed: a new model's plan is "per_block", and forwards and generate never time
     timings.clear()
     fresh, _ = pair()
-    assert {s.small_batch_plan for s in strategies(fresh)} == {"union"}
+    assert {s.small_batch_plan for s in strategies(fresh)} == {"per_block"}
     with torch.no_grad():
         fresh(input_ids=input_ids(4, 1))
         fresh.generate(input_ids(3, 2), max_new_tokens=3, do_sample=False, pad_token_id=0)

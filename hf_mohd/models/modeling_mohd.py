@@ -443,12 +443,12 @@ class MoHDPreTrainedModel(PreTrainedModel):
         without autograd (batched decoding, draft verification; `MoHDSpansPlan`): an execution choice like
         `to_weight_layout`, with results equal up to BLAS summation order, and not saved.
 
-        "union" (the default of a new model, unless `HF_MOHD_SMALL_BATCH_PLAN` names another): all tokens by every
-        picked block, each block read once (the fastest where BLAS reads a block in the same time for 1 or 8 rows).
-        "per_block": each block by the tokens that picked it only, the same bytes and fewer FLOPs in more calls
-        (faster where few-row products are compute-bound). "auto": times few-row products now, once per process
-        (about 10 ms, `mohd_sparse.small_gemms_compute_bound`), and takes "per_block" where they are compute-bound,
-        else "union". No forward ever times anything.
+        "per_block" (the default of a new model, unless `HF_MOHD_SMALL_BATCH_PLAN` names another): each block by the
+        tokens that picked it only, each block read once, fewer FLOPs in more calls (faster where few-row products
+        are compute-bound). "union": all tokens by every picked block, each block read once, then a mask (faster
+        only where BLAS reads a block in the same time for 1 or 8 rows). "auto": times few-row products now, once
+        per process (about 10 ms, `mohd_sparse.small_gemms_compute_bound`), and takes "per_block" where they are
+        compute-bound, else "union". No forward ever times anything.
 
         Returns:
             The plan set: "union" or "per_block".

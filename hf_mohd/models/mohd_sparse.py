@@ -928,14 +928,16 @@ def resolve_small_batch_plan(plan: str, dtype: torch.dtype = torch.float32) -> s
 
 def default_small_batch_plan() -> str:
     """The small-batch plan a new gather strategy starts with: `HF_MOHD_SMALL_BATCH_PLAN` when set ("auto" times the
-    BLAS then, at model construction), else "union", which needs no timing.
+    BLAS then, at model construction), else "per_block", which needs no timing: each block read once, by the tokens
+    that picked it only, as fast as "union" for one token and faster for 2-8 wherever few-row products cost more
+    than one-row ones.
 
     Raises:
         ValueError: the environment variable holds a name other than those of `SMALL_BATCH_PLANS`.
     """
     requested = os.environ.get(SMALL_BATCH_PLAN_ENV)
     if requested is None:
-        return "union"
+        return "per_block"
     try:
         return resolve_small_batch_plan(requested)
     except ValueError:
