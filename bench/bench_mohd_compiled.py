@@ -15,9 +15,10 @@
 
 The models are those of `bench_mohd_decode.py` (fixed bench shape, saved and reloaded with `from_pretrained`). Each
 decodes greedily on a `StaticCache`: the prompt eagerly, then single-token steps through the eager model or through
-`torch.compile(model, fullgraph=True, dynamic=False)` (compiled once, warm-up excluded); the four variants'
+`torch.compile(model, fullgraph=True, dynamic=False)` (compiled once, warm-up excluded), MoHD in its decoding
+weight layout (block-major, as `generate` stores it; the steps call the model directly); the four variants'
 repetitions run round-robin. Under compilation MoHD's few-token plan reads the blocks through index tensors
-(`MoHDGatherFewTokensPlan`), not host ids. Ratios: compiled MoHD vs eager MoHD, vs compiled Llama, and eager MoHD vs
+(`MoHDIndexedPlan`), not host ids. Ratios: compiled MoHD vs eager MoHD, vs compiled Llama, and eager MoHD vs
 eager Llama, on the process CPU clock by default.
 
     python -m bench.bench_mohd_compiled --reps 3     # results/mohd_compiled.json
@@ -59,6 +60,8 @@ def main():
     print(f"machine: {machine}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         models, _ = build_and_reload(shape, folder)
+    # what `generate` does before decoding (`MoHDForCausalLM.generate`): the timed steps call the model directly
+    models["mohd"].to_weight_layout(models["mohd"].decoding_weight_layout)
     prompt = torch.randint(3, shape["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0))
     forwards, compile_s = {}, {}
     for name in NAMES:

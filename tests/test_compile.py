@@ -4,9 +4,11 @@ decodes the same greedy tokens as eager. Under compilation MoHD's few-token plan
 
 import pytest
 import torch
+from torch import nn
 from transformers import StaticCache
 
-from tests.utils import input_ids
+from hf_mohd.models import mohd_sparse
+from tests.utils import FAMILIES, input_ids
 
 
 # Overrides of each family's tiny config: a 64-position static cache, no pad id; LatentMoE with one expert shape (latent
@@ -54,3 +56,26 @@ def test_static_cache_decode_step_compiles_fullgraph(family):
     compiled = static_cache_greedy(model, torch.compile(model, fullgraph=True, dynamic=False), prompt, 8)
     assert compiled == eager
     assert len(set(eager)) > 2  # a real sequence, not one repeated token
+
+
+@pytest.mark.slow
+def test_block_major_mohd_decode_step_compiles_fullgraph_on_its_fused_weights():
+    """In the layout `generate` stores (block-major, q/k/v and gate/up each one (D, sum of out) storage), the compiled
+    step reads a sublayer's input projections through that one storage (`fused_block_major_weight` decides on strides
+    alone while compiling, `block_major_fused_views`), with no graph break and the eager greedy tokens."""
+    model = build(FAMILIES["mohd"])
+    model.to_weight_layout("block_major")
+    groups = [group for layer in model.model.layers for group in (
+        [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+        [layer.mlp.gate_proj, layer.mlp.up_proj],
+    )]  # fmt: skip
+    assert all(mohd_sparse.shares_block_major_storage(group) for group in groups)
+    assert all(mohd_sparse.block_major_fused_views(group) for group in groups)
+    unfused = [nn.Linear(8, 4, bias=False), nn.Linear(8, 4, bias=False)]
+    assert not mohd_sparse.block_major_fused_views(unfused)  # row-major (8, 1) strides
+    prompt = input_ids(batch=1, length=5, seed=1)
+    eager = static_cache_greedy(model, model, prompt, 8)
+    torch._dynamo.reset()
+    compiled = static_cache_greedy(model, torch.compile(model, fullgraph=True, dynamic=False), prompt, 8)
+    assert compiled == eager
+    assert len(set(eager)) > 2

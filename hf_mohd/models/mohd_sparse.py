@@ -1129,14 +1129,35 @@ def fused_block_major_weight(linears) -> torch.Tensor | None:
     outside `torch.compile` (which cannot read data pointers). One block-major product with it computes all the
     linears' outputs (q/k/v, gate/up): one GEMM per span of blocks instead of one per linear, which the plans use for
     one token on the host (`MoHDSpansPlan`) and for few tokens by index tensors (`MoHDIndexedPlan`).
+    Under `torch.compile`, which reads neither data pointers nor storage offsets, the strides decide
+    (`block_major_fused_views`), and tracing checks the `as_strided` view against the first weight's storage size.
     """
-    if torch.compiler.is_compiling() or not shares_block_major_storage(linears):
+    if torch.compiler.is_compiling():
+        if not block_major_fused_views(linears):
+            return None
+    elif not shares_block_major_storage(linears):
         return None
     weights = [linear.weight for linear in linears]
     if torch.is_grad_enabled() and any(weight.requires_grad for weight in weights):
         return None
     first, total = weights[0], sum(weight.shape[0] for weight in weights)
     return torch.as_strided(first, (first.shape[1], total), (total, 1))
+
+
+def block_major_fused_views(linears) -> bool:
+    """Whether the weights of `linears` (plain `nn.Linear` without bias, one dtype, device and input width) have the
+    strides (1, sum of out) of the views `fuse_block_major_` makes, the only ones with such strides: the checks of
+    `shares_block_major_storage` that `torch.compile` can trace (it reads neither data pointers nor storage
+    offsets)."""
+    if len(linears) < 2 or any(type(linear) is not nn.Linear or linear.bias is not None for linear in linears):
+        return False
+    weights = [linear.weight for linear in linears]
+    first, total = weights[0], sum(weight.shape[0] for weight in weights)
+    return all(
+        (weight.dtype, weight.device, weight.shape[1], weight.stride())
+        == (first.dtype, first.device, first.shape[1], (1, total))
+        for weight in weights
+    )
 
 
 def shares_block_major_storage(linears) -> bool:
