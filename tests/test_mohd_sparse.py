@@ -709,7 +709,11 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
             torch.testing.assert_close(linear.bias.grad.double(), reference.bias.grad, **tolerance, msg=f"{side} b")
         if side == "in":  # the gates reach the router through the input side only
             expected_gates = gates_ref.grad.gather(1, indices)
-            torch.testing.assert_close(weights_run.grad.double(), expected_gates, **tolerance, msg="gates")
+            # each gate's gradient sums s * out products of an order-1 input and upstream gradient (up to about 80
+            # here): its rounding error scales with the largest, not with its own value, which can be near 0
+            scale = max(1.0, expected_gates.abs().max().item())
+            gate_tolerance = dict(rtol=tolerance["rtol"], atol=tolerance["atol"] * scale)
+            torch.testing.assert_close(weights_run.grad.double(), expected_gates, **gate_tolerance, msg="gates")
 
 
 def saved_bytes(run) -> tuple[object, int]:
