@@ -19,6 +19,7 @@ from torch import nn
 from hf_mohd import MoHDForCausalLM
 from hf_mohd.models import mohd_sparse
 from hf_mohd.models.mohd_sparse import (
+    MoHDGatheredGroupedMatmul,
     MoHDGatherStrategy,
     MoHDGroupedPlan,
     MoHDGroupPart,
@@ -895,16 +896,46 @@ def test_grouped_matmul_equals_per_group_matmul(dtype, contraction, out_features
         assert _grouped_mm_aligned(inputs) and _grouped_mm_aligned(grouped)  # the kernel directly, no copy
 
 
-def test_compiled_training_step_breaks_only_at_the_recomputing_backward():
-    """dynamo traces the grouped plan's routing counts (a fixed-length `scatter_add_`, not `bincount`, whose output
-    length depends on the data) and `MoHDRowIndexAdd` (which returns its dirty input): the only graph breaks of a
-    compiled training forward left are at the output side's `MoHDGatheredGroupedMatmul`, whose backward recomputes the
-    product with `torch.autograd.grad`."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("compiling", [False, True], ids=["eager", "compiling"])
+def test_gathered_grouped_matmul_gradients(monkeypatch, dtype, compiling):
+    """`MoHDGatheredGroupedMatmul` equals gathering the rows and one matmul per group, in value and in both gradients
+    (the rows gathered twice or never: a token's gradient sums over its repeats), on the eager kernels and on the
+    operators a compiled step traces (`grouped_matmul_backward` as while compiling: transformers' fallback backward
+    for fp32, the grouped kernel for bf16)."""
+    if compiling:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    groups, block, width = 3, 8, 16
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(5, width, generator=generator).to(dtype).requires_grad_()
+    linear_weight = torch.randn(groups * block, width, generator=generator).to(dtype).requires_grad_()
+    weight = linear_weight.view(groups, block, width).transpose(1, 2)  # (G, in, s), the output side's view
+    index = torch.tensor([4, 0, 0, 2, 1, 4, 3])  # token 0 twice, every token at least once
+    offsets = torch.tensor([2, 2, 7], dtype=torch.int32)  # group 1 empty
+    grad = torch.randn(7, block, generator=generator).to(dtype)
+    out = MoHDGatheredGroupedMatmul.apply(inputs, index, weight, offsets)
+    grad_inputs, grad_weight = torch.autograd.grad(out, (inputs, linear_weight), grad)
+    rows, weight64 = inputs.double()[index], linear_weight.double().view(groups, block, width).transpose(1, 2)
+    expected = torch.cat([rows[0:2] @ weight64[0], rows[2:7] @ weight64[2]])
+    expected_grads = torch.autograd.grad(expected, (inputs, linear_weight), grad.double())
+    tolerance = DTYPE_TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tolerance * 10, rtol=tolerance)
+    for got, want in zip((grad_inputs, grad_weight), expected_grads, strict=True):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want.to(torch.float64), atol=tolerance * 10, rtol=tolerance)
+    assert grad_weight.view(groups, block, width)[1].abs().sum() == 0  # the empty group's block
+
+
+def test_compiled_training_step_is_one_graph():
+    """dynamo traces a whole MoHD training forward of the grouped plan, its backward included, as one graph: the
+    routing counts are a fixed-length `scatter_add_` (not `bincount`, whose output length depends on the data),
+    `MoHDRowIndexAdd` returns its dirty input, and `MoHDGatheredGroupedMatmul`'s backward is written out
+    (`grouped_matmul_backward`), with no `torch.autograd.grad` inside it."""
     model = make_model(0, torch.float32, sparse_implementation="gather").train()
     ids = input_ids(4, 16)  # 64 tokens: the grouped plan
     explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids, use_cache=False)
-    reasons = [str(item.reason) for item in explained.break_reasons]
-    assert reasons and all("autograd.grad" in reason for reason in reasons), reasons
+    assert [str(item.reason) for item in explained.break_reasons] == []
+    assert explained.graph_count == 1
 
 
 def test_compiled_training_step_matches_eager():

@@ -279,8 +279,8 @@ class MoHDGatheredGroupedMatmul(torch.autograd.Function):
 
     The output side of the grouped path gathers, per routing slot, the M token rows (M x in) in block order; autograd
     would keep that copy for the weight gradient although `inputs` itself is kept anyway (by the shared-rows GEMM).
-    The backward gathers again and recomputes the grouped product with autograd (one extra output-side routed GEMM
-    per slot, a few percent of a training step) to get both gradients.
+    The backward gathers the rows again and computes both gradients with `grouped_matmul_backward` (no recomputation
+    of the forward product), in ops that `torch.compile` traces into the step's graph.
     Shapes: inputs (M, in), index (R,), weight (G, in, s), offsets (G,) int32 group ends -> (R, s).
     Used where `MoHDGroupedLinearOut` does not apply (`torch.compile`, mixed dtypes), with `MoHDRowIndexAdd` on the input
     side.
@@ -294,16 +294,33 @@ class MoHDGatheredGroupedMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         inputs, index, weight, offsets = ctx.saved_tensors
-        rows = inputs.detach().index_select(0, index).requires_grad_(ctx.needs_input_grad[0])
-        leaf_weight = weight.detach().requires_grad_(ctx.needs_input_grad[2])
-        with torch.enable_grad():
-            out = grouped_matmul(rows, leaf_weight, offsets)
-        wanted = [t for t in (rows, leaf_weight) if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        grad_rows = next(grads) if rows.requires_grad else None
-        grad_weight = next(grads) if leaf_weight.requires_grad else None
-        grad_inputs = None if grad_rows is None else torch.zeros_like(inputs).index_add_(0, index, grad_rows)
-        return grad_inputs, None, grad_weight, None
+        rows = F.embedding(index, inputs)  # = inputs[index]; not the forward's op, which a compiled step would keep
+        grad_rows, grad_weight = grouped_matmul_backward(rows, weight, offsets, grad)
+        grad_inputs = torch.zeros_like(inputs).index_add_(0, index, grad_rows.to(inputs.dtype))
+        return (
+            grad_inputs if ctx.needs_input_grad[0] else None,
+            None,
+            grad_weight if ctx.needs_input_grad[2] else None,
+            None,
+        )
+
+
+def grouped_matmul_backward(
+    inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both gradients of `grouped_matmul(inputs, weight, offsets)` for the output gradient `grad` (R, O): the input
+    gradient (R, K) (group g: grad[rows g] @ weight[g].T) and the weight gradient (G, K, O) (`grouped_weight_gradient`).
+
+    Where the forward ran transformers' grouped-matmul fallback operator (float64, and under `torch.compile` any dtype
+    but bf16, for which `F.grouped_mm` has no fake-tensor kernel in torch 2.13), its backward operator
+    (`transformers::grouped_mm_fallback_backward`, one `torch.mm` per group, traced as one opaque node); elsewhere
+    `grouped_matmul` on the transposed weight and `grouped_weight_gradient`, the grouped kernel's own form.
+    """
+    if inputs.dtype == torch.float64 or (torch.compiler.is_compiling() and weight.dtype != torch.bfloat16):
+        return torch.ops.transformers.grouped_mm_fallback_backward(
+            inputs.to(weight.dtype), weight, offsets, grad.to(weight.dtype).contiguous()
+        )
+    return grouped_matmul(grad, weight.transpose(1, 2), offsets), grouped_weight_gradient(inputs, grad, offsets)
 
 
 def grouped_weight_gradient(inputs: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
