@@ -717,6 +717,44 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
             torch.testing.assert_close(weights_run.grad.double(), expected_gates, **gate_tolerance, msg="gates")
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_compiled_grouped_output_side_mixes_its_compact_blocks(monkeypatch, bias):
+    """While compiling, the grouped plan's output side fuses its blocks from the compact ones
+    (`project_out_mixed`, `mix_compact_blocks`: the shared blocks plus one outer product per routing slot), equal in
+    value and in the gradients of input, weight, bias and fusion matrix to `fusion @ project_out(...)`; eager it
+    leaves the product to the caller (None)."""
+    hidden, num_sub_dims, num_shared, top_k, features, _ = GROUPED_CASES[0]
+    strategy = MoHDGatherStrategy(
+        MOHD.config(
+            hidden_size=hidden,
+            num_sub_dims=num_sub_dims,
+            num_shared_sub_dims=num_shared,
+            num_routed_sub_dims_per_tok=top_k,
+            intermediate_size=features,
+        )
+    )
+    tokens = 3 * strategy.host_tokens  # grouped plan
+    generator = torch.Generator().manual_seed(2)
+    indices = torch.rand(tokens, num_sub_dims - num_shared, generator=generator).topk(top_k, dim=1).indices
+    weights = torch.rand(tokens, top_k, generator=generator, dtype=torch.float64)
+    plan = strategy.plan(indices + num_shared, weights)
+    assert isinstance(plan, MoHDGroupedPlan)
+    linear, _ = linear_pair(hidden, features, bias, "row_major", torch.float64)
+    x = torch.randn(tokens, features, dtype=torch.float64, generator=generator, requires_grad=True)
+    fusion = torch.randn(num_sub_dims, num_sub_dims, dtype=torch.float64, generator=generator, requires_grad=True)
+    upstream = torch.randn(tokens, num_sub_dims, hidden // num_sub_dims, dtype=torch.float64, generator=generator)
+    assert plan.project_out_mixed(x, linear, fusion) is None  # eager: the caller's MoHDSparseBlockMix
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    parameters = [x, fusion, *linear.parameters()]
+    mixed = plan.project_out_mixed(x, linear, fusion)
+    got = torch.autograd.grad((mixed * upstream).sum(), parameters)
+    expected = torch.matmul(fusion, plan.project_out(x, linear))
+    want = torch.autograd.grad((expected * upstream).sum(), parameters)
+    torch.testing.assert_close(mixed, expected, rtol=1e-12, atol=1e-12)
+    for name, g, w in zip(("input", "fusion", "weight", "bias"), got, want, strict=False):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=name)
+
+
 def saved_bytes(run) -> tuple[object, int]:
     """(run(), bytes of the tensors autograd saved for backward while it ran)."""
     total = 0

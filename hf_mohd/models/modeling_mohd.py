@@ -114,14 +114,17 @@ class MoHDGroupFusion(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_sub_dims, config.num_sub_dims))
         self.num_routed = config.num_routed_sub_dims
 
+    def matrix(self, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+        """The (N, N) fusion matrix in `dtype`, times `scale` (activation scaling carried by the matrix)."""
+        weight = cast_to(self.weight, dtype)
+        return weight * scale if scale != 1.0 else weight
+
     def forward(self, blocks: torch.Tensor, positions: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
         """(M, N, s) -> (M, N, s): `scale * F @ blocks`, the scale (activation scaling, step 4) applied to the N x N
         matrix rather than to the M x D blocks. `positions` (k, M), given where `blocks` is zero outside the first N_s
         blocks and the routed blocks at rows `positions` of `blocks.view(-1, s)` (the grouped gather path's output),
         lets the product keep only those blocks for backward (`MoHDSparseBlockMix`)."""
-        weight = cast_to(self.weight, blocks.dtype)
-        if scale != 1.0:
-            weight = weight * scale
+        weight = self.matrix(blocks.dtype, scale)
         if positions is None:
             return mix_blocks(weight, blocks)
         with autocast_off(blocks.device.type):  # weight and blocks share a dtype: the product autocast would run
@@ -260,6 +263,12 @@ class MoHDSubDimensions(nn.Module):
                 blocks = self.group_fusion(blocks)
             return blocks.view(*hidden_states.shape[:-1], -1)
         if tensor_parallel is None:
+            if self.output_compensation is None and isinstance(self.group_fusion, MoHDGroupFusion):
+                # the plan's own fused form, where it has one (the grouped plan while compiling)
+                fusion = self.group_fusion.matrix(self.group_fusion.weight.dtype, self.activation_scale)
+                mixed = plan.project_out_mixed(flat, linear, fusion)
+                if mixed is not None:
+                    return mixed.view(*hidden_states.shape[:-1], -1)
             blocks = plan.project_out(flat, linear)
         elif self.output_compensation is not None:
             raise NotImplementedError("MoHD dropped block compensation does not run on tensor-parallel weights.")

@@ -508,6 +508,27 @@ def mix_blocks(fusion: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return torch.bmm(fusion.expand(blocks.shape[0], *fusion.shape), blocks)
 
 
+def mix_compact_blocks(
+    fusion: torch.Tensor, shared: torch.Tensor, routed, token_index: torch.Tensor, block_index: torch.Tensor
+) -> torch.Tensor:
+    """`fusion @ blocks` for blocks that are zero outside the shared blocks `shared` (M, N_s, s) and one routed block
+    per routing slot, without the zero-padded (M, N, s) blocks: the shared blocks' product with the first N_s columns
+    of `fusion`, plus, per slot j, the outer product of the column of `fusion` of each row's routed block with that
+    block, added at its token. routed: k tensors (M, s) in a plan's row order; token_index, block_index (k, M) the
+    rows' tokens and routed block ids (0..N_r-1). -> (M, N, s).
+
+    Plain ops, for `torch.compile`: what the compiled step keeps for backward is then the compact blocks and (M, N)
+    columns of `fusion`, not the zero-padded blocks (`MoHDSparseBlockMix` keeps the same in eager autograd).
+    """
+    num_shared = shared.shape[1]
+    mixed = mix_blocks(fusion[:, :num_shared], shared)
+    routed_columns = fusion[:, num_shared:].t()  # (N_r, N): row b is the column of routed block b
+    for slot, rows in enumerate(routed):
+        columns = routed_columns.index_select(0, block_index[slot])  # (M, N), in the slot's row order
+        mixed = mixed.index_add(0, token_index[slot], columns[:, :, None] * rows[:, None, :])
+    return mixed
+
+
 class MoHDSparseBlockMix(torch.autograd.Function):
     """`fusion @ blocks` (group fusion, (N, N) x (M, N, s)) for blocks that are zero outside the shared blocks
     and the routed ones at `positions`: it keeps those (N_s + k) of the N blocks per token for the gradient of
@@ -617,6 +638,14 @@ class MoHDPlan:
         `MoHDSparseBlockMix` may keep only those for backward; None where the plain product applies."""
         return None
 
+    def project_out_mixed(
+        self, hidden_states: torch.Tensor, linear: nn.Linear, fusion: torch.Tensor
+    ) -> torch.Tensor | None:
+        """(M, in) -> the group-fused (M, N, s) `fusion @ project_out(hidden_states, linear)` for the (N, N) matrix
+        `fusion`, computed from the active blocks alone, or None where the caller composes the two (this plan has no
+        such form, or it does not apply here)."""
+        return None
+
 
 @dataclasses.dataclass(slots=True)
 class MoHDMaskedPlan(MoHDPlan):
@@ -701,21 +730,43 @@ class MoHDGroupedPlan(MoHDPlan):
                     hidden_states.to(dtype), self.token_index, self.block_index, self.offsets, weight.to(dtype),
                     None if bias is None else bias.to(dtype), g.num_shared, g.block,
                 )  # fmt: skip
+        shared, routed = self.compact_out(hidden_states, linear)
+        routed_blocks = hidden_states.new_zeros(m * g.num_routed, g.block)
+        for slot, rows in enumerate(routed):
+            positions = self.token_index[slot] * g.num_routed + self.block_index[slot]
+            routed_blocks = routed_blocks.index_add_(0, positions, rows)
+        return torch.cat([shared, routed_blocks.view(m, g.num_routed, g.block)], dim=1)
+
+    def compact_out(self, hidden_states: torch.Tensor, linear: nn.Linear) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The active output blocks by autograd's composition: the shared blocks (M, N_s, s) and, per routing slot,
+        the (M, s) routed blocks in the slot's row order (`token_index`, `block_index`)."""
+        g, m = self.geometry, hidden_states.shape[0]
+        weight, bias = linear.weight, linear.bias
         shared = F.linear(hidden_states, weight[: g.shared_width], None if bias is None else bias[: g.shared_width])
         # (N_r, in, s) view of the routed rows: block j is weight[D_s + j s : D_s + (j + 1) s].T
         routed_weight = weight[g.shared_width :].view(g.num_routed, g.block, weight.shape[1]).transpose(1, 2)
         routed_bias = None if bias is None else bias[g.shared_width :].view(g.num_routed, g.block)
-        routed_blocks = hidden_states.new_zeros(m * g.num_routed, g.block)
+        routed = []
         for slot in range(g.top_k):
-            tokens = self.token_index[slot]
-            routed = MoHDGatheredGroupedMatmul.apply(hidden_states, tokens, routed_weight, self.offsets[slot])
-            if routed_bias is not None:
-                routed = routed + routed_bias[self.block_index[slot]]
-            routed_blocks = routed_blocks.index_add_(
-                0, tokens * g.num_routed + self.block_index[slot], routed.to(hidden_states.dtype)
+            rows = MoHDGatheredGroupedMatmul.apply(
+                hidden_states, self.token_index[slot], routed_weight, self.offsets[slot]
             )
-        shared = shared.view(m, g.num_shared, g.block)
-        return torch.cat([shared, routed_blocks.view(m, g.num_routed, g.block)], dim=1)
+            if routed_bias is not None:
+                rows = rows + routed_bias[self.block_index[slot]]
+            routed.append(rows.to(hidden_states.dtype))
+        return shared.view(m, g.num_shared, g.block), routed
+
+    def project_out_mixed(
+        self, hidden_states: torch.Tensor, linear: nn.Linear, fusion: torch.Tensor
+    ) -> torch.Tensor | None:
+        """While compiling, `mix_compact_blocks` on `compact_out`'s blocks (eager autograd keeps the compact blocks
+        through `MoHDSparseBlockMix` instead, on the single-Function product)."""
+        if not torch.compiler.is_compiling():
+            return None
+        shared, routed = self.compact_out(hidden_states, linear)
+        dtype = torch.promote_types(shared.dtype, routed[0].dtype)  # the dtype `project_out`'s concatenation has
+        routed = [rows.to(dtype) for rows in routed]
+        return mix_compact_blocks(fusion.to(dtype), shared.to(dtype), routed, self.token_index, self.block_index)
 
     def sparse_block_positions(self, blocks: torch.Tensor, fusion: nn.Module) -> torch.Tensor | None:
         """The routed blocks' rows while autograd records an eager step (`project_out`'s blocks are zero outside the
