@@ -18,6 +18,7 @@ from torch import nn
 
 from hf_mohd import MoHDForCausalLM
 from hf_mohd.models import mohd_sparse
+from hf_mohd.models.modeling_mohd import MoHDGroupFusion
 from hf_mohd.models.mohd_sparse import (
     MoHDGatheredGroupedMatmul,
     MoHDGatherStrategy,
@@ -721,18 +722,17 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
 def test_compiled_grouped_output_side_mixes_its_compact_blocks(monkeypatch, bias):
     """While compiling, the grouped plan's output side fuses its blocks from the compact ones
     (`project_out_mixed`, `mix_compact_blocks`: the shared blocks plus one outer product per routing slot), equal in
-    value and in the gradients of input, weight, bias and fusion matrix to `fusion @ project_out(...)`; eager it
+    value and in the gradients of input, fusion matrix, weight and bias to `scale * F @ project_out(...)`; eager it
     leaves the product to the caller (None)."""
     hidden, num_sub_dims, num_shared, top_k, features, _ = GROUPED_CASES[0]
-    strategy = MoHDGatherStrategy(
-        MOHD.config(
-            hidden_size=hidden,
-            num_sub_dims=num_sub_dims,
-            num_shared_sub_dims=num_shared,
-            num_routed_sub_dims_per_tok=top_k,
-            intermediate_size=features,
-        )
+    config = MOHD.config(
+        hidden_size=hidden,
+        num_sub_dims=num_sub_dims,
+        num_shared_sub_dims=num_shared,
+        num_routed_sub_dims_per_tok=top_k,
+        intermediate_size=features,
     )
+    strategy = MoHDGatherStrategy(config)
     tokens = 3 * strategy.host_tokens  # grouped plan
     generator = torch.Generator().manual_seed(2)
     indices = torch.rand(tokens, num_sub_dims - num_shared, generator=generator).topk(top_k, dim=1).indices
@@ -741,14 +741,17 @@ def test_compiled_grouped_output_side_mixes_its_compact_blocks(monkeypatch, bias
     assert isinstance(plan, MoHDGroupedPlan)
     linear, _ = linear_pair(hidden, features, bias, "row_major", torch.float64)
     x = torch.randn(tokens, features, dtype=torch.float64, generator=generator, requires_grad=True)
-    fusion = torch.randn(num_sub_dims, num_sub_dims, dtype=torch.float64, generator=generator, requires_grad=True)
+    fusion = MoHDGroupFusion(config).double()
+    with torch.no_grad():
+        fusion.weight.copy_(torch.randn(num_sub_dims, num_sub_dims, dtype=torch.float64, generator=generator))
+    scale = 1.6  # activation scaling, carried by the matrix
     upstream = torch.randn(tokens, num_sub_dims, hidden // num_sub_dims, dtype=torch.float64, generator=generator)
-    assert plan.project_out_mixed(x, linear, fusion) is None  # eager: the caller's MoHDSparseBlockMix
+    assert plan.project_out_mixed(x, linear, fusion, scale) is None  # eager: the caller's MoHDSparseBlockMix
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    parameters = [x, fusion, *linear.parameters()]
-    mixed = plan.project_out_mixed(x, linear, fusion)
+    parameters = [x, fusion.weight, *linear.parameters()]
+    mixed = plan.project_out_mixed(x, linear, fusion, scale)
     got = torch.autograd.grad((mixed * upstream).sum(), parameters)
-    expected = torch.matmul(fusion, plan.project_out(x, linear))
+    expected = torch.matmul(scale * fusion.weight, plan.project_out(x, linear))
     want = torch.autograd.grad((expected * upstream).sum(), parameters)
     torch.testing.assert_close(mixed, expected, rtol=1e-12, atol=1e-12)
     for name, g, w in zip(("input", "fusion", "weight", "bias"), got, want, strict=False):

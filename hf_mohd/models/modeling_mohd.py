@@ -265,8 +265,7 @@ class MoHDSubDimensions(nn.Module):
         if tensor_parallel is None:
             if self.output_compensation is None and isinstance(self.group_fusion, MoHDGroupFusion):
                 # the plan's own fused form, where it has one (the grouped plan while compiling)
-                fusion = self.group_fusion.matrix(self.group_fusion.weight.dtype, self.activation_scale)
-                mixed = plan.project_out_mixed(flat, linear, fusion)
+                mixed = plan.project_out_mixed(flat, linear, self.group_fusion, self.activation_scale)
                 if mixed is not None:
                     return mixed.view(*hidden_states.shape[:-1], -1)
             blocks = plan.project_out(flat, linear)

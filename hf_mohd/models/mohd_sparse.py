@@ -639,11 +639,11 @@ class MoHDPlan:
         return None
 
     def project_out_mixed(
-        self, hidden_states: torch.Tensor, linear: nn.Linear, fusion: torch.Tensor
+        self, hidden_states: torch.Tensor, linear: nn.Linear, fusion: nn.Module, scale: float
     ) -> torch.Tensor | None:
-        """(M, in) -> the group-fused (M, N, s) `fusion @ project_out(hidden_states, linear)` for the (N, N) matrix
-        `fusion`, computed from the active blocks alone, or None where the caller composes the two (this plan has no
-        such form, or it does not apply here)."""
+        """(M, in) -> the group-fused (M, N, s) `F @ project_out(hidden_states, linear)` for the (N, N) matrix
+        F = `fusion.matrix(dtype, scale)` (`MoHDGroupFusion`), computed from the active blocks alone, or None where
+        the caller composes the two (this plan has no such form, or it does not apply here)."""
         return None
 
 
@@ -757,7 +757,7 @@ class MoHDGroupedPlan(MoHDPlan):
         return shared.view(m, g.num_shared, g.block), routed
 
     def project_out_mixed(
-        self, hidden_states: torch.Tensor, linear: nn.Linear, fusion: torch.Tensor
+        self, hidden_states: torch.Tensor, linear: nn.Linear, fusion: nn.Module, scale: float
     ) -> torch.Tensor | None:
         """While compiling, `mix_compact_blocks` on `compact_out`'s blocks (eager autograd keeps the compact blocks
         through `MoHDSparseBlockMix` instead, on the single-Function product)."""
@@ -766,7 +766,8 @@ class MoHDGroupedPlan(MoHDPlan):
         shared, routed = self.compact_out(hidden_states, linear)
         dtype = torch.promote_types(shared.dtype, routed[0].dtype)  # the dtype `project_out`'s concatenation has
         routed = [rows.to(dtype) for rows in routed]
-        return mix_compact_blocks(fusion.to(dtype), shared.to(dtype), routed, self.token_index, self.block_index)
+        matrix = fusion.matrix(dtype, scale)
+        return mix_compact_blocks(matrix, shared.to(dtype), routed, self.token_index, self.block_index)
 
     def sparse_block_positions(self, blocks: torch.Tensor, fusion: nn.Module) -> torch.Tensor | None:
         """The routed blocks' rows while autograd records an eager step (`project_out`'s blocks are zero outside the
