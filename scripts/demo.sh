@@ -5,6 +5,15 @@
 # Usage: bash scripts/demo.sh [hf-mohd demo options, e.g. --output-dir runs/demo --max-steps 150 --quick]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup.sh
+# --help alone needs no set-up when .venv is already there
+wants_help=false
+for argument in "$@"; do
+  if [[ "$argument" == "-h" || "$argument" == "--help" ]]; then wants_help=true; fi
+done
+if [[ "$wants_help" == true && -x .venv/bin/hf-mohd ]]; then
+  source .venv/bin/activate
+else
+  source scripts/setup.sh
+fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1 TOKENIZERS_PARALLELISM=false
 hf-mohd demo "$@"
