@@ -79,3 +79,18 @@ def test_block_major_mohd_decode_step_compiles_fullgraph_on_its_fused_weights():
     compiled = static_cache_greedy(model, torch.compile(model, fullgraph=True, dynamic=False), prompt, 8)
     assert compiled == eager
     assert len(set(eager)) > 2
+
+
+@pytest.mark.slow
+def test_mohd_prefill_without_autograd_compiles_fullgraph():
+    """A many-token forward without autograd (the prefill `generate` compiles with a static cache) takes the grouped
+    plan, whose input side then adds its routed products with a plain `index_add_` (dynamo traces `MoHDRowIndexAdd`'s
+    `mark_dirty` only where autograd records it): it compiles with fullgraph=True and gives eager's logits."""
+    model = build(FAMILIES["mohd"])
+    model.set_sparse_implementation("gather")
+    ids = input_ids(batch=2, length=16, seed=2)  # 32 tokens: the grouped plan
+    with torch.no_grad():
+        eager = model(input_ids=ids, use_cache=False).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, dynamic=False)(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)

@@ -714,8 +714,11 @@ class MoHDGroupedPlan(MoHDPlan):
             # (N_r, s, out) view of the routed columns: block j is weight[:, D_s + j s : D_s + (j + 1) s].T
             routed_weight = weight[:, g.shared_width :].view(weight.shape[0], g.num_routed, g.block).permute(1, 2, 0)
             for slot in range(g.top_k):
-                routed_out = grouped_matmul(routed[slot], routed_weight, self.offsets[slot])
-                out = MoHDRowIndexAdd.apply(out, self.token_index[slot], routed_out.to(out.dtype))
+                routed_out = grouped_matmul(routed[slot], routed_weight, self.offsets[slot]).to(out.dtype)
+                if torch.is_grad_enabled():
+                    out = MoHDRowIndexAdd.apply(out, self.token_index[slot], routed_out)
+                else:  # no backward to save for; dynamo traces `mark_dirty` only where autograd records the Function
+                    out = out.index_add_(0, self.token_index[slot], routed_out)
             outputs.append(out)
         return outputs
 
