@@ -296,13 +296,10 @@ class MoHDGatheredGroupedMatmul(torch.autograd.Function):
         inputs, index, weight, offsets = ctx.saved_tensors
         rows = F.embedding(index, inputs)  # = inputs[index]; not the forward's op, which a compiled step would keep
         grad_rows, grad_weight = grouped_matmul_backward(rows, weight, offsets, grad)
-        grad_inputs = torch.zeros_like(inputs).index_add_(0, index, grad_rows.to(inputs.dtype))
-        return (
-            grad_inputs if ctx.needs_input_grad[0] else None,
-            None,
-            grad_weight if ctx.needs_input_grad[2] else None,
-            None,
-        )
+        grad_inputs = None
+        if ctx.needs_input_grad[0]:
+            grad_inputs = torch.zeros_like(inputs).index_add_(0, index, grad_rows.to(inputs.dtype))
+        return grad_inputs, None, grad_weight if ctx.needs_input_grad[2] else None, None
 
 
 def grouped_matmul_backward(
@@ -1175,18 +1172,24 @@ def fused_projection_groups(module: nn.Module, groups=None) -> list[list[nn.Modu
     return [linears for linears in groups if all(linear is not None for linear in linears)]
 
 
-def fusable_linears(linears) -> bool:
-    """Whether `linears` (two or more) can share one block-major storage (`fuse_block_major_`): plain `nn.Linear`
-    without bias whose weights are plain (not distributed, not meta) tensors of one dtype, device and input width."""
+def _alike_linears(linears) -> bool:
+    """Whether `linears` are two or more plain `nn.Linear` without bias whose weights share dtype, device and input
+    width: the checks that `torch.compile` can trace, shared by `fusable_linears` and `block_major_fused_views`."""
     if len(linears) < 2 or any(type(linear) is not nn.Linear or linear.bias is not None for linear in linears):
         return False
     first = linears[0].weight
     return all(
-        type(linear.weight.data) is torch.Tensor
-        and not linear.weight.is_meta
-        and (linear.weight.dtype, linear.weight.device, linear.weight.shape[1])
+        (linear.weight.dtype, linear.weight.device, linear.weight.shape[1])
         == (first.dtype, first.device, first.shape[1])
         for linear in linears
+    )
+
+
+def fusable_linears(linears) -> bool:
+    """Whether `linears` (two or more) can share one block-major storage (`fuse_block_major_`): plain `nn.Linear`
+    without bias whose weights are plain (not distributed, not meta) tensors of one dtype, device and input width."""
+    return _alike_linears(linears) and all(
+        type(linear.weight.data) is torch.Tensor and not linear.weight.is_meta for linear in linears
     )
 
 
@@ -1221,29 +1224,21 @@ def block_major_fused_views(linears) -> bool:
     strides (1, sum of out) of the views `fuse_block_major_` makes, the only ones with such strides: the checks of
     `shares_block_major_storage` that `torch.compile` can trace (it reads neither data pointers nor storage
     offsets)."""
-    if len(linears) < 2 or any(type(linear) is not nn.Linear or linear.bias is not None for linear in linears):
+    if not _alike_linears(linears):
         return False
-    weights = [linear.weight for linear in linears]
-    first, total = weights[0], sum(weight.shape[0] for weight in weights)
-    return all(
-        (weight.dtype, weight.device, weight.shape[1], weight.stride())
-        == (first.dtype, first.device, first.shape[1], (1, total))
-        for weight in weights
-    )
+    total = sum(linear.weight.shape[0] for linear in linears)
+    return all(linear.weight.stride() == (1, total) for linear in linears)
 
 
 def shares_block_major_storage(linears) -> bool:
     """Whether the weights of `linears` are the consecutive column ranges, transposed, of one row-major
     (in, sum of out) tensor (`fuse_block_major_`); host-side checks of strides and data pointers only."""
-    if not fusable_linears(linears):
+    if not (fusable_linears(linears) and block_major_fused_views(linears)):
         return False
     weights = [linear.weight for linear in linears]
-    total = sum(weight.shape[0] for weight in weights)
     storage, expected = weights[0].untyped_storage().data_ptr(), weights[0].data_ptr()
     for weight in weights:
-        if weight.stride() != (1, total) or weight.data_ptr() != expected:
-            return False
-        if weight.untyped_storage().data_ptr() != storage:
+        if weight.data_ptr() != expected or weight.untyped_storage().data_ptr() != storage:
             return False
         expected += weight.shape[0] * weight.element_size()
     return True
