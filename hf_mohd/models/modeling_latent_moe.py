@@ -52,6 +52,8 @@ from .modeling_common import (
     load_balancing_loss,
     replayed_routes,
 )
+from .native_gather import DTYPES as NATIVE_DTYPES
+from .native_gather import native_gather
 
 
 logger = logging.get_logger(__name__)
@@ -320,24 +322,31 @@ def gather_experts_forward(
         experts, gates = torch.where(valid, top_k_index, 0), torch.where(valid, top_k_weights, 0)
     gates = cast_to(gates, hidden_states.dtype)
     weight = self.gate_up_proj if self.has_gate else self.up_proj  # (E, o, l)
-    up_rows = torch.add(bag_starts(width, 1), experts.unsqueeze(-1), alpha=width).view(-1)  # (M K l): e l + i
-    hidden = F.embedding_bag(
-        up_rows,
-        weight.transpose(1, 2).reshape(num_experts * width, weight.shape[1]),
-        bag_starts(num_tokens * num_top_k, width),
-        mode="sum",
-        per_sample_weights=hidden_states.repeat(1, num_top_k).view(-1),  # x_i for row (token, k, i)
-    )  # (M K, o)
+    kernels = native_gather() if hidden_states.dtype in NATIVE_DTYPES else None
+    if kernels is not None:  # each picked expert's contiguous block streamed (native_gather.py)
+        hidden = kernels.gathered_up(hidden_states.contiguous(), experts.contiguous(), weight.transpose(1, 2))
+    else:
+        up_rows = torch.add(bag_starts(width, 1), experts.unsqueeze(-1), alpha=width).view(-1)  # (M K l): e l + i
+        hidden = F.embedding_bag(
+            up_rows,
+            weight.transpose(1, 2).reshape(num_experts * width, weight.shape[1]),
+            bag_starts(num_tokens * num_top_k, width),
+            mode="sum",
+            per_sample_weights=hidden_states.repeat(1, num_top_k).view(-1),  # x_i for row (token, k, i)
+        )  # (M K, o)
     hidden = (self._apply_gate(hidden) if self.has_gate else self.act_fn(hidden)) * gates.view(-1, 1)  # (M K, m)
     inner = hidden.shape[1]
-    down_rows = torch.add(bag_starts(inner, 1), experts.unsqueeze(-1), alpha=inner).view(-1)  # (M K m): e m + j
-    out = F.embedding_bag(
-        down_rows,
-        self.down_proj.transpose(1, 2).reshape(num_experts * inner, width),
-        bag_starts(num_tokens, num_top_k * inner),
-        mode="sum",
-        per_sample_weights=hidden.view(-1),
-    )  # (M, l)
+    if kernels is not None:
+        out = kernels.gathered_down(hidden.contiguous(), experts.contiguous(), self.down_proj.transpose(1, 2))
+    else:
+        down_rows = torch.add(bag_starts(inner, 1), experts.unsqueeze(-1), alpha=inner).view(-1)  # (M K m): e m + j
+        out = F.embedding_bag(
+            down_rows,
+            self.down_proj.transpose(1, 2).reshape(num_experts * inner, width),
+            bag_starts(num_tokens, num_top_k * inner),
+            mode="sum",
+            per_sample_weights=hidden.view(-1),
+        )  # (M, l)
     return cast_to(out, hidden_states.dtype)
 
 

@@ -114,14 +114,30 @@ def test_dense_masked_experts_equal_the_eager_loop_in_float64_here_and_in_mixtra
     torch.testing.assert_close(dense_masked_experts_forward(experts, states, index, weight), alone)
 
 
+@pytest.mark.parametrize("read", ["native", "embedding_bag"])
 @pytest.mark.parametrize("mlp_gated", [True, False])
-def test_gather_experts_read_only_the_picked_experts_and_equal_the_eager_loop(mlp_gated, tmp_path):
-    """The gather kernel's direct read (few tokens, no autograd, decoding layout: two `embedding_bag` calls) is the
-    eager loop's sum to float64 rounding at 1 to 8 tokens; with more tokens it takes the dense masked form when
-    tokens pick at least a quarter of the experts on CPU (else the grouped kernel); `generate` stores the decoding layout, gives the eager
-    model's greedy tokens, and the model still saves and reloads to the same logits."""
+def test_gather_experts_read_only_the_picked_experts_and_equal_the_eager_loop(mlp_gated, read, tmp_path, monkeypatch):
+    """The gather kernel's direct read (few tokens, no autograd, decoding layout; the native kernels of
+    `native_gather`, or two `embedding_bag` calls where they are not built) is the eager loop's sum to float64
+    rounding at 1 to 8 tokens; with more tokens it takes the dense masked form when tokens pick at least a quarter of
+    the experts on CPU (else the grouped kernel); `generate` stores the decoding layout, gives the eager model's greedy
+    tokens, and the model still saves and reloads to the same logits."""
     from hf_mohd.models import modeling_latent_moe
+    from hf_mohd.models.native_gather import native_gather
 
+    native_calls = []
+    if read == "native":
+        kernels = native_gather()
+        assert kernels is not None, "the native gather kernels did not build (see the logged reason)"
+
+        class Spy:
+            def __getattr__(self, name):
+                native_calls.append(name)
+                return getattr(kernels, name)
+
+        monkeypatch.setattr(modeling_latent_moe, "native_gather", Spy)
+    else:
+        monkeypatch.setattr(modeling_latent_moe, "native_gather", lambda: None)
     overrides = dict(mlp_gated=mlp_gated, mlp_bias=False)
     if not mlp_gated:
         overrides["hidden_act"] = "relu2"
@@ -145,6 +161,9 @@ def test_gather_experts_read_only_the_picked_experts_and_equal_the_eager_loop(ml
             # 9 tokens on CPU: both MoE layers (K = 2 of 8, 3 of 6: at least a quarter) take the dense masked form
             assert calls == ([] if tokens <= 8 else [8, 6]), (tokens, calls)
             calls.clear()
+            # native: both layers' up and down products at 1-8 tokens, none at 9
+            assert len(native_calls) == (4 if read == "native" and tokens <= 8 else 0), (tokens, native_calls)
+            native_calls.clear()
     model.to_experts_layout("default")
     experts = model.model.layers[1].mlp.experts
     assert not modeling_latent_moe.experts_in_decoding_layout(experts)
