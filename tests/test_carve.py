@@ -185,6 +185,55 @@ def test_oracle_arm_equals_a_hand_computation(tiny_folder):
         assert not torch.allclose(block(x).view(-1, 64), expected)
 
 
+def test_expert_budget_errors_equal_the_model_run_with_one_layer_at_k(tiny_folder, tmp_path):
+    """`carved_layer_errors`: e_l(K) = sum ||n(s_K) - n(s_N)||^2 / sum ||n(s_N)||^2, where s is the stream layer l
+    writes and n the norm that reads it, equals the model's own forward with only layer l at K (the output of that
+    norm, hooked), to float64 rounding; the greedy keeps the uniform K's parameters, and the allocation saves
+    (`per_layer_config`) and reloads to the same routers and logits."""
+    from hf_mohd.conversion.budgets import allocate_experts_per_tok, apply_expert_budgets, carved_layer_errors
+    from hf_mohd.conversion.source import ConversionError
+
+    source = load_dense_llama(tiny_folder, dtype=torch.float64)
+    model, _ = carve_llama(source, token_ids(8, 0), num_experts=4, num_experts_per_tok=2, shared_fraction=0.25)
+    calibration = token_ids(4, 1, length=16)
+    errors, tokens = carved_layer_errors(model, calibration, batch_size=3)
+    assert tokens == calibration.numel() and sorted(errors) == [0, 1]
+    layers = model.model.layers
+    for idx in errors:
+        norm = layers[idx + 1].input_layernorm if idx + 1 < len(layers) else model.model.norm
+        outputs = []
+        handle = norm.register_forward_hook(lambda module, args, output, kept=outputs: kept.append(output))
+        measured = []
+        try:
+            with torch.no_grad(), every_expert_active(model):
+                model(calibration, use_cache=False)
+                reference = outputs.pop()
+                for k in range(1, 5):
+                    layers[idx].mlp.gate.top_k = k
+                    model(calibration, use_cache=False)
+                    measured.append(((outputs.pop() - reference).pow(2).sum() / reference.pow(2).sum()).item())
+        finally:
+            handle.remove()
+        torch.testing.assert_close(torch.tensor(errors[idx]), torch.tensor(measured), rtol=1e-9, atol=1e-15)
+        assert measured[-1] == 0 and measured[0] > measured[2] > 0
+    allocation = allocate_experts_per_tok(model, calibration, 2.5)
+    ks = allocation.budgets
+    assert all(1 <= k <= 4 for k in ks.values()) and sum(ks.values()) <= 5  # both layers' experts are alike
+    assert allocation.active_expert_params <= allocation.budget_expert_params
+    apply_expert_budgets(model, allocation)
+    assert [layer.mlp.gate.top_k for layer in layers] == [ks[0], ks[1]]
+    model.save_pretrained(tmp_path / "budgeted")
+    reloaded = LatentMoEForCausalLM.from_pretrained(tmp_path / "budgeted", dtype=torch.float64)
+    assert [layer.mlp.gate.top_k for layer in reloaded.model.layers] == [ks[0], ks[1]]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(calibration).logits, model(calibration).logits, rtol=0, atol=1e-12)
+    with pytest.raises(ConversionError, match="mean_experts_per_tok"):
+        allocate_experts_per_tok(model, calibration, 4.5)
+    model.config.router_gate = "weighted"
+    with pytest.raises(ConversionError, match="router_gate"):
+        carved_layer_errors(model, calibration)
+
+
 def test_fitted_router_recall_is_well_above_chance(tiny_folder):
     source = load_dense_llama(tiny_folder)
     model, report = carve_llama(source, token_ids(32, 0), num_experts=8, num_experts_per_tok=1, shared_fraction=0.0)

@@ -23,6 +23,11 @@ routed experts read and write in the top-l directions of the uncentred second mo
 calibration text; l = 576 = hidden is a rotation of the full-width carving); arms are then keyed "N=64 l=288 75%
 fitted", and the run belongs in its own `--output`.
 
+With `--expert-budgets`, every arm also runs with each MoE layer at its own K ("N=128 75% fitted budgets"):
+`hf_mohd.conversion.budgets.allocate_experts_per_tok` allocates, from the fitted routers' ranking on the calibration
+tokens, the per-layer K that keeps the uniform K's parameters per token (TEAL's greedy on the error after the next
+norm), training-free; the oracle arm then takes each layer's top-K_l by true mass.
+
 Resumable: every finished arm is written at once (atomically, `hf_mohd.atomic_folder.write_json_atomically`) to
 `--output`; a rerun skips finished arms. Arms run by value: 75% at every N, then 50%, then 25%.
 
@@ -30,6 +35,8 @@ Resumable: every finished arm is written at once (atomically, `hf_mohd.atomic_fo
         --output experiments/smollm2/results/smollm2_carving.json
     python -m experiments.smollm2.carve --threads 2 --calibration-tokens 4096 --experts 64 --fractions 75% 50% \
         --latent-sizes 576 288 144 --output experiments/smollm2/results/smollm2_carving_latent.json
+    python -m experiments.smollm2.carve --threads 2 --calibration-tokens 4096 --experts 128 256 512 \
+        --fractions 75% 50% --expert-budgets --output experiments/smollm2/results/smollm2_carving_fine.json
 """
 
 import argparse
@@ -89,9 +96,11 @@ def shared_ffn_inputs():
         carve.ffn_inputs = original
 
 
-def arm_key(n: int, latent: int | None, label: str, routing: str) -> str:
-    """The arm's key in the report: "N=64 75% fitted", or "N=64 l=288 75% fitted" at a latent width."""
-    return f"N={n} {label} {routing}" if latent is None else f"N={n} l={latent} {label} {routing}"
+def arm_key(n: int, latent: int | None, label: str, routing: str, budgets: bool = False) -> str:
+    """The arm's key in the report: "N=64 75% fitted", "N=64 l=288 75% fitted" at a latent width, "... budgets" with
+    per-layer K."""
+    key = f"N={n} {label} {routing}" if latent is None else f"N={n} l={latent} {label} {routing}"
+    return key + " budgets" if budgets else key
 
 
 def set_top_k(model, k: int) -> None:
@@ -119,6 +128,12 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--latent-sizes", type=int, nargs="+", help="Latent widths l of the routed experts (default: full width)."
     )
+    parser.add_argument(
+        "--expert-budgets",
+        action="store_true",
+        help="Also run every arm with each layer at its own K (`budgets.allocate_experts_per_tok`, from the fitted "
+        "routers on the calibration tokens, the uniform K's parameters).",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice).")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "smollm2_carving.json")
     args = parser.parse_args(argv)
@@ -128,6 +143,7 @@ def main(argv=None) -> int:
 
     import hf_mohd  # noqa: F401
     from hf_mohd.conversion import carve_llama, carved_routing_recall, load_dense_llama, oracle_routing
+    from hf_mohd.conversion.budgets import allocate_experts_per_tok, apply_expert_budgets
     from hf_mohd.conversion.carve import (
         CALIBRATION_ARTICLES,
         HELD_OUT_ARTICLES,
@@ -146,6 +162,8 @@ def main(argv=None) -> int:
     }
     if args.latent_sizes:
         options["latent_sizes"] = args.latent_sizes
+    if args.expert_budgets:
+        options["expert_budgets"] = True
     latent_sizes = args.latent_sizes or [None]
     report = json.loads(args.output.read_text()) if args.output.exists() else {}
     if report and report.get("options") != options:
@@ -172,8 +190,9 @@ def main(argv=None) -> int:
             active = Fraction(shared + int(k) * width, intermediate)
             assert active == Fraction(label.rstrip("%")) / 100, (label, n, active)
             for latent in latent_sizes:
-                for routing in ("fitted", "oracle"):
-                    planned.append((label, n, float(f), int(k), shared, width, latent, routing))
+                for budgets in (False, True) if args.expert_budgets else (False,):
+                    for routing in ("fitted", "oracle"):
+                        planned.append((label, n, float(f), int(k), shared, width, latent, routing, budgets))
     if not report:
         report = {
             "command": "python -m experiments.smollm2.carve " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -205,11 +224,21 @@ def main(argv=None) -> int:
                 "active_fraction": "f + (1 - f) K / N; 75%: f = 1/3, K/N = 5/8; 50%: f = 1/3, K/N = 1/4; 25%: f = 0, "
                 "K/N = 1/4 (f = 1/4 needs 3 | N; at 25% only f = 0 splits I = 1536 exactly for N = 16, 64, 128)",
                 "calibration_ffn_inputs": "computed once and shared by every carving",
+                **(
+                    {
+                        "expert_budgets": "budgets.allocate_experts_per_tok: per-layer K from the fitted routers' "
+                        "ranking, greedy on the relative error after the next norm, at the uniform K's parameters"
+                    }
+                    if args.expert_budgets
+                    else {}
+                ),
             },
             "reference": REFERENCE,
             "dense": None,
             "arms": {},
-            "planned_arms": [arm_key(n, latent, label, routing) for label, n, *_, latent, routing in planned],
+            "planned_arms": [
+                arm_key(n, latent, label, routing, budgets) for label, n, *_, latent, routing, budgets in planned
+            ],
             "complete": False,
             "torch_threads": torch.get_num_threads(),
             "machine_at_start": ep.machine(),
@@ -218,7 +247,8 @@ def main(argv=None) -> int:
 
     def save() -> None:
         report["complete"] = report["dense"] is not None and all(
-            arm_key(n, latent, label, routing) in report["arms"] for label, n, *_, latent, routing in planned
+            arm_key(n, latent, label, routing, budgets) in report["arms"]
+            for label, n, *_, latent, routing, budgets in planned
         )
         report["machine_latest"] = ep.machine()
         write_json_atomically(args.output, report)
@@ -233,8 +263,9 @@ def main(argv=None) -> int:
 
     carvings = {}
     with shared_ffn_inputs():
-        for label, n, f, k, shared, width, latent, routing in planned:
-            key = arm_key(n, latent, label, routing)
+        allocations = {}
+        for label, n, f, k, shared, width, latent, routing, budgets in planned:
+            key = arm_key(n, latent, label, routing, budgets)
             if key in report["arms"]:
                 continue
             started = time.time()
@@ -265,6 +296,15 @@ def main(argv=None) -> int:
                 entry["carving_seconds"] = carvings[(n, f, latent)][2]
             model, summary, _ = carvings[(n, f, latent)]
             set_top_k(model, k)
+            if budgets:
+                if (n, f, latent, k) not in allocations:
+                    allocated = time.time()
+                    allocation = allocate_experts_per_tok(model, calibration_ids, k, batch_size=args.batch_size)
+                    allocations[(n, f, latent, k)] = (allocation, round(time.time() - allocated, 1))
+                allocation, seconds = allocations[(n, f, latent, k)]
+                apply_expert_budgets(model, allocation)
+                entry["expert_budgets"] = {str(idx): kk for idx, kk in sorted(allocation.budgets.items())}
+                entry["allocation_seconds"] = seconds
             entry["shared_mass"] = summary["shared_mass"]
             entry["mean_cohesion"] = sum(summary["cohesion"]) / len(summary["cohesion"])
             if latent is not None:
@@ -288,7 +328,7 @@ def main(argv=None) -> int:
                 ppl = perplexity(model, windows, args.batch_size, desc=key)
             entry["perplexity_seconds"] = round(time.time() - measured, 1)
             entry.update(perplexity=ppl, ratio_to_dense=ppl / dense)
-            if routing == "fitted":
+            if routing == "fitted" and not budgets:
                 measured = time.time()
                 recall = carved_routing_recall(model, windows[:recall_rows], batch_size=args.batch_size)
                 entry["recall_of_oracle_top_k"] = {
@@ -298,14 +338,17 @@ def main(argv=None) -> int:
                     "tokens": recall["tokens"],
                 }
                 entry["recall_seconds"] = round(time.time() - measured, 1)
+            if budgets:  # back to the uniform K for the next arm
+                model.config.per_layer_config = None
+                set_top_k(model, k)
             entry["seconds"] = round(time.time() - started, 1)
             entry["load_average"] = [round(x, 2) for x in os.getloadavg()]
             report["arms"][key] = entry
             logger.info("%s: perplexity %.3f (%.3fx dense), %.0f s", key, ppl, ppl / dense, entry["seconds"])
             save()
             if all(
-                arm_key(n, lat, lab, r) in report["arms"]
-                for lab, nn, ff, *_, lat, r in planned
+                arm_key(n, lat, lab, r, b) in report["arms"]
+                for lab, nn, ff, *_, lat, r, b in planned
                 if (nn, ff, lat) == (n, f, latent)
             ):
                 del carvings[(n, f, latent)]  # every arm of this carving is done
