@@ -172,8 +172,13 @@ def _build_name() -> str:
     """Extension name: one build per kernel source and CPU (the build targets the build machine's instruction set)."""
     cpu = platform.processor() or platform.machine()
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            cpu = next((line for line in info if line.startswith(("model name", "flags"))), cpu) + cpu
+        with open("/proc/cpuinfo", encoding="utf-8") as info:  # the first core's model name and instruction flags
+            seen = {}
+            for line in info:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags", "Features") and key not in seen:
+                    seen[key] = line
+            cpu += "".join(seen.values())
     except OSError:
         pass
     digest = hashlib.sha256((SOURCE + cpu + torch.__version__).encode()).hexdigest()[:12]
