@@ -143,7 +143,7 @@ def main(argv=None) -> int:
 
     import hf_mohd  # noqa: F401
     from hf_mohd.conversion import carve_llama, carved_routing_recall, load_dense_llama, oracle_routing
-    from hf_mohd.conversion.budgets import allocate_experts_per_tok, apply_expert_budgets
+    from hf_mohd.conversion.budgets import allocate_experts_per_tok, apply_expert_budgets, carved_layer_errors
     from hf_mohd.conversion.carve import (
         CALIBRATION_ARTICLES,
         HELD_OUT_ARTICLES,
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
 
     carvings = {}
     with shared_ffn_inputs():
-        allocations = {}
+        allocations, layer_errors = {}, {}
         for label, n, f, k, shared, width, latent, routing, budgets in planned:
             key = arm_key(n, latent, label, routing, budgets)
             if key in report["arms"]:
@@ -299,7 +299,11 @@ def main(argv=None) -> int:
             if budgets:
                 if (n, f, latent, k) not in allocations:
                     allocated = time.time()
-                    allocation = allocate_experts_per_tok(model, calibration_ids, k, batch_size=args.batch_size)
+                    if (n, f, latent) not in layer_errors:  # the same for every K of this carving
+                        layer_errors[(n, f, latent)] = carved_layer_errors(model, calibration_ids, args.batch_size)
+                    allocation = allocate_experts_per_tok(
+                        model, calibration_ids, k, errors=layer_errors[(n, f, latent)]
+                    )
                     allocations[(n, f, latent, k)] = (allocation, round(time.time() - allocated, 1))
                 allocation, seconds = allocations[(n, f, latent, k)]
                 apply_expert_budgets(model, allocation)

@@ -438,7 +438,11 @@ def _ranked_expert_errors(
 
 
 def allocate_experts_per_tok(
-    model: LatentMoEForCausalLM, calibration_ids: torch.Tensor, mean_experts_per_tok: float, batch_size: int = 4
+    model: LatentMoEForCausalLM,
+    calibration_ids: torch.Tensor,
+    mean_experts_per_tok: float,
+    batch_size: int = 4,
+    errors: tuple[dict[int, list[float]], int] | None = None,
 ) -> ExpertBudgets:
     """Each MoE layer's K for the per-token parameter budget of a uniform K = `mean_experts_per_tok`: the errors of
     `carved_layer_errors`, a routed expert's parameters as the cost, and `greedy_budgets` (module docstring, step 3:
@@ -450,11 +454,13 @@ def allocate_experts_per_tok(
         calibration_ids: (R, T) calibration token ids, disjoint from evaluation text.
         mean_experts_per_tok: K_mean in [1, N]; a fraction is allowed (the budget is linear in K).
         batch_size: rows per forward.
+        errors: what `carved_layer_errors(model, calibration_ids)` returned, to reuse for another K (the errors do
+            not depend on K); None measures them.
 
     Raises:
         ConversionError: `mean_experts_per_tok` outside [1, N], or the errors cannot be measured.
     """
-    errors, tokens = carved_layer_errors(model, calibration_ids, batch_size)
+    errors, tokens = errors if errors is not None else carved_layer_errors(model, calibration_ids, batch_size)
     full = len(next(iter(errors.values())))
     if isinstance(mean_experts_per_tok, bool) or not 1 <= float(mean_experts_per_tok) <= full:
         raise ConversionError(
