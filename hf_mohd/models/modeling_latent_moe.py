@@ -322,7 +322,8 @@ def gather_experts_forward(
         experts, gates = torch.where(valid, top_k_index, 0), torch.where(valid, top_k_weights, 0)
     gates = cast_to(gates, hidden_states.dtype)
     weight = self.gate_up_proj if self.has_gate else self.up_proj  # (E, o, l)
-    kernels = native_gather() if hidden_states.dtype in NATIVE_DTYPES else None
+    same_dtype = weight.dtype == self.down_proj.dtype == hidden_states.dtype
+    kernels = native_gather() if same_dtype and hidden_states.dtype in NATIVE_DTYPES else None
     if kernels is not None:  # each picked expert's contiguous block streamed (native_gather.py)
         hidden = kernels.gathered_up(hidden_states.contiguous(), experts.contiguous(), weight.transpose(1, 2))
     else:

@@ -29,7 +29,8 @@ Both accumulate in `at::opmath_type` (fp32 for fp32 and bf16, float64 for float6
 over o or a slice of l is vectorised by the compiler) and split the work with torch's own thread pool
 (`at::parallel_for`: experts on the up side, one slice of l per thread on the down side), prefetching 2 KB ahead
 across block boundaries. Expert ids must lie in [0, E); the
-caller masks expert-parallel off-rank ids first.
+caller masks expert-parallel off-rank ids first;
+an id outside [0, E) raises (RuntimeError) rather than reading outside the table.
 
 The extension is compiled on first use with `torch.utils.cpp_extension.load_inline` (a C++ compiler and ninja; about
 20 s once, then cached under torch's extensions folder, one build per CPU model since it targets the build machine's
@@ -133,11 +134,19 @@ static void check(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
 }
 
+static void check_ids(const torch::Tensor& experts, int64_t num_experts) {
+  const int64_t* ids = experts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < experts.numel(); ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < num_experts, "expert id ", ids[i], " outside [0, ", num_experts, ")");
+  }
+}
+
 torch::Tensor gathered_up(torch::Tensor x, torch::Tensor experts, torch::Tensor weight) {
   check(x, "x"); check(experts, "experts"); check(weight, "weight");
   TORCH_CHECK(x.dim() == 2 && experts.dim() == 2 && weight.dim() == 3 && x.size(0) == experts.size(0) &&
               weight.size(1) == x.size(1) && experts.scalar_type() == torch::kLong &&
               weight.scalar_type() == x.scalar_type(), "gathered_up: x (M, l), experts (M, K) int64, weight (E, l, o)");
+  check_ids(experts, weight.size(0));
   const int64_t M = x.size(0), K = experts.size(1), l = x.size(1), o = weight.size(2);
   auto out = torch::empty({M * K, o}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gathered_up", [&] {
@@ -153,6 +162,7 @@ torch::Tensor gathered_down(torch::Tensor hidden, torch::Tensor experts, torch::
               hidden.size(0) == experts.numel() && hidden.size(1) == weight.size(1) &&
               experts.scalar_type() == torch::kLong && weight.scalar_type() == hidden.scalar_type(),
               "gathered_down: hidden (M K, m), experts (M, K) int64, weight (E, m, l)");
+  check_ids(experts, weight.size(0));
   const int64_t M = experts.size(0), K = experts.size(1), m = weight.size(1), l = weight.size(2);
   auto out = torch::empty({M, l}, hidden.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, hidden.scalar_type(), "gathered_down", [&] {

@@ -49,14 +49,18 @@ def test_gathered_products_equal_einsums_over_the_picked_experts(kernels, dtype,
 
 
 def test_gathered_products_refuse_what_they_cannot_read(kernels):
-    """A strided table, a mismatched width, int32 ids or mixed dtypes raise (RuntimeError with the expected shapes)
-    instead of reading the wrong memory."""
+    """A strided table, a mismatched width, an expert id outside the table, int32 ids or mixed dtypes raise
+    (RuntimeError naming what was expected) instead of reading the wrong memory."""
     x, ids = torch.randn(2, 6), torch.tensor([[0, 1], [2, 0]])
     table = torch.randn(3, 6, 4)
     with pytest.raises(RuntimeError, match="contiguous"):
         kernels.gathered_up(x, ids, torch.randn(3, 4, 6).transpose(1, 2))
     with pytest.raises(RuntimeError, match=r"x \(M, l\)"):
         kernels.gathered_up(torch.randn(2, 5), ids, table)
+    with pytest.raises(RuntimeError, match=r"expert id 3 outside \[0, 3\)"):
+        kernels.gathered_up(x, torch.tensor([[0, 3], [1, 2]]), table)
+    with pytest.raises(RuntimeError, match=r"expert id -1 outside"):
+        kernels.gathered_down(torch.randn(4, 6), torch.tensor([[0, -1], [1, 2]]), torch.randn(3, 6, 5))
     with pytest.raises(RuntimeError, match="int64"):
         kernels.gathered_up(x, ids.int(), table)
     with pytest.raises(RuntimeError, match=r"hidden \(M K, m\)"):
