@@ -282,11 +282,13 @@ def gather_experts_forward(
     (as MoHD's gather strategy plans its blocks).
 
     - Few tokens on a CPU (M <= `GATHER_FEW_TOKENS`, eager, no autograd, weights in the decoding layout that
-      `generate` sets; the decoding case, memory-bound): both products as `embedding_bag` over the weights' rows, reading exactly the K
-      picked experts' weights once and copying none. Up side: row (e l + i) of `gate_up_proj.transpose(1, 2)` is
-      expert e's weights for input scalar i, so bag (token, e) = sum_i x_i row(e l + i) = W_e x (a (M K, o) result);
-      down side: row (e m + j) of `down_proj.transpose(1, 2)` is expert e's output for hidden unit j, so one bag per
-      token of its K m rows weighted by the gated hidden units is the weighted sum of its experts' outputs.
+      `generate` sets; the decoding case, memory-bound): both products read exactly the K picked experts' weights
+      once and copy none, by the native loops of `native_gather` (each picked expert's block streamed), or, where
+      those are not built or the dtypes differ, as `embedding_bag` over the weights' rows. Up side: row (e l + i)
+      of `gate_up_proj.transpose(1, 2)` is expert e's weights for input scalar i, so bag (token, e) =
+      sum_i x_i row(e l + i) = W_e x (a (M K, o) result); down side: row (e m + j) of `down_proj.transpose(1, 2)` is
+      expert e's output for hidden unit j, so one bag per token of its K m rows weighted by the gated hidden units is
+      the weighted sum of its experts' outputs (the native loops compute the same sums, block by block).
     - Many tokens: `dense_masked_experts_forward` when a token picks at least a quarter of the experts on CPU (half
       elsewhere): then the grouped kernel's K copies of every token, and on CPU its loop over all E experts, cost
       more than computing every expert; else transformers' grouped kernel
