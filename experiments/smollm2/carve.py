@@ -37,6 +37,11 @@ Resumable: every finished arm is written at once (atomically, `hf_mohd.atomic_fo
         --latent-sizes 576 288 144 --output experiments/smollm2/results/smollm2_carving_latent.json
     python -m experiments.smollm2.carve --threads 2 --calibration-tokens 4096 --experts 128 256 512 \
         --fractions 75% 50% --expert-budgets --output experiments/smollm2/results/smollm2_carving_fine.json
+    python -m experiments.smollm2.carve --threads 2 --calibration-tokens 4096 --experts 128 --fractions 75% 50% \
+        --shared-fractions 1/2 2/3 0 1/3 --output experiments/smollm2/results/smollm2_carving_shared.json
+
+With `--shared-fractions`, each active fraction a is carved at every listed shared fraction f that leaves a whole
+K = (a - f) / (1 - f) N in [1, N]; arms at an f other than the plan's are keyed "N=128 f=1/2 75% fitted".
 """
 
 import argparse
@@ -96,10 +101,13 @@ def shared_ffn_inputs():
         carve.ffn_inputs = original
 
 
-def arm_key(n: int, latent: int | None, label: str, routing: str, budgets: bool = False) -> str:
+def arm_key(
+    n: int, latent: int | None, label: str, routing: str, budgets: bool = False, shared: Fraction | None = None
+) -> str:
     """The arm's key in the report: "N=64 75% fitted", "N=64 l=288 75% fitted" at a latent width, "... budgets" with
-    per-layer K."""
-    key = f"N={n} {label} {routing}" if latent is None else f"N={n} l={latent} {label} {routing}"
+    per-layer K, "N=128 f=1/2 75% fitted" at a shared fraction other than the plan's."""
+    head = f"N={n}" if shared is None or shared == PLANS[label][0] else f"N={n} f={shared}"
+    key = f"{head} {label} {routing}" if latent is None else f"{head} l={latent} {label} {routing}"
     return key + " budgets" if budgets else key
 
 
@@ -134,6 +142,13 @@ def main(argv=None) -> int:
         help="Also run every arm with each layer at its own K (`budgets.allocate_experts_per_tok`, from the fitted "
         "routers on the calibration tokens, the uniform K's parameters).",
     )
+    parser.add_argument(
+        "--shared-fractions",
+        type=Fraction,
+        nargs="+",
+        help="Shared fractions f to carve at (fractions such as 1/2; default: each active fraction's plan, "
+        "PLANS); K = (a - f) / (1 - f) N, and a pair (f, N) where K is not a whole number in [1, N] is skipped.",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice).")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "smollm2_carving.json")
     args = parser.parse_args(argv)
@@ -164,6 +179,8 @@ def main(argv=None) -> int:
         options["latent_sizes"] = args.latent_sizes
     if args.expert_budgets:
         options["expert_budgets"] = True
+    if args.shared_fractions:
+        options["shared_fractions"] = [str(f) for f in args.shared_fractions]
     latent_sizes = args.latent_sizes or [None]
     report = json.loads(args.output.read_text()) if args.output.exists() else {}
     if report and report.get("options") != options:
@@ -182,17 +199,23 @@ def main(argv=None) -> int:
 
     planned = []
     for label in args.fractions:  # by value: 75% at every N first
-        f, share = PLANS[label]
-        for n in args.experts:
-            k = share * n
-            assert k.denominator == 1 and 1 <= k <= n, (label, n)
-            shared, width = carve_sizes(intermediate, n, float(f))
-            active = Fraction(shared + int(k) * width, intermediate)
-            assert active == Fraction(label.rstrip("%")) / 100, (label, n, active)
-            for latent in latent_sizes:
-                for budgets in (False, True) if args.expert_budgets else (False,):
-                    for routing in ("fitted", "oracle"):
-                        planned.append((label, n, float(f), int(k), shared, width, latent, routing, budgets))
+        a = Fraction(label.rstrip("%")) / 100
+        for f in args.shared_fractions or [PLANS[label][0]]:
+            if not 0 <= f < a:
+                logger.info("%s: shared fraction %s is not below the active fraction; skipped", label, f)
+                continue
+            for n in args.experts:
+                k = (a - f) / (1 - f) * n
+                if k.denominator != 1 or not 1 <= k <= n or (f * intermediate).denominator != 1:
+                    logger.info("%s, f = %s, N = %d: K = %s is not a whole number in [1, N]; skipped", label, f, n, k)
+                    continue
+                shared, width = carve_sizes(intermediate, n, float(f))
+                active = Fraction(shared + int(k) * width, intermediate)
+                assert active == a, (label, n, active)
+                for latent in latent_sizes:
+                    for budgets in (False, True) if args.expert_budgets else (False,):
+                        for routing in ("fitted", "oracle"):
+                            planned.append((label, n, f, int(k), shared, width, latent, routing, budgets))
     if not report:
         report = {
             "command": "python -m experiments.smollm2.carve " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -237,7 +260,7 @@ def main(argv=None) -> int:
             "dense": None,
             "arms": {},
             "planned_arms": [
-                arm_key(n, latent, label, routing, budgets) for label, n, *_, latent, routing, budgets in planned
+                arm_key(n, latent, label, routing, budgets, f) for label, n, f, *_, latent, routing, budgets in planned
             ],
             "complete": False,
             "torch_threads": torch.get_num_threads(),
@@ -247,8 +270,8 @@ def main(argv=None) -> int:
 
     def save() -> None:
         report["complete"] = report["dense"] is not None and all(
-            arm_key(n, latent, label, routing, budgets) in report["arms"]
-            for label, n, *_, latent, routing, budgets in planned
+            arm_key(n, latent, label, routing, budgets, f) in report["arms"]
+            for label, n, f, *_, latent, routing, budgets in planned
         )
         report["machine_latest"] = ep.machine()
         write_json_atomically(args.output, report)
@@ -265,14 +288,14 @@ def main(argv=None) -> int:
     with shared_ffn_inputs():
         allocations, layer_errors = {}, {}
         for label, n, f, k, shared, width, latent, routing, budgets in planned:
-            key = arm_key(n, latent, label, routing, budgets)
+            key = arm_key(n, latent, label, routing, budgets, f)
             if key in report["arms"]:
                 continue
             started = time.time()
             entry = {
                 "num_experts": n,
                 "active_fraction": label,
-                "shared_fraction": f,
+                "shared_fraction": float(f),
                 "shared_width": shared,
                 "expert_width": width,
                 "num_experts_per_tok": k,
@@ -287,7 +310,7 @@ def main(argv=None) -> int:
                     calibration_ids,
                     num_experts=n,
                     num_experts_per_tok=k,
-                    shared_fraction=f,
+                    shared_fraction=float(f),
                     seed=args.seed,
                     batch_size=args.batch_size,
                     latent_size=latent,
@@ -351,7 +374,7 @@ def main(argv=None) -> int:
             logger.info("%s: perplexity %.3f (%.3fx dense), %.0f s", key, ppl, ppl / dense, entry["seconds"])
             save()
             if all(
-                arm_key(n, lat, lab, r, b) in report["arms"]
+                arm_key(nn, lat, lab, r, b, ff) in report["arms"]
                 for lab, nn, ff, *_, lat, r, b in planned
                 if (nn, ff, lat) == (n, f, latent)
             ):

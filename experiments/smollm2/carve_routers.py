@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from experiments.smollm2.heal_carved import load
-    from hf_mohd.conversion.carve import _blocks
+    from hf_mohd.conversion.carve import moe_blocks
 
     if not (args.teacher / "model.safetensors").exists():
         sys.exit(f"{args.teacher}: no dense model; run python -m experiments.smollm2.heal prepare first.")
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.carving)
     held = (args.corpus_dir / "held_out" / "wikipedia.txt").read_text(encoding="utf-8")
     held_ids = torch.tensor(tokenizer(held)["input_ids"][:HELD_OUT_TOKENS]).view(-1, WINDOW)
-    blocks = _blocks(model)
+    blocks = moe_blocks(model)
     x = ffn_inputs(model, blocks, fitting_ids(tokenizer, args.corpus_dir, args.tokens))
     x_held = ffn_inputs(model, blocks, held_ids)
     sizes = [size for size in (4096, 16384, 32768, 65536) if size <= args.tokens]

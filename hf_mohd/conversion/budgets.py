@@ -35,6 +35,7 @@ from ..models.accounting import MOHD_SUBLAYERS
 from ..models.modeling_common import topk_lower_index
 from ..models.modeling_latent_moe import LatentMoEBlock, LatentMoEForCausalLM
 from ..models.modeling_mohd import MoHDForCausalLM, MoHDSubDimensions
+from .carve import moe_blocks
 from .source import ConversionError
 
 
@@ -308,10 +309,6 @@ class ExpertBudgets:
         }
 
 
-def _moe_blocks(model: LatentMoEForCausalLM) -> dict[int, LatentMoEBlock]:
-    return {idx: layer.mlp for idx, layer in enumerate(model.model.layers) if isinstance(layer.mlp, LatentMoEBlock)}
-
-
 @torch.no_grad()
 def carved_layer_errors(
     model: LatentMoEForCausalLM, calibration_ids: torch.Tensor, batch_size: int = 4
@@ -347,7 +344,7 @@ def carved_layer_errors(
     """
     from .carve import every_expert_active
 
-    blocks = _moe_blocks(model)
+    blocks = moe_blocks(model)
     if not blocks or getattr(model.config, "router_gate", None) != "unit":
         raise ConversionError(
             "carved_layer_errors: needs a LatentMoE model with MoE layers and `router_gate='unit'` (a carving), "
@@ -466,7 +463,7 @@ def allocate_experts_per_tok(
         raise ConversionError(
             f"`mean_experts_per_tok` must be a number in [1, {full}] (the routed experts), got {mean_experts_per_tok!r}."
         )
-    blocks = _moe_blocks(model)
+    blocks = moe_blocks(model)
     weights = {idx: sum(p.numel() for p in blocks[idx].experts.parameters()) // full for idx in errors}
     budget = sum(weights.values()) * float(mean_experts_per_tok)
     ks, _ = greedy_budgets(errors, weights, budget)
@@ -494,6 +491,6 @@ def apply_expert_budgets(model: LatentMoEForCausalLM, allocation: ExpertBudgets)
         entries.setdefault(idx, {}).update(fields)
     config.per_layer_config = entries
     config.validate_architecture()
-    for idx, block in _moe_blocks(model).items():
+    for idx, block in moe_blocks(model).items():
         block.gate.top_k = config.per_layer_config[idx].num_experts_per_tok
     return model

@@ -541,8 +541,9 @@ def expert_mass(block: LatentMoEBlock, hidden_states: torch.Tensor) -> torch.Ten
     return inner.abs().sum(-1)
 
 
-def _blocks(model: LatentMoEForCausalLM) -> list[LatentMoEBlock]:
-    return [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, LatentMoEBlock)]
+def moe_blocks(model: LatentMoEForCausalLM) -> dict[int, LatentMoEBlock]:
+    """The MoE blocks of a LatentMoE model by decoder layer index, in layer order (dense layers left out)."""
+    return {idx: layer.mlp for idx, layer in enumerate(model.model.layers) if isinstance(layer.mlp, LatentMoEBlock)}
 
 
 def _log_mass_target(mass: torch.Tensor, floor: float) -> torch.Tensor:
@@ -570,7 +571,7 @@ def fit_carved_routers(model: LatentMoEForCausalLM, inputs: list[torch.Tensor], 
     if not ridge > 0:
         raise ConversionError(f"`ridge` must be > 0, got {ridge!r}.")
     r2 = []
-    for block, x in zip(_blocks(model), inputs, strict=True):
+    for block, x in zip(moe_blocks(model).values(), inputs, strict=True):
         width = x.shape[1]
         if x.shape[0] < width:
             raise ConversionError(
@@ -613,7 +614,7 @@ def oracle_routing(model: LatentMoEForCausalLM) -> Iterator[LatentMoEForCausalLM
     the oracle's: call the model with `use_cache=False`. The hooks are removed on exit.
     """
     handles = []
-    for block in _blocks(model):
+    for block in moe_blocks(model).values():
 
         def hook(router, args, output, block=block):
             logits, weights, _ = output
@@ -644,7 +645,7 @@ def carved_routing_recall(model: LatentMoEForCausalLM, input_ids: torch.Tensor, 
     """
     hits: dict[int, list[torch.Tensor]] = {}
     handles = []
-    for idx, block in enumerate(_blocks(model)):
+    for idx, block in enumerate(moe_blocks(model).values()):
         top_k = block.gate.top_k
 
         def hook(router, args, output, block=block, idx=idx, top_k=top_k):
@@ -663,7 +664,7 @@ def carved_routing_recall(model: LatentMoEForCausalLM, input_ids: torch.Tensor, 
         for handle in handles:
             handle.remove()
     layers = [torch.cat(hits[idx]).mean().item() for idx in sorted(hits)]
-    router = _blocks(model)[0].gate
+    router = next(iter(moe_blocks(model).values())).gate
     return {
         "mean": sum(layers) / len(layers),
         "layers": layers,
@@ -776,7 +777,7 @@ def carve_llama(
         raise ConversionError(f"Source tensors that do not fit the carved model: {(unexpected or missing)[:5]}.")
     act_fn = ACT2FN[source.config.hidden_act]
     layers, total_mass, shared_mass = [], 0.0, 0.0
-    for idx, (block, x) in enumerate(zip(_blocks(model), inputs, strict=True)):
+    for idx, (block, x) in enumerate(zip(moe_blocks(model).values(), inputs, strict=True)):
         prefix = f"model.layers.{idx}.mlp."
         gate, up, down = (state[f"{prefix}{name}_proj.weight"] for name in ("gate", "up", "down"))
         compute = torch.promote_types(source.dtype, torch.float32)
