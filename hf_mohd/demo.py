@@ -424,6 +424,19 @@ def seconds(value: float) -> str:
     return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
 
 
+def busy_machine_warning(threads: int, load_average: float, cores: int) -> str | None:
+    """The warning printed when the main job starts with torch's default threads (`threads` 0: one per core) while
+    other jobs keep at least half of the `cores` busy (`load_average`, the 1-minute load average): torch's threads
+    wait for each other after every operation, so a busy core slows them all; None otherwise."""
+    if threads or load_average < 0.5 * cores:
+        return None
+    return (
+        f"warning: the load average is {load_average:.1f} on {cores} cores before the main job starts: other jobs are "
+        "running, and torch's default of one thread per core then stalls on the busy cores (several times slower). "
+        "Pass --threads with fewer threads than idle cores, for example --threads 1."
+    )
+
+
 def run_demo(demo: DemoConfig) -> str:
     """Run the main job; returns the path of `report.md`."""
     from .evaluation import evaluate, summarize
@@ -432,6 +445,9 @@ def run_demo(demo: DemoConfig) -> str:
         torch.set_num_threads(demo.threads)
     started, cpu_total = time.perf_counter(), time.process_time()
     load_start = os.getloadavg()
+    warning = busy_machine_warning(demo.threads, load_start[0], os.cpu_count() or 1)
+    if warning:
+        print(warning, flush=True)
     report_dir = os.path.join(demo.output_dir, "report")
     corpus, provenance = wikipedia_corpus(os.path.join(demo.output_dir, "data"))
 

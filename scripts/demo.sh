@@ -3,6 +3,7 @@
 # Llama, a MoHD and a LatentMoE model on real Wikipedia text, then SmolLM2-135M against its sparse versions (about 14
 # minutes on 2 idle CPU cores, set-up not counted; README.md gives the time per CPU).
 # Usage: bash scripts/demo.sh [hf-mohd demo options, e.g. --output-dir runs/demo --max-steps 150 --quick]
+# On a machine other jobs share: bash scripts/demo.sh --threads 1 (torch's one thread per core stalls on busy cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # --help alone needs no set-up when .venv is already there

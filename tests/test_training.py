@@ -421,6 +421,34 @@ def test_demo_threads_apply_to_the_whole_job(tmp_path, monkeypatch):
     assert seen == [1, 2]
 
 
+def test_demo_warns_when_it_starts_on_a_busy_machine_with_one_thread_per_core(tmp_path, monkeypatch, capsys):
+    """With torch's default threads (`--threads 0`) and a load average of at least half the cores, the main job prints
+    one warning naming the load and `--threads 1` before it starts; with `--threads N` or a quiet machine, none."""
+    import hf_mohd.demo as demo_module
+    from hf_mohd.cli import main
+
+    class Stop(Exception):
+        pass
+
+    def first_step(folder):
+        raise Stop
+
+    monkeypatch.setattr(demo_module, "wikipedia_corpus", first_step)
+    monkeypatch.setattr(demo_module.os, "cpu_count", lambda: 2)
+    before = demo_module.torch.get_num_threads()
+    printed = []
+    try:
+        for threads, load in (("0", 1.0), ("0", 0.9), ("1", 3.0)):
+            monkeypatch.setattr(demo_module.os, "getloadavg", lambda load=load: (load, load, load))
+            with pytest.raises(Stop):
+                main(["demo", "--output-dir", str(tmp_path / "out"), "--threads", threads])
+            printed.append(capsys.readouterr().out)
+    finally:
+        demo_module.torch.set_num_threads(before)
+    assert "load average is 1.0 on 2 cores" in printed[0] and "--threads 1" in printed[0]
+    assert "warning" not in printed[1] and "warning" not in printed[2]
+
+
 def _write_yaml(path, values) -> str:
     import yaml
 
