@@ -35,7 +35,7 @@ from ..models.accounting import MOHD_SUBLAYERS
 from ..models.modeling_common import topk_lower_index
 from ..models.modeling_latent_moe import LatentMoEBlock, LatentMoEForCausalLM
 from ..models.modeling_mohd import MoHDForCausalLM, MoHDSubDimensions
-from .carve import moe_blocks
+from .carve import every_expert_active, moe_blocks
 from .source import ConversionError
 
 
@@ -342,8 +342,6 @@ def carved_layer_errors(
         ConversionError: not a unit-gate LatentMoE with MoE layers of one N, or `calibration_ids` is not a
             non-empty (R, T) tensor.
     """
-    from .carve import every_expert_active
-
     blocks = moe_blocks(model)
     if not blocks or getattr(model.config, "router_gate", None) != "unit":
         raise ConversionError(

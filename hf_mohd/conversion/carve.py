@@ -645,7 +645,8 @@ def carved_routing_recall(model: LatentMoEForCausalLM, input_ids: torch.Tensor, 
     """
     hits: dict[int, list[torch.Tensor]] = {}
     handles = []
-    for idx, block in enumerate(moe_blocks(model).values()):
+    blocks = moe_blocks(model)
+    for idx, block in blocks.items():
         top_k = block.gate.top_k
 
         def hook(router, args, output, block=block, idx=idx, top_k=top_k):
@@ -664,7 +665,7 @@ def carved_routing_recall(model: LatentMoEForCausalLM, input_ids: torch.Tensor, 
         for handle in handles:
             handle.remove()
     layers = [torch.cat(hits[idx]).mean().item() for idx in sorted(hits)]
-    router = next(iter(moe_blocks(model).values())).gate
+    router = next(iter(blocks.values())).gate
     return {
         "mean": sum(layers) / len(layers),
         "layers": layers,
@@ -777,7 +778,7 @@ def carve_llama(
         raise ConversionError(f"Source tensors that do not fit the carved model: {(unexpected or missing)[:5]}.")
     act_fn = ACT2FN[source.config.hidden_act]
     layers, total_mass, shared_mass = [], 0.0, 0.0
-    for idx, (block, x) in enumerate(zip(moe_blocks(model).values(), inputs, strict=True)):
+    for (idx, block), x in zip(moe_blocks(model).items(), inputs, strict=True):
         prefix = f"model.layers.{idx}.mlp."
         gate, up, down = (state[f"{prefix}{name}_proj.weight"] for name in ("gate", "up", "down"))
         compute = torch.promote_types(source.dtype, torch.float32)
