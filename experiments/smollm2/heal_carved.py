@@ -8,7 +8,7 @@ Healing: `hf-mohd train`'s trainer with a `distill` section (KL to the dense tea
 `model.trainable: ffn`: only the feed-forward sublayers train (shared and routed experts and the routers; a unit
 gate, s - s.detach() + 1, passes a router the straight-through gradient of its K selected scores only); attention,
 norms and embeddings stay the dense model's. AdamW at 2e-4, warmup 16 steps, cosine to 0.1 x at the arm's budget
-(128k or 256k tokens), 4 x 256 tokens per step, the `dense_masked` experts kernel
+(128k, 256k or 1M tokens), 4 x 256 tokens per step, the `dense_masked` experts kernel
 (`model.experts_implementation`: with K = 80 of 128 experts the grouped kernel copies each token 80 times per
 layer and holds the copies for backward), on the multi-source healing text of
 `experiments.smollm2.healing_corpus` (`--corpus-dir`: Wikipedia without its first and last 8 articles, An Anarchist
@@ -58,6 +58,8 @@ ARMS = {
     "carved50_128k": ("carved50", "ffn", 2e-4, 128 * K),
     "carved75_256k": ("carved75", "ffn", 2e-4, 256 * K),
     "carved50_256k": ("carved50", "ffn", 2e-4, 256 * K),
+    "carved75_1m": ("carved75", "ffn", 2e-4, 1024 * K),
+    "carved50_1m": ("carved50", "ffn", 2e-4, 1024 * K),
 }
 
 
@@ -187,7 +189,12 @@ def lm_eval_model(work: Path, name: str, teacher: Path, limit: int) -> None:
 
 
 def report(work: Path, output: Path) -> dict:
-    """The dense, training-free and healed numbers in one JSON, with ratios to dense per source; missing arms listed."""
+    """The dense, training-free and healed numbers in one JSON, with ratios to dense per source; missing arms listed.
+
+    An arm or lm-eval row that `work` does not hold but `output` already records (measured in an earlier work folder,
+    possibly on another machine) is kept as recorded, so that a long arm can run in a fresh work folder without
+    losing the others; the model card is written from the best 75% arm whose run folder `work` holds."""
+    earlier = heal.read_json(output, {})
     prepared = heal.read_json(work / "prepare.json", None)
     if prepared is None or "dense" not in prepared:
         sys.exit(f"{work}: run the prepare stage first.")
@@ -211,7 +218,10 @@ def report(work: Path, output: Path) -> dict:
     for arm, (carving, trainable, lr, budget) in ARMS.items():
         found = heal.read_json(work / f"{arm}.json", None)
         if found is None:
-            missing.append(arm)
+            if arm in earlier.get("arms", {}):
+                arms[arm] = earlier["arms"][arm]
+            else:
+                missing.append(arm)
             continue
         ppl = found["perplexity"]
         arms[arm] = {
@@ -234,6 +244,7 @@ def report(work: Path, output: Path) -> dict:
         ],
         heal.read_json(work / f"lm_eval_dense_{LM_EVAL_LIMIT}.json", None),
     )
+    lm_eval = {**{row: found for row, found in earlier.get("lm_eval", {}).items() if row not in lm_eval}, **lm_eval}
     missing += [
         f"lm-eval {name} ({LM_EVAL_LIMIT} docs)" for name in names if f"{name} ({LM_EVAL_LIMIT} docs)" not in lm_eval
     ]
@@ -250,7 +261,10 @@ def report(work: Path, output: Path) -> dict:
         "torch_threads_per_run": 1,
     }
     write_json_atomically(output, result)
-    best = next((arm for arm in ("carved75_256k", "carved75_128k") if arm in arms), None)
+    best = next(
+        (arm for arm in ("carved75_1m", "carved75_256k", "carved75_128k") if (work / "runs" / arm / "final").is_dir()),
+        None,
+    )
     if best is not None:
         model_card(work, result, best).save(output.parent / "smollm2_carved75_healed_model_card.md")
     return result
