@@ -29,7 +29,7 @@ forward FLOPs per token at context 512.
     python -m bench.bench_carved --reps 3 --experts 128 --output ...   # the finer carving (K = 80 and 32 of 128)
 
 `--profile` adds, per model, a `torch.profiler` record of one batch-1 decoding step (after the 32-token prompt and
-three steps from its cache): the number of top-level aten ops and the self CPU time of the most expensive ops, which
+three steps from its cache): the number of top-level dispatched ops (aten and `hf_mohd::`) and the self CPU time of the most expensive ops, which
 say whether a step's time goes to reading weights (`mm`, `embedding_bag`) or to dispatching small ops. `--ablate`
 adds the in-situ cost of each feed-forward part of a batch-1 decoding step (the step timed with the part replaced by
 zeros; `decode_ablation`) and the rate at which that part reads its weights.
@@ -65,8 +65,8 @@ DEFAULT_KERNELS = ("grouped_mm", "gather")
 
 
 def decode_step_profile(model, prompt: torch.Tensor, top: int = 8) -> dict:
-    """Profile of one greedy decoding step of `model` after `prompt` (1, P) and three warm-up steps: {"aten_ops":
-    top-level aten ops, "self_cpu_ms": their total self CPU time, "most_expensive": {op: self CPU ms} of the `top`
+    """Profile of one greedy decoding step of `model` after `prompt` (1, P) and three warm-up steps: {"ops":
+    top-level dispatched ops (aten's and the native `hf_mohd::` kernels), "self_cpu_ms": their total self CPU time, "most_expensive": {op: self CPU ms} of the `top`
     ops by self time}."""
     with torch.inference_mode():
         out = model(input_ids=prompt, use_cache=True)
@@ -77,10 +77,10 @@ def decode_step_profile(model, prompt: torch.Tensor, top: int = 8) -> dict:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             model(input_ids=token, cache=cache, use_cache=True)
     events = profile.key_averages()
-    top_level = common.top_level_aten_events(profile)
+    top_level = common.top_level_op_events(profile)
     ranked = sorted(events, key=lambda event: -event.self_cpu_time_total)[:top]
     return {
-        "aten_ops": len(top_level),
+        "ops": len(top_level),
         "self_cpu_ms": sum(event.self_cpu_time_total for event in events) / 1e3,
         "most_expensive": {event.key: round(event.self_cpu_time_total / 1e3, 3) for event in ranked},
     }
@@ -229,7 +229,7 @@ def main():
         }
         for name, profile in results["decode_step_profile"].items():
             print(
-                f"{name:24s} one decoding step: {profile['aten_ops']} aten ops, {profile['self_cpu_ms']:.1f} ms "
+                f"{name:24s} one decoding step: {profile['ops']} ops, {profile['self_cpu_ms']:.1f} ms "
                 f"self CPU; {profile['most_expensive']}"
             )
     if args.ablate:

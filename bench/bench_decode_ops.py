@@ -11,11 +11,12 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Operator count of one decoding step: the aten ops MoHD dispatches per generated token against Llama's.
+"""Operator count of one decoding step: the ops MoHD dispatches per generated token against Llama's.
 
 On the user's path of `bench_mohd_decode` (the models saved and reloaded with `from_pretrained`, greedy `generate`
 at batch 1, the fixed bench shape), `torch.profiler` records two `generate` calls of 4 and 12 new tokens after the
-same 64-token prompt; the difference of their top-level aten op counts (ops not called from inside another aten op)
+same 64-token prompt; the difference of their top-level op counts (aten's and this package's native `hf_mohd::` ops,
+not called from inside another such op)
 over the 8 extra steps is the count per decoding step, everything in it: the decoder layers, the LM head and
 `generate`'s own work, which is the same for both models. Per layer = per step / num_hidden_layers. The most
 frequent ops are listed. A count, not a timing: the machine's load does not change it, but each op costs dispatch
@@ -41,10 +42,10 @@ SHORT, LONG = 4, 12
 
 
 def top_level_ops(model, prompt: torch.Tensor, new_tokens: int) -> collections.Counter:
-    """Counter of the top-level aten ops of one greedy `generate` of `new_tokens` tokens after `prompt`."""
+    """Counter of the top-level dispatched ops of one greedy `generate` of `new_tokens` tokens after `prompt`."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return collections.Counter(event.name for event in common.top_level_aten_events(profile))
+    return collections.Counter(event.name for event in common.top_level_op_events(profile))
 
 
 def main() -> None:
@@ -77,7 +78,7 @@ def main() -> None:
         "command": common.command_line(),
         "commit": common.git_commit(),
         "shape": shape,
-        "what": f"top-level aten ops per greedy decoding step (generate of {LONG} minus {SHORT} new tokens)",
+        "what": f"top-level dispatched ops (aten::, hf_mohd::) per greedy decoding step (generate of {LONG} minus {SHORT} new tokens)",
         "models": rows,
         "mohd_over_llama": ratio,
         "machine": common.machine_description(),

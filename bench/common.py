@@ -265,14 +265,19 @@ def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> dict:
     }
 
 
-def top_level_aten_events(profile) -> list:
-    """The events of a `torch.profiler.profile` that are aten ops not called from inside another aten op: the ops a
-    forward dispatches itself, each costing dispatch time whatever it computes."""
+# namespaces of the dispatched ops a decoding step runs: torch's and this package's native kernels (`native_gather`)
+OP_NAMESPACES = ("aten::", "hf_mohd::")
+
+
+def top_level_op_events(profile) -> list:
+    """The events of a `torch.profiler.profile` that are dispatched ops (aten's or this package's `hf_mohd::` kernels)
+    not called from inside another such op: the ops a forward dispatches itself, each costing dispatch time whatever
+    it computes."""
     return [
         event
         for event in profile.events()
-        if event.name.startswith("aten::")
-        and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))
+        if event.name.startswith(OP_NAMESPACES)
+        and (event.cpu_parent is None or not event.cpu_parent.name.startswith(OP_NAMESPACES))
     ]
 
 

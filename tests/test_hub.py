@@ -85,7 +85,7 @@ def test_prepare_files_completes_a_bare_folder(tmp_path):
     files = prepare_files(folder, "tester/mohd-tiny", card_kwargs={"eval_results": LM_EVAL_OUTPUT})
     auto_map, code = remote_code_files("mohd")
     # accounting.py through the configs' accounting methods; no LatentMoE file (the per-layer field list lives in
-    # accounting.py)
+    # accounting.py); the native decoding kernels both families share
     assert set(code) == {
         "accounting.py",
         "configuration_common.py",
@@ -93,6 +93,7 @@ def test_prepare_files_completes_a_bare_folder(tmp_path):
         "modeling_mohd.py",
         "modeling_common.py",
         "mohd_sparse.py",
+        "native_gather.py",
         "routing_cache.py",
     }
     assert set(code) | {"model.safetensors", "config.json", "generation_config.json", "README.md"} <= set(files)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hf_mohd import MoHDForCausalLM
-from hf_mohd.models import mohd_sparse
+from hf_mohd.models import modeling_mohd, mohd_sparse
 from hf_mohd.models.modeling_mohd import MoHDGroupFusion
 from hf_mohd.models.mohd_sparse import (
     MoHDGatheredGroupedMatmul,
@@ -37,6 +37,7 @@ from hf_mohd.models.mohd_sparse import (
     grouped_parts,
     set_linear_layout_,
 )
+from hf_mohd.models.native_gather import native_gather
 from tests.utils import FAMILIES, gradients, input_ids
 
 
@@ -177,12 +178,15 @@ def test_few_tokens_path_equal_masked_with_gradients(tokens):
     assert_same_training_step(gather, masked, input_ids(1, tokens))
 
 
+@pytest.mark.parametrize("layout", ["row_major", "block_major"])
 @pytest.mark.parametrize("small_batch_plan", ["union", "per_block"])
 @pytest.mark.parametrize("batch", [1, 3, 9], ids=["batch1-few-tokens", "batch3-few-tokens", "batch9-grouped"])
-def test_cached_decoding_equals_masked_step_by_step(batch, small_batch_plan):
-    """Prefill then single-token steps with the routing cache: logits of every step agree, as do the routes."""
+def test_cached_decoding_equals_masked_step_by_step(batch, small_batch_plan, layout):
+    """Prefill then single-token steps with the routing cache: logits of every step agree, as do the routes and
+    their gates (at batch 1 in the block-major layout the steps run the native one-token plan)."""
     gather, masked = pair()
     gather.set_small_batch_plan(small_batch_plan)
+    gather.to_weight_layout(layout)
     prompt = input_ids(batch, 7, seed=1)
     with torch.no_grad():
         out_g, out_m = gather(input_ids=prompt, use_cache=True), masked(input_ids=prompt, use_cache=True)
@@ -194,6 +198,59 @@ def test_cached_decoding_equals_masked_step_by_step(batch, small_batch_plan):
             torch.testing.assert_close(out_g.logits, out_m.logits, rtol=1e-10, atol=1e-10)
     for key, record in out_g.cache.routing_record.items():
         assert torch.equal(record.indices, out_m.cache.routing_record[key].indices), key
+        torch.testing.assert_close(record.weights, out_m.cache.routing_record[key].weights, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("routed_gate", ["softmax", "normalized", "unit"])
+def test_native_one_token_plan_runs_where_it_applies_and_yields_to_observers(monkeypatch, routed_gate):
+    """One token without autograd in the block-major layout routes natively (`MoHDNativeTokenPlan`, the router
+    module not called) and equals the masked path; recorded router logits (`output_router_logits=True`), autograd,
+    routing replay, the row-major layout or a hook on the router each send the token through the router module and
+    the spans plan instead, with the same logits."""
+    gather, masked = pair(routed_gate=routed_gate)
+    gather.eval(), masked.eval()
+    gather.to_weight_layout("block_major")
+    plans, router_calls = [], []
+    route = modeling_mohd.MoHDSubDimensions.route
+
+    def spy(self, *args, **kwargs):
+        plans.append(type(plan := route(self, *args, **kwargs)).__name__)
+        return plan
+
+    monkeypatch.setattr(modeling_mohd.MoHDSubDimensions, "route", spy)
+    routers = [
+        sub_dims.router for layer in gather.model.layers for sub_dims in (layer.self_attn.sub_dims, layer.mlp.sub_dims)
+    ]
+    hooks = [router.register_forward_pre_hook(lambda module, args: router_calls.append(1)) for router in routers]
+    x = input_ids(1, 1, seed=3)
+
+    def run(expected_plan: str, **kwargs):
+        plans.clear(), router_calls.clear()
+        out_g, out_m = gather(input_ids=x, **kwargs), masked(input_ids=x, **kwargs)
+        torch.testing.assert_close(out_g.logits, out_m.logits, rtol=1e-10, atol=1e-10)
+        assert set(plans) == {expected_plan, "MoHDMaskedPlan"}, plans  # gather's plans, then masked's
+        return out_g, out_m
+
+    with torch.no_grad():
+        run("MoHDSpansPlan")  # a pre-forward hook observes each router: the modules run
+        assert len(router_calls) == len(routers) == 4
+        for hook in hooks:
+            hook.remove()
+        run("MoHDNativeTokenPlan")
+        out_g, out_m = run("MoHDSpansPlan", output_router_logits=True)
+        for logits_g, logits_m in zip(out_g.router_logits, out_m.router_logits, strict=True):
+            torch.testing.assert_close(logits_g, logits_m, rtol=1e-12, atol=1e-12)
+        run("MoHDNativeTokenPlan")  # the capturing hooks stay installed, inactive
+        replay = masked(input_ids=x, use_cache=True).cache.routing_record
+        assert len(replay) == 4
+        run("MoHDSpansPlan", routing_replay=replay)
+        gather.to_weight_layout("row_major")
+        run("MoHDSpansPlan")
+        gather.to_weight_layout("block_major")
+    out_g = gather(input_ids=x)  # autograd on
+    assert set(plans[-4:]) == {"MoHDSpansPlan"}
+    out_g.logits.sum().backward()
+    assert gather.model.layers[0].mlp.sub_dims.router.weight.grad is not None
 
 
 def test_cached_decoding_step_gradients_equal_masked():
@@ -302,11 +359,14 @@ def test_fused_input_projections_share_one_storage_and_equal_masked(monkeypatch,
         return fused
 
     monkeypatch.setattr(mohd_sparse, "fused_block_major_weight", counting)
+    monkeypatch.setattr(modeling_mohd, "fused_block_major_weight", counting)  # the native one-token plan's
     gather.eval(), masked.eval()
     with torch.no_grad():
-        for plan in ("union", "per_block"):
+        # one token: the native plan (`MoHDNativeTokenPlan`), or without the native kernels the spans plan
+        for plan, native in (("union", True), ("per_block", True), ("union", False), ("per_block", False)):
             gather.set_small_batch_plan(plan)
-            for length in (1, 2, 3, 9):  # spans plans (1-3 tokens) and the grouped plan (9)
+            monkeypatch.setattr(modeling_mohd, "native_gather", native_gather if native else lambda: None)
+            for length in (1, 2, 3, 9):  # one-token plans, spans plans (2-3 tokens) and the grouped plan (9)
                 handed_out.clear()
                 x = input_ids(1, length, seed=length)
                 torch.testing.assert_close(

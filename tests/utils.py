@@ -180,7 +180,13 @@ FAMILIES = {
         # hidden 144 in 4 sub-dimensions: s = 36 (SmolLM2-135M's 576 at 16 sub-dimensions)
         unaligned_fields=dict(hidden_size=144, num_sub_dims=4, num_shared_sub_dims=1, num_routed_sub_dims_per_tok=2),
         fast_and_reference=({"sparse_implementation": "gather"}, {"sparse_implementation": "masked"}),
-        code_files=("modeling_mohd.py", "configuration_mohd.py", "accounting.py", "mohd_sparse.py"),
+        code_files=(
+            "modeling_mohd.py",
+            "configuration_mohd.py",
+            "accounting.py",
+            "mohd_sparse.py",
+            "native_gather.py",
+        ),
         saved_fields={"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
         bad_configs=(
             ({"num_sub_dims": 7}, "`hidden_size`"),

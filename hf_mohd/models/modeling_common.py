@@ -40,7 +40,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils.output_capturing import _active_collector, capture_outputs
 
 from .routing_cache import RoutingCache
 
@@ -541,6 +541,20 @@ class TopKRouter(nn.Module):
             )
         padding = invalid.any(-1, keepdim=True)
         return torch.where(padding, torch.arange(self.top_k, device=chosen.device), chosen)
+
+    def observed(self) -> bool:
+        """Whether anything besides the forward's return value could see this router run: a global module hook, a
+        pre-forward hook, a forward set on the instance, a forward hook other than transformers' output-capturing
+        one, or that hook while the current forward records "router_logits" (`output_router_logits=True`). A caller
+        that could route without calling the module (MoHD's native decoding step) calls it when this is True."""
+        if _global_forward_hooks or _global_forward_pre_hooks or self._forward_pre_hooks or "forward" in vars(self):
+            return True
+        if not self._forward_hooks:
+            return False
+        if any(getattr(hook, "__name__", "") != "output_capturing_hook" for hook in self._forward_hooks.values()):
+            return True
+        collected = _active_collector.get()
+        return collected is not None and "router_logits" in collected
 
     def forward(self, hidden_states: torch.Tensor, cache=None, routing_replay=None, token_mask=None, **kwargs):
         # host-side dtype rule and no no-op casts: the router runs once per sublayer and token in decoding, where

@@ -51,10 +51,14 @@ from .modeling_common import (
 from .mohd_sparse import (
     ALL_SPARSE_IMPLEMENTATIONS,
     WEIGHT_LAYOUTS,
+    MoHDGatherStrategy,
     MoHDMaskedStrategy,
+    MoHDNativeTokenPlan,
     MoHDSparseBlockMix,
     MoHDTensorParallelProjections,
+    autocast_dtype,
     fuse_block_major_,
+    fused_block_major_weight,
     fused_projection_groups,
     mix_blocks,
     resolve_small_batch_plan,
@@ -62,6 +66,9 @@ from .mohd_sparse import (
     shares_block_major_storage,
     unfused_state_dict_hook,
 )
+from .native_gather import DTYPES as NATIVE_DTYPES
+from .native_gather import native_gather
+from .routing_cache import RoutingCache
 
 
 class MoHDRouter(TopKRouter):
@@ -87,6 +94,9 @@ class MoHDRouter(TopKRouter):
             index_offset=config.num_shared_sub_dims,
         )
         self.routed_gate = config.routed_gate
+
+    # `routed_gate` -> the gate mode of the native router (`native_gather`'s `mohd_route`)
+    NATIVE_GATE_MODES = {"softmax": 0, "normalized": 1, "unit": 2}
 
     def gates(self, chosen_scores: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
         # CODEPATH: routed_gate="normalized" renormalises the selected probabilities to sum to k.
@@ -139,7 +149,8 @@ class MoHDSubDimensions(nn.Module):
     (step 4, rebuttal Lemma 1) and fuses them (step 5). The strategy ("gather" or "masked", registered in
     `MoHDSparseInterface` of `mohd_sparse.py`) comes from `config.sparse_implementation` (switch it on a loaded model
     with `set_sparse_implementation`); `route` falls back to "masked" for a sublayer whose projections are not all
-    plain `nn.Linear`, the one place that rule lives.
+    plain `nn.Linear`, the one place that rule lives, and routes one decoded token with the native kernels where they
+    apply (`native_token_plan`).
     """
 
     def __init__(
@@ -203,6 +214,9 @@ class MoHDSubDimensions(nn.Module):
             tokens = hidden_states.shape[:-1].numel()
             no_routes = torch.empty(tokens, 0, dtype=torch.long, device=hidden_states.device)
             return self.masked.plan(no_routes, hidden_states.new_empty(no_routes.shape))
+        plan = self.native_token_plan(hidden_states, projections, kwargs)
+        if plan is not None:
+            return plan
         _, weights, indices = self.router(hidden_states, **kwargs)
         strategy = self.strategy
         if any(type(linear) is not nn.Linear for linear in projections):
@@ -215,6 +229,55 @@ class MoHDSubDimensions(nn.Module):
             inactive[:, : geometry.num_shared] = 0
             plan.inactive = inactive.scatter_(1, indices, 0.0)
         return plan
+
+    def native_token_plan(self, hidden_states: torch.Tensor, projections, kwargs) -> MoHDNativeTokenPlan | None:
+        """The plan of one decoded token routed and computed by the native kernels (`native_gather`: the router, each
+        side of the sublayer one dispatched op), or None where the general path must run: more than one token,
+        autograd, `torch.compile`, autocast to another dtype, a device other than the CPU, routing replay, a router
+        something observes (`TopKRouter.observed`: recorded router logits, hooks), the masked strategy, one sparse
+        side only, dropped-block compensation, a compensation observer, projections that are not plain bias-free
+        `nn.Linear` in the fused block-major storage (`fuse_block_major_`, set by `to_weight_layout("block_major")`),
+        a dtype the kernels do not take, or kernels that could not be built. The selection is the router's (the k
+        largest softmax probabilities in fp32, or float64, ties to the lower index; gates by `routed_gate`), its
+        ids and gates are appended to a `RoutingCache` as the router's forward appends them."""
+        router, dtype = self.router, hidden_states.dtype
+        if not (
+            hidden_states.shape[:-1].numel() == 1
+            and hidden_states.device.type == "cpu"
+            and dtype in NATIVE_DTYPES
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and autocast_dtype(hidden_states) in (None, dtype)
+            and kwargs.get("routing_replay") is None
+            and isinstance(self.strategy, MoHDGatherStrategy)
+            and self.sparse_input
+            and self.sparse_output
+            and self.output_compensation is None
+            and self.observer is None
+            and router.weight.dtype == dtype
+            and all(type(linear) is nn.Linear and linear.bias is None for linear in projections)
+            and not router.observed()
+        ):
+            return None
+        kernels = native_gather()
+        if kernels is None:
+            return None
+        *inputs, output = projections
+        fused = fused_block_major_weight(inputs)
+        if fused is None or fused.dtype != dtype or output.weight.dtype != dtype or not output.weight.is_contiguous():
+            return None
+        geometry = self.strategy.geometry
+        ids, gates = kernels.mohd_route(
+            hidden_states.reshape(1, -1),
+            router.weight,
+            router.top_k,
+            geometry.num_shared,
+            router.NATIVE_GATE_MODES[router.routed_gate],
+        )
+        cache = kwargs.get("cache")
+        if isinstance(cache, RoutingCache):
+            cache.update_routing(router.layer_idx, router.router_name, ids.view(1, 1, -1), gates.view(1, 1, -1))
+        return MoHDNativeTokenPlan(geometry, gates, ids=ids, fused=fused, kernels=kernels)
 
     def project_in(self, hidden_states: torch.Tensor, plan, linears) -> list[torch.Tensor]:
         """(B, T, D) -> one (B, T, out) tensor per linear, reading only the active (gated) blocks (every block,

@@ -947,6 +947,48 @@ class MoHDSpansPlan(MoHDPlan):
         return out
 
 
+@dataclasses.dataclass(slots=True)
+class MoHDNativeTokenPlan(MoHDPlan):
+    """One token on an eager CPU run without autograd (decoding at batch 1), computed by the native kernels of
+    `native_gather` (`MoHDSubDimensions.route` builds it, routing natively as well): one dispatched op per side.
+
+    gates (1, k): the routed blocks' gates, ids (1, k) their absolute block ids; the N_s shared blocks are active with
+    gate 1. `project_in` takes the linears' fused block-major storage (`fuse_block_major_`): out = sum over the
+    active blocks b of g_b x_b W_b, each block's s rows of `weight.T` streamed once; `project_out_mixed` computes the
+    active output blocks of the row-major weight, then alpha F y over them (activation scaling and group fusion) in
+    the same call. Same sums as `MoHDSpansPlan`, in another order.
+    """
+
+    ids: torch.Tensor
+    fused: torch.Tensor
+    kernels: object
+
+    def project_in(self, hidden_states: torch.Tensor, linears) -> list[torch.Tensor]:
+        """(1, D) -> one (1, out) view per linear of the fused product (`fused`: the linears' storage as (D, out))."""
+        g = self.geometry
+        out = self.kernels.mohd_gather_in(hidden_states, self.ids, self.gates, self.fused, g.num_shared, g.block)
+        return split_outputs(out, linears)
+
+    def project_out(self, hidden_states: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        """(1, in) -> (1, N, s), zero outside the active blocks."""
+        g = self.geometry
+        out = self.kernels.mohd_gather_out(
+            hidden_states.contiguous(), self.ids, linear.weight, None, g.num_shared, g.block, 1.0
+        )
+        return out.view(1, g.num_sub_dims, g.block)
+
+    def project_out_mixed(
+        self, hidden_states: torch.Tensor, linear: nn.Linear, fusion: nn.Module, scale: float
+    ) -> torch.Tensor | None:
+        """(1, in) -> (1, N, s) = alpha F y, y the active output blocks, in one call."""
+        g = self.geometry
+        matrix = fusion.matrix(hidden_states.dtype)
+        out = self.kernels.mohd_gather_out(
+            hidden_states.contiguous(), self.ids, linear.weight, matrix, g.num_shared, g.block, scale
+        )
+        return out.view(1, g.num_sub_dims, g.block)
+
+
 # Strategies and their registry
 
 
@@ -1047,6 +1089,8 @@ class MoHDGatherStrategy:
     Plans by the number of tokens M (`plan`): up to `host_tokens` tokens on an eager CPU run, `MoHDSpansPlan` (the
     picked blocks' weight spans read once for all tokens: decoding, draft verification, the memory-bound case, as in
     Deja Vu and PowerInfer); up to `few_tokens` tokens elsewhere, `MoHDIndexedPlan`; more tokens, `MoHDGroupedPlan`.
+    One token without autograd on an eager CPU run, with the native kernels built, does not reach `plan`: the
+    sublayer routes it natively (`MoHDSubDimensions.native_token_plan`, `MoHDNativeTokenPlan`).
 
     Only plain `nn.Linear` projections come here: `MoHDSubDimensions.route` sends a sublayer with any other
     projection (a PEFT LoRA layer, a quantised linear: it computes something other than its `.weight`) to the

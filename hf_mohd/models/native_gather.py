@@ -11,12 +11,13 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Native CPU kernels for reading the picked experts' weights while decoding (LatentMoE's `gather` direct read).
+"""Native CPU kernels for decoding: reading only the picked experts' (LatentMoE) or sub-dimensions' (MoHD) weights.
 
-While decoding, a routed expert of width m reads its weights once per token, and only the K picked experts count.
-Torch has no gathered matrix-vector product: `embedding_bag` over the rows of the decoding layout reads exactly the
-picked weights, but on the up side each row is one input scalar's 2m outputs (64 bytes for m = 8), so its per-row
-overhead, not memory, bounds the read. These two loops stream each picked expert's contiguous block instead:
+LatentMoE's `gather` direct read. While decoding, a routed expert of width m reads its weights once per token, and
+only the K picked experts count. Torch has no gathered matrix-vector product: `embedding_bag` over the rows of the
+decoding layout reads exactly the picked weights, but on the up side each row is one input scalar's 2m outputs (64
+bytes for m = 8), so its per-row overhead, not memory, bounds the read. These two loops stream each picked expert's
+contiguous block instead:
 
 - `gathered_up(x, experts, weight)`: x (M, l), experts (M, K) int64, weight (E, l, o) contiguous (the decoding
   layout's `gate_up_proj.transpose(1, 2)`) -> (M K, o), row (t, k) = sum_i x[t, i] weight[experts[t, k], i, :]
@@ -25,17 +26,36 @@ overhead, not memory, bounds the read. These two loops stream each picked expert
   decoding layout's `down_proj.transpose(1, 2)`) -> (M, l), row t = sum_k sum_j hidden[t K + k, j]
   weight[experts[t, k], j, :]; the `embedding_bag` of the down side.
 
-Both accumulate in `at::opmath_type` (fp32 for fp32 and bf16, float64 for float64), work over a contiguous block per picked expert (the inner loop
-over o or a slice of l is vectorised by the compiler) and split the work with torch's own thread pool
-(`at::parallel_for`: experts on the up side, one slice of l per thread on the down side), prefetching 2 KB ahead
-across block boundaries. Expert ids must lie in [0, E); the
-caller masks expert-parallel off-rank ids first;
-an id outside [0, E) raises (RuntimeError) rather than reading outside the table.
+Both accumulate in `at::opmath_type` (fp32 for fp32 and bf16, float64 for float64), work over a contiguous block per
+picked expert (the inner loop over o or a slice of l is vectorised by the compiler) and split the work with torch's
+own thread pool (`at::parallel_for`: experts on the up side, one slice of l per thread on the down side), prefetching
+2 KB ahead across block boundaries. Expert ids must lie in [0, E); the caller masks expert-parallel off-rank ids
+first; an id outside [0, E) raises (RuntimeError) rather than reading outside the table.
 
-The extension is compiled on first use with `torch.utils.cpp_extension.load_inline` (a C++ compiler and ninja; about
-20 s once, then cached under torch's extensions folder, one build per CPU model since it targets the build machine's
-instruction set). Where it cannot be built, `native_gather()` returns None once and logs why, and the callers keep
-`embedding_bag`. Set `HF_MOHD_NATIVE_GATHER=0` to never build or use it.
+MoHD's one-token sublayer (`MoHDNativeTokenPlan`), one dispatched op per step of it instead of one per block span
+and per bookkeeping op (N blocks of s channels, the first N_s shared, k routed ones picked per token):
+
+- `mohd_route(x, weight, top_k, offset, gate_mode)`: x (1, D), weight (C, D) the router's -> ids (1, k) int64
+  (choice + `offset`), gates (1, k) in x's dtype: logits W x accumulated in fp32 (float64 for float64), softmax,
+  the k largest probabilities with ties to the lower index, in the order of a stable descending sort (k passes of a
+  strict-greater scan), gates p_j (`gate_mode` 0), k p_j / sum of the chosen p (1) or 1 (2).
+- `mohd_gather_in(x, ids, gates, weight_t, num_shared, block)`: x (1, D), weight_t (D, O) with contiguous rows (the
+  fused block-major storage of q/k/v or gate/up) -> (1, O) = (g ⊙ x) weight_t with g 1 on the shared blocks, the
+  gates on the picked ones and 0 elsewhere, as one product per run of consecutive active blocks (each run's rows
+  contiguous, read once).
+- `mohd_gather_out(hidden, ids, weight, fusion, num_shared, block, scale)`: hidden (1, I), weight (D, I) row-major
+  (o_proj, down_proj), fusion (N, N) or None -> (1, D) = scale F y, y the active output blocks (one product per run
+  of them) and zero elsewhere; without `fusion`, scale y.
+
+A routed id outside [N_s, N) raises (RuntimeError). The products call ATen's `mm` / `addmm` from C++ on the weight
+slices (the BLAS's own rate), so only the bookkeeping around them is new code.
+
+Every kernel is a torch operator (`torch.ops.hf_mohd.*`, registered with the dispatcher when the library loads), so
+profilers and operator counts see each call. The library is compiled on first use with
+`torch.utils.cpp_extension.load_inline` (a C++ compiler and ninja; about 30 s once, then cached under torch's
+extensions folder, one build per CPU model since it targets the build machine's instruction set). Where it cannot be
+built, `native_gather()` returns None once and logs why, and the callers keep their torch forms (`embedding_bag`,
+MoHD's spans plan). Set `HF_MOHD_NATIVE_GATHER=0` to never build or use it.
 """
 
 import hashlib
@@ -53,6 +73,12 @@ SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <utility>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 // Software prefetch `distance` bytes ahead of the read position, into the next picked block near a block's end: the
@@ -171,9 +197,189 @@ torch::Tensor gathered_down(torch::Tensor hidden, torch::Tensor experts, torch::
   });
   return out;
 }
+
+// MoHD, one token (decoding at batch 1): the router, the gathered input side and the gathered output side of one
+// sublayer, each one call. Blocks are s consecutive channels; the first N_s are shared, the routed ones are chosen.
+
+// logits = W_r x accumulated in A (fp32, float64 for float64), p = softmax(logits), the k largest p with ties to the
+// lower index (k passes of a strict-greater scan: the order of a stable descending sort), gates by `gate_mode`:
+// 0 p_j, 1 k p_j / sum of the chosen p, 2 one.
+template <typename T>
+static void route_kernel(const T* x, const T* weight, int64_t C, int64_t D, int64_t k, int64_t offset,
+                         int64_t gate_mode, int64_t* ids, T* gates) {
+  using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  std::vector<A> p(C);
+  for (int64_t c = 0; c < C; ++c) {
+    const T* row = weight + c * D;
+    A acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < D; ++i) acc += static_cast<A>(x[i]) * static_cast<A>(row[i]);
+    p[c] = acc;
+  }
+  A top = p[0];
+  for (int64_t c = 1; c < C; ++c) top = std::max(top, p[c]);
+  A sum = 0;
+  for (int64_t c = 0; c < C; ++c) {
+    p[c] = std::exp(p[c] - top);
+    sum += p[c];
+  }
+  for (int64_t c = 0; c < C; ++c) p[c] /= sum;
+  std::vector<char> taken(C, 0);
+  std::vector<A> chosen(k);
+  A chosen_sum = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t c = 0; c < C; ++c) {
+      if (!taken[c] && (best < 0 || p[c] > p[best])) best = c;
+    }
+    taken[best] = 1;
+    ids[j] = best + offset;
+    chosen[j] = p[best];
+    chosen_sum += p[best];
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    const A gate = gate_mode == 0 ? chosen[j] : gate_mode == 1 ? static_cast<A>(k) * chosen[j] / chosen_sum : A(1);
+    gates[j] = static_cast<T>(gate);
+  }
+}
+
+// The active blocks of one token as maximal runs [start, stop) of consecutive block ids, in increasing order: the
+// shared blocks 0 .. N_s - 1 first (a routed block next to them joins that run), then the sorted routed ids.
+static std::vector<std::pair<int64_t, int64_t>> active_spans(const int64_t* ids, int64_t k, int64_t num_shared) {
+  std::vector<int64_t> sorted(ids, ids + k);
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  if (num_shared > 0) spans.emplace_back(0, num_shared);
+  for (int64_t id : sorted) {
+    if (!spans.empty() && spans.back().second >= id) {
+      spans.back().second = std::max(spans.back().second, id + 1);
+    } else {
+      spans.emplace_back(id, id + 1);
+    }
+  }
+  return spans;
+}
+
+static void check_route_ids(const torch::Tensor& ids, const torch::Tensor& gates, int64_t num_blocks,
+                            int64_t num_shared) {
+  check(ids, "ids"); check(gates, "gates");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == 1 && ids.scalar_type() == torch::kLong && gates.dim() == 2 &&
+              gates.size(0) == 1 && gates.size(1) == ids.size(1), "ids and gates (1, k), ids int64");
+  const int64_t* p = ids.data_ptr<int64_t>();
+  for (int64_t j = 0; j < ids.numel(); ++j) {
+    TORCH_CHECK(p[j] >= num_shared && p[j] < num_blocks, "routed block id ", p[j], " outside [", num_shared, ", ",
+                num_blocks, ")");
+  }
+}
+
+std::tuple<torch::Tensor, torch::Tensor> mohd_route(torch::Tensor x, torch::Tensor weight, int64_t top_k,
+                                                    int64_t offset, int64_t gate_mode) {
+  check(x, "x"); check(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2 && weight.size(1) == x.size(1) &&
+              weight.scalar_type() == x.scalar_type() && top_k >= 1 && top_k <= weight.size(0) &&
+              gate_mode >= 0 && gate_mode <= 2, "mohd_route: x (1, D), weight (C, D), 1 <= top_k <= C");
+  auto ids = torch::empty({1, top_k}, x.options().dtype(torch::kLong));
+  auto gates = torch::empty({1, top_k}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "mohd_route", [&] {
+    route_kernel<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), weight.size(0), x.size(1), top_k,
+                           offset, gate_mode, ids.data_ptr<int64_t>(), gates.data_ptr<scalar_t>());
+  });
+  return {ids, gates};
+}
+
+torch::Tensor mohd_gather_in(torch::Tensor x, torch::Tensor ids, torch::Tensor gates, torch::Tensor weight_t,
+                             int64_t num_shared, int64_t block) {
+  check(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight_t.dim() == 2 && weight_t.size(0) == x.size(1) &&
+              weight_t.stride(1) == 1 && x.size(1) % block == 0 && weight_t.scalar_type() == x.scalar_type() &&
+              gates.scalar_type() == x.scalar_type(), "mohd_gather_in: x (1, D), weight_t (D, O) rows contiguous, D = N s");
+  check_route_ids(ids, gates, x.size(1) / block, num_shared);
+  // g ⊙ x over the routed blocks (the shared blocks have gate 1), then one product per run of active blocks, each
+  // run's s-row slices of x and of weight_t contiguous, accumulated in place
+  auto gated = x.clone();
+  const int64_t k = ids.size(1);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t j = 0; j < k; ++j) {
+    gated.narrow(1, id[j] * block, block).mul_(gates.select(1, j));
+  }
+  auto out = torch::empty({1, weight_t.size(1)}, x.options());
+  bool first = true;
+  for (const auto& span : active_spans(id, k, num_shared)) {
+    const int64_t start = span.first * block, width = (span.second - span.first) * block;
+    auto rows = gated.narrow(1, start, width);
+    auto weight = weight_t.narrow(0, start, width);
+    if (first) {
+      at::mm_out(out, rows, weight);
+      first = false;
+    } else {
+      at::addmm_out(out, out, rows, weight);
+    }
+  }
+  return out;
+}
+
+torch::Tensor mohd_gather_out(torch::Tensor hidden, torch::Tensor ids, torch::Tensor weight,
+                              std::optional<torch::Tensor> fusion, int64_t num_shared, int64_t block, double scale) {
+  check(hidden, "hidden"); check(weight, "weight");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) == 1 && weight.dim() == 2 && weight.size(1) == hidden.size(1) &&
+              weight.size(0) % block == 0 && weight.scalar_type() == hidden.scalar_type(),
+              "mohd_gather_out: hidden (1, I), weight (D, I), D = N s");
+  const int64_t N = weight.size(0) / block;
+  check_route_ids(ids, ids, N, num_shared);
+  const bool fused = fusion.has_value();
+  if (fused) {
+    check(*fusion, "fusion");
+    TORCH_CHECK(fusion->dim() == 2 && fusion->size(0) == N && fusion->size(1) == N &&
+                fusion->scalar_type() == hidden.scalar_type(), "mohd_gather_out: fusion (N, N)");
+  }
+  // y: the active output blocks (one product per run of them, rows of the row-major weight), zero elsewhere
+  auto y = torch::zeros({1, weight.size(0)}, hidden.options());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t k = ids.size(1);
+  const auto spans = active_spans(id, k, num_shared);
+  for (const auto& span : spans) {
+    const int64_t start = span.first * block, width = (span.second - span.first) * block;
+    auto rows = y.narrow(1, start, width);
+    at::mm_out(rows, hidden, weight.narrow(0, start, width).t());
+  }
+  if (!fused) {
+    return scale == 1.0 ? y : y.mul_(scale);
+  }
+  // z = scale F y over the blocks: only the active columns of F meet nonzero blocks
+  auto out = torch::empty({1, weight.size(0)}, hidden.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, hidden.scalar_type(), "mohd_gather_out", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const scalar_t* f = fusion->data_ptr<scalar_t>();
+    const scalar_t* yv = y.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    std::vector<A> z(block);
+    for (int64_t n = 0; n < N; ++n) {
+      std::fill(z.begin(), z.end(), A(0));
+      for (const auto& span : spans) {
+        for (int64_t b = span.first; b < span.second; ++b) {
+          const A weight_nb = static_cast<A>(f[n * N + b]);
+          const scalar_t* yb = yv + b * block;
+          for (int64_t c = 0; c < block; ++c) z[c] += weight_nb * static_cast<A>(yb[c]);
+        }
+      }
+      for (int64_t c = 0; c < block; ++c) o[n * block + c] = static_cast<scalar_t>(static_cast<A>(scale) * z[c]);
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY(hf_mohd, m) {
+  m.def("gathered_up(Tensor x, Tensor experts, Tensor weight) -> Tensor", &gathered_up);
+  m.def("gathered_down(Tensor hidden, Tensor experts, Tensor weight) -> Tensor", &gathered_down);
+  m.def("mohd_route(Tensor x, Tensor weight, int top_k, int offset, int gate_mode) -> (Tensor, Tensor)", &mohd_route);
+  m.def("mohd_gather_in(Tensor x, Tensor ids, Tensor gates, Tensor weight_t, int num_shared, int block) -> Tensor",
+        &mohd_gather_in);
+  m.def("mohd_gather_out(Tensor hidden, Tensor ids, Tensor weight, Tensor? fusion, int num_shared, int block, "
+        "float scale) -> Tensor", &mohd_gather_out);
+}
 """
 
-DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # what the kernels take; other dtypes keep embedding_bag
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # what the kernels take; other dtypes keep the torch forms
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -196,7 +402,8 @@ def _build_name() -> str:
 
 
 def native_gather():
-    """The compiled extension (functions `gathered_up`, `gathered_down`; module docstring), or None where it is
+    """The compiled kernels as `torch.ops.hf_mohd` (`gathered_up`, `gathered_down`, `mohd_route`, `mohd_gather_in`,
+    `mohd_gather_out`; module docstring), or None where it is
     disabled (`HF_MOHD_NATIVE_GATHER=0`) or cannot be built (the reason is logged once). Built at most once per
     process; thread-safe."""
     if "module" in _state:
@@ -206,23 +413,24 @@ def native_gather():
             return _state["module"]
         module = None
         if os.environ.get("HF_MOHD_NATIVE_GATHER", "1") == "0":
-            logger.info("HF_MOHD_NATIVE_GATHER=0: the gather kernel reads experts with embedding_bag.")
+            logger.info("HF_MOHD_NATIVE_GATHER=0: decoding keeps the torch forms (embedding_bag, MoHD's spans plan).")
         else:
             try:
                 from torch.utils.cpp_extension import load_inline
 
                 flags = ["-O3", "-fopenmp"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
-                module = load_inline(
+                load_inline(
                     _build_name(),
                     cpp_sources=SOURCE,
-                    functions=["gathered_up", "gathered_down"],
                     extra_cflags=flags,
                     extra_ldflags=["-fopenmp"],
+                    is_python_module=False,  # a plain library: its ops register with the dispatcher on load
                 )
-            except Exception as error:  # no compiler, no ninja, a failed build: keep embedding_bag
+                module = torch.ops.hf_mohd
+            except Exception as error:  # no compiler, no ninja, a failed build: keep the torch forms
                 logger.warning_once(
-                    f"The native gather kernel could not be built ({type(error).__name__}: {error}); LatentMoE "
-                    "decoding reads the picked experts with embedding_bag instead."
+                    f"The native decoding kernels could not be built ({type(error).__name__}: {error}); LatentMoE "
+                    "decoding reads the picked experts with embedding_bag and MoHD's with its spans plan instead."
                 )
         _state["module"] = module
         return module

@@ -67,6 +67,88 @@ def test_gathered_products_refuse_what_they_cannot_read(kernels):
         kernels.gathered_down(torch.randn(4, 3), ids, table.double())
 
 
+@pytest.mark.parametrize("routed_gate", ["softmax", "normalized", "unit"])
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float64, 1e-14), (torch.float32, 1e-6)])
+def test_mohd_route_picks_and_gates_as_the_router(kernels, routed_gate, dtype, tolerance):
+    """`mohd_route` against `MoHDRouter` on the same token: the same absolute block ids in the same order (the k
+    largest softmax probabilities, ties to the lower index: the router has duplicated rows, so equal logits meet at
+    the top) and the same gates for each `routed_gate`."""
+    from hf_mohd.models.configuration_mohd import MoHDConfig
+    from hf_mohd.models.modeling_mohd import MoHDRouter
+
+    config = MoHDConfig(
+        hidden_size=48, num_sub_dims=12, num_shared_sub_dims=3, num_routed_sub_dims_per_tok=4, routed_gate=routed_gate
+    )
+    router = MoHDRouter(config, 0, "mlp", top_k=4).to(dtype)
+    generator = torch.Generator().manual_seed(1)
+    for trial in range(20):
+        weight = torch.randn(9, 48, generator=generator, dtype=dtype)
+        weight[5] = weight[2]  # a tie between routed choices 2 and 5 ...
+        weight[7] = weight[2] if trial % 2 else weight[7]  # ... and, every other trial, a three-way one
+        router.weight.data.copy_(weight)
+        x = torch.randn(1, 1, 48, generator=generator, dtype=dtype)
+        x[..., :] += 2 * weight[2] / weight[2].norm()  # pull the tied choices to the top
+        with torch.no_grad():
+            _, gates, ids = router(x)
+        native_ids, native_gates = kernels.mohd_route(
+            x.view(1, -1), router.weight, 4, 3, router.NATIVE_GATE_MODES[routed_gate]
+        )
+        assert torch.equal(native_ids, ids.view(1, -1)), (trial, native_ids, ids)
+        torch.testing.assert_close(native_gates, gates.view(1, -1), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mohd_gathered_sides_equal_the_masked_formulas(kernels, threads):
+    """`mohd_gather_in`: (g ⊙ x) Wt with g 1 on the shared blocks, the gates on the picked ones and 0 elsewhere;
+    `mohd_gather_out`: scale F (m ⊙ W h) over the blocks, m 1 on the active blocks, and without F scale (m ⊙ W h);
+    in float64, with picked blocks next to the shared ones, next to each other and out of order, no shared block at
+    all, and 1 and 2 threads."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(2)
+        for num_blocks, num_shared, block, ids in [(8, 2, 4, [2, 5]), (10, 3, 6, [7, 6, 9]), (6, 0, 5, [4, 0, 2])]:
+            width = num_blocks * block
+            x = torch.randn(1, width, generator=generator, dtype=torch.float64)
+            gates = torch.rand(1, len(ids), generator=generator, dtype=torch.float64)
+            ids_tensor = torch.tensor([ids])
+            weight_t = torch.randn(width, 13, generator=generator, dtype=torch.float64)
+            gate_vector = torch.zeros(num_blocks, dtype=torch.float64)
+            gate_vector[:num_shared] = 1
+            gate_vector[ids] = gates[0]
+            expected_in = (x.view(num_blocks, block) * gate_vector[:, None]).view(1, -1) @ weight_t
+            got_in = kernels.mohd_gather_in(x, ids_tensor, gates, weight_t, num_shared, block)
+            torch.testing.assert_close(got_in, expected_in, rtol=1e-13, atol=1e-13)
+
+            hidden = torch.randn(1, 11, generator=generator, dtype=torch.float64)
+            weight = torch.randn(width, 11, generator=generator, dtype=torch.float64)
+            fusion = torch.randn(num_blocks, num_blocks, generator=generator, dtype=torch.float64)
+            mask = (gate_vector != 0).double()
+            blocks = (hidden @ weight.t()).view(num_blocks, block) * mask[:, None]
+            got = kernels.mohd_gather_out(hidden, ids_tensor, weight, fusion, num_shared, block, 1.5)
+            torch.testing.assert_close(got, (1.5 * fusion @ blocks).view(1, -1), rtol=1e-13, atol=1e-13)
+            got = kernels.mohd_gather_out(hidden, ids_tensor, weight, None, num_shared, block, 1.5)
+            torch.testing.assert_close(got, 1.5 * blocks.view(1, -1), rtol=1e-13, atol=1e-13)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_mohd_kernels_refuse_what_they_cannot_read(kernels):
+    """A routed id outside [N_s, N), several tokens, a width that is not whole blocks or mixed dtypes raise
+    (RuntimeError naming what was expected)."""
+    x, gates, weight_t = torch.randn(1, 16), torch.ones(1, 2), torch.randn(16, 5)
+    with pytest.raises(RuntimeError, match=r"routed block id 1 outside \[2, 4\)"):
+        kernels.mohd_gather_in(x, torch.tensor([[1, 3]]), gates, weight_t, 2, 4)
+    with pytest.raises(RuntimeError, match=r"routed block id 4 outside"):
+        kernels.mohd_gather_out(torch.randn(1, 3), torch.tensor([[2, 4]]), torch.randn(16, 3), None, 2, 4, 1.0)
+    with pytest.raises(RuntimeError, match=r"x \(1, D\)"):
+        kernels.mohd_gather_in(torch.randn(2, 16), torch.tensor([[2, 3]]), gates, weight_t, 2, 4)
+    with pytest.raises(RuntimeError, match=r"D = N s"):
+        kernels.mohd_gather_out(torch.randn(1, 3), torch.tensor([[2, 3]]), torch.randn(15, 3), None, 2, 4, 1.0)
+    with pytest.raises(RuntimeError, match=r"weight \(C, D\)"):
+        kernels.mohd_route(x, torch.randn(4, 16).double(), 2, 2, 0)
+
+
 def test_switched_off_by_the_environment(monkeypatch):
     """HF_MOHD_NATIVE_GATHER=0: `native_gather()` returns None without building, so decoding keeps embedding_bag."""
     monkeypatch.setattr(ng, "_state", {})
