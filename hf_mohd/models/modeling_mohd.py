@@ -268,8 +268,8 @@ class MoHDSubDimensions(nn.Module):
             return None
         geometry = self.strategy.geometry
         ids, gates = kernels.mohd_route(
-            hidden_states.reshape(1, -1),
-            router.weight,
+            hidden_states.reshape(1, -1).contiguous(),  # a no-op on the normed input, which is contiguous
+            router.weight.contiguous(),
             router.top_k,
             geometry.num_shared,
             router.NATIVE_GATE_MODES[router.routed_gate],

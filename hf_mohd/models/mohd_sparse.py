@@ -966,7 +966,9 @@ class MoHDNativeTokenPlan(MoHDPlan):
     def project_in(self, hidden_states: torch.Tensor, linears) -> list[torch.Tensor]:
         """(1, D) -> one (1, out) view per linear of the fused product (`fused`: the linears' storage as (D, out))."""
         g = self.geometry
-        out = self.kernels.mohd_gather_in(hidden_states, self.ids, self.gates, self.fused, g.num_shared, g.block)
+        out = self.kernels.mohd_gather_in(
+            hidden_states.contiguous(), self.ids, self.gates, self.fused, g.num_shared, g.block
+        )
         return split_outputs(out, linears)
 
     def project_out(self, hidden_states: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
