@@ -40,9 +40,15 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import _active_collector, capture_outputs
+from transformers.utils.output_capturing import capture_outputs
 
 from .routing_cache import RoutingCache
+
+
+try:  # the context variable transformers' output-capturing hooks read (private: absent, every such hook counts)
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # pragma: no cover - other transformers versions
+    _active_collector = None
 
 
 logger = logging.get_logger(__name__)
@@ -552,6 +558,8 @@ class TopKRouter(nn.Module):
         if not self._forward_hooks:
             return False
         if any(getattr(hook, "__name__", "") != "output_capturing_hook" for hook in self._forward_hooks.values()):
+            return True
+        if _active_collector is None:
             return True
         collected = _active_collector.get()
         return collected is not None and "router_logits" in collected
