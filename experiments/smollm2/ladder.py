@@ -19,7 +19,7 @@ Every stage resumes (finished parts are read back from `--work-dir`, training re
     python -m experiments.smollm2.ladder prepare                  # heal's prepare, then the unit and compensated students
     python -m experiments.smollm2.ladder budgets                  # the budgeted students (after prepare)
     python -m experiments.smollm2.ladder sides                    # one sparse side, training-free
-    python -m experiments.smollm2.ladder train unit_nested_64k    # one arm of ARMS; two arms may run side by side
+    python -m experiments.smollm2.ladder train unit_nested_64k    # one arm of ARMS (64k or 256k); two may run side by side
     python -m experiments.smollm2.ladder report                   # experiments/smollm2/results/smollm2_healing_ladder.json
 
 The recipe of every arm is heal's 64k arm (`mohd75_all_64k`: AdamW at 2e-4, warmup 16 steps, cosine to 0.1 x at the
@@ -64,6 +64,12 @@ ARMS = {
     "unit_nested_compensated_64k": ("mohd75uc", True, 0.0, 64 * K, 0.0),
     "unit_nested_budgets_64k": ("mohd75ub", True, 0.0, 64 * K, 0.0),
     "unit_nested_hidden_64k": ("mohd75u", True, 0.0, 64 * K, 1.0),
+    # the same ladder at 256k tokens, from the best 64k student (per-layer budgets) on: each arm adds one lever
+    "unit_256k": ("mohd75u", False, 0.0, 256 * K, 0.0),
+    "unit_nested_256k": ("mohd75u", True, 0.0, 256 * K, 0.0),
+    "unit_nested_budgets_256k": ("mohd75ub", True, 0.0, 256 * K, 0.0),
+    "unit_nested_budgets_schedule_256k": ("mohd75ub", True, 0.25, 256 * K, 0.0),
+    "unit_nested_budgets_hidden_256k": ("mohd75ub", True, 0.0, 256 * K, 1.0),
 }
 BASELINE = ("mohd75_all_64k", "heal's recipe: normalized gates, target k only, no schedule, no compensation")
 
@@ -200,7 +206,8 @@ def evaluate(model, windows) -> dict:
 
 
 def train_arm(work: Path, arm: str) -> None:
-    """Heal one arm to its budget (heal's 64k recipe with the arm's levers), then evaluate it."""
+    """Heal one arm to its budget (heal's 64k recipe, its cosine schedule ending at the arm's budget, with the arm's
+    levers), then evaluate it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     student, nested, schedule, budget, hidden = ARMS[arm]
@@ -250,7 +257,10 @@ def train_arm(work: Path, arm: str) -> None:
 
 
 def report(work: Path, output: Path) -> dict:
-    """Gather the students' training-free numbers and every finished arm into one JSON; missing arms are listed."""
+    """Gather the students' training-free numbers and every finished arm into one JSON; missing arms are listed. An
+    arm that `work` does not hold but `output` already records (healed in an earlier work folder, possibly on another
+    machine) is kept as recorded."""
+    earlier = heal.read_json(output, {}).get("arms", {})
     prepared = heal.read_json(work / "prepare.json", None)
     ladder = heal.read_json(work / "ladder_prepare.json", None)
     if prepared is None or ladder is None:
@@ -290,7 +300,10 @@ def report(work: Path, output: Path) -> dict:
     for arm, (student, nested, schedule, budget, hidden) in ARMS.items():
         found = heal.read_json(work / f"ladder_{arm}.json", None)
         if found is None:
-            missing.append(arm)
+            if arm in earlier:
+                arms[arm] = earlier[arm]
+            else:
+                missing.append(arm)
             continue
         ppl = found["perplexity"]
         arms[arm] = {
