@@ -22,6 +22,8 @@ Models (fixed bench shape of `common.BENCH_SHAPE`, MoHD `compression_50` preset,
 - `mohd_union`, `mohd_per_block`: the same checkpoint with `set_small_batch_plan("union")` / `("per_block")`, the
   two forms `mohd`'s "auto" chooses between for 2-8 tokens (the same as `mohd` at batch 1); the choice this machine
   made is stored as `small_batch_plan_auto`.
+- `mohd_torch_path`: the same checkpoint with `set_native_token_plan(False)`: one decoded token through the torch
+  path (the spans plan) instead of the native operators of `MoHDNativeTokenPlan`, the same everywhere else.
 - `llama_active`: `LlamaForCausalLM` at the activated width (hidden 512): what a dense model reading MoHD's active
   width achieves per byte on this machine.
 
@@ -57,7 +59,7 @@ from hf_mohd.models.accounting import model_accounting
 from hf_mohd.models.mohd_sparse import small_gemms_compute_bound
 
 
-MODELS = ("llama", "mohd", "mohd_row_major", "mohd_union", "mohd_per_block", "llama_active")
+MODELS = ("llama", "mohd", "mohd_row_major", "mohd_union", "mohd_per_block", "mohd_torch_path", "llama_active")
 BATCHES = (1, 2, 4, 8)
 DRAFT_TOKENS = (4, 6, 8)
 TARGETS = {"batch1_goal": 1.37, "batch1_floor": 1.15, "fraction_vs_llama_active": 0.90, "small_batch_floor": 0.97}
@@ -103,6 +105,11 @@ def build_and_reload(shape: dict, folder: str) -> tuple[dict, dict]:
         models[name] = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "mohd"), attn_implementation="sdpa")
         models[name].eval().set_small_batch_plan(plan)
         configs[name] = configs["mohd"]
+    models["mohd_torch_path"] = AutoModelForCausalLM.from_pretrained(
+        os.path.join(folder, "mohd"), attn_implementation="sdpa"
+    ).eval()
+    models["mohd_torch_path"].set_native_token_plan(False)
+    configs["mohd_torch_path"] = configs["mohd"]
     return models, configs
 
 

@@ -237,6 +237,9 @@ def test_native_one_token_plan_runs_where_it_applies_and_yields_to_observers(mon
         for hook in hooks:
             hook.remove()
         run("MoHDNativeTokenPlan")
+        gather.set_native_token_plan(False)  # switched off for comparisons: the spans plan, the router module
+        run("MoHDSpansPlan")
+        gather.set_native_token_plan(True)
         out_g, out_m = run("MoHDSpansPlan", output_router_logits=True)
         for logits_g, logits_m in zip(out_g.router_logits, out_m.router_logits, strict=True):
             torch.testing.assert_close(logits_g, logits_m, rtol=1e-12, atol=1e-12)

@@ -189,6 +189,8 @@ class MoHDSubDimensions(nn.Module):
             self.output_compensation = nn.Parameter(torch.zeros(num_sub_dims, config.sub_dim_size))
         # set by `hf_mohd.conversion.compensation` while it measures calibration statistics, else None
         self.observer = None
+        # `MoHDPreTrainedModel.set_native_token_plan`: whether one decoded token may take `native_token_plan`
+        self.native_token_plan_enabled = True
 
     def active_scale(self, top_k: int) -> float:
         """alpha = N / (N_s + k) with "inverse_active" activation scaling (paper section 3, step 4), else 1."""
@@ -232,8 +234,8 @@ class MoHDSubDimensions(nn.Module):
 
     def native_token_plan(self, hidden_states: torch.Tensor, projections, kwargs) -> MoHDNativeTokenPlan | None:
         """The plan of one decoded token routed and computed by the native kernels (`native_gather`: the router, each
-        side of the sublayer one dispatched op), or None where the general path must run: more than one token,
-        autograd, `torch.compile`, autocast to another dtype, a device other than the CPU, routing replay, a router
+        side of the sublayer one dispatched op), or None where the general path must run: switched off
+        (`MoHDPreTrainedModel.set_native_token_plan(False)`), more than one token, autograd, `torch.compile`, autocast to another dtype, a device other than the CPU, routing replay, a router
         something observes (`TopKRouter.observed`: recorded router logits, hooks), the masked strategy, one sparse
         side only, dropped-block compensation, a compensation observer, projections that are not plain bias-free
         `nn.Linear` in the fused block-major storage (`fuse_block_major_`, set by `to_weight_layout("block_major")`),
@@ -242,7 +244,8 @@ class MoHDSubDimensions(nn.Module):
         ids and gates are appended to a `RoutingCache` as the router's forward appends them."""
         router, dtype = self.router, hidden_states.dtype
         if not (
-            hidden_states.shape[:-1].numel() == 1
+            self.native_token_plan_enabled
+            and hidden_states.shape[:-1].numel() == 1
             and hidden_states.device.type == "cpu"
             and dtype in NATIVE_DTYPES
             and not torch.is_grad_enabled()
@@ -532,6 +535,15 @@ class MoHDPreTrainedModel(PreTrainedModel):
             if isinstance(module, MoHDSubDimensions) and hasattr(module.strategy, "small_batch_plan"):
                 module.strategy.small_batch_plan = resolved
         return resolved
+
+    def set_native_token_plan(self, enabled: bool = True) -> None:  # trf-ignore: TRF033 (execution choice)
+        """Whether one decoded token may run the native one-token plan (`MoHDSubDimensions.native_token_plan`; on by
+        default where the native kernels build) or always takes the torch path (the spans plan): an execution choice
+        like `set_small_batch_plan`, results equal up to summation order, not saved. For comparisons in one process;
+        `HF_MOHD_NATIVE_GATHER=0` turns the kernels off for the whole process instead."""
+        for module in self.modules():
+            if isinstance(module, MoHDSubDimensions):
+                module.native_token_plan_enabled = enabled
 
     def set_active_sub_dims(self, num_routed_sub_dims_per_tok: int | None) -> None:  # trf-ignore: TRF033
         """Changes k, the routed sub-dimensions every token activates, of a loaded model without reloading: routers,
