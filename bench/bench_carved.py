@@ -29,7 +29,7 @@ forward FLOPs per token at context 512.
     python -m bench.bench_carved --reps 3 --experts 128 --output ...   # the finer carving (K = 80 and 32 of 128)
 
 `--profile` adds, per model, a `torch.profiler` record of one batch-1 decoding step (after the 32-token prompt and
-three steps from its cache): the number of top-level dispatched ops (aten and `hf_mohd::`) and the self CPU time of the most expensive ops, which
+three steps from its cache): the number of top-level dispatched ops (aten's and the native `native_gather` kernels) and the self CPU time of the most expensive ops, which
 say whether a step's time goes to reading weights (`mm`, `embedding_bag`) or to dispatching small ops. `--ablate`
 adds the in-situ cost of each feed-forward part of a batch-1 decoding step (the step timed with the part replaced by
 zeros; `decode_ablation`) and the rate at which that part reads its weights.
@@ -66,7 +66,7 @@ DEFAULT_KERNELS = ("grouped_mm", "gather")
 
 def decode_step_profile(model, prompt: torch.Tensor, top: int = 8) -> dict:
     """Profile of one greedy decoding step of `model` after `prompt` (1, P) and three warm-up steps: {"ops":
-    top-level dispatched ops (aten's and the native `hf_mohd::` kernels), "self_cpu_ms": their total self CPU time, "most_expensive": {op: self CPU ms} of the `top`
+    top-level dispatched ops (aten's and the native `native_gather` kernels), "self_cpu_ms": their total self CPU time, "most_expensive": {op: self CPU ms} of the `top`
     ops by self time}."""
     with torch.inference_mode():
         out = model(input_ids=prompt, use_cache=True)

@@ -15,7 +15,7 @@
 
 On the user's path of `bench_mohd_decode` (the models saved and reloaded with `from_pretrained`, greedy `generate`
 at batch 1, the fixed bench shape), `torch.profiler` records two `generate` calls of 4 and 12 new tokens after the
-same 64-token prompt; the difference of their top-level op counts (aten's and this package's native `hf_mohd::` ops,
+same 64-token prompt; the difference of their top-level op counts (aten's and this package's native `native_gather` ops,
 not called from inside another such op)
 over the 8 extra steps is the count per decoding step, everything in it: the decoder layers, the LM head and
 `generate`'s own work, which is the same for both models. Per layer = per step / num_hidden_layers. The most
@@ -78,7 +78,7 @@ def main() -> None:
         "command": common.command_line(),
         "commit": common.git_commit(),
         "shape": shape,
-        "what": f"top-level dispatched ops (aten::, hf_mohd::) per greedy decoding step (generate of {LONG} minus {SHORT} new tokens)",
+        "what": f"top-level dispatched ops (aten and native_gather) per greedy decoding step (generate of {LONG} minus {SHORT} new tokens)",
         "models": rows,
         "mohd_over_llama": ratio,
         "machine": common.machine_description(),

@@ -265,12 +265,13 @@ def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> dict:
     }
 
 
-# namespaces of the dispatched ops a decoding step runs: torch's and this package's native kernels (`native_gather`)
-OP_NAMESPACES = ("aten::", "hf_mohd::")
+# namespaces of the dispatched ops a decoding step runs: torch's and this package's native kernels (`native_gather`,
+# whose namespace is hf_mohd_native_gather_<digest of its source>)
+OP_NAMESPACES = ("aten::", "hf_mohd_native_gather_")
 
 
 def top_level_op_events(profile) -> list:
-    """The events of a `torch.profiler.profile` that are dispatched ops (aten's or this package's `hf_mohd::` kernels)
+    """The events of a `torch.profiler.profile` that are dispatched ops (aten's or this package's native kernels)
     not called from inside another such op: the ops a forward dispatches itself, each costing dispatch time whatever
     it computes."""
     return [

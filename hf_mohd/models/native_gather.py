@@ -50,8 +50,10 @@ and per bookkeeping op (N blocks of s channels, the first N_s shared, k routed o
 A routed id outside [N_s, N) raises (RuntimeError). The products call ATen's `mm` / `addmm` from C++ on the weight
 slices (the BLAS's own rate), so only the bookkeeping around them is new code.
 
-Every kernel is a torch operator (`torch.ops.hf_mohd.*`, registered with the dispatcher when the library loads), so
-profilers and operator counts see each call. The library is compiled on first use with
+Every kernel is a torch operator (`torch.ops.hf_mohd_native_gather_<digest>.*`, registered with the dispatcher when
+the library loads), so profilers and operator counts see each call. The namespace carries the digest of this source and build
+(`_build_name`): two different copies of this file in one process (this package's and the remote code of a
+checkpoint saved by another version) register two namespaces instead of colliding in one. The library is compiled on first use with
 `torch.utils.cpp_extension.load_inline` (a C++ compiler and ninja; about 30 s once, then cached under torch's
 extensions folder, one build per CPU model since it targets the build machine's instruction set). Where it cannot be
 built, `native_gather()` returns None once and logs why, and the callers keep their torch forms (`embedding_bag`,
@@ -368,7 +370,7 @@ torch::Tensor mohd_gather_out(torch::Tensor hidden, torch::Tensor ids, torch::Te
   return out;
 }
 
-TORCH_LIBRARY(hf_mohd, m) {
+TORCH_LIBRARY(HF_MOHD_NAMESPACE, m) {
   m.def("gathered_up(Tensor x, Tensor experts, Tensor weight) -> Tensor", &gathered_up);
   m.def("gathered_down(Tensor hidden, Tensor experts, Tensor weight) -> Tensor", &gathered_down);
   m.def("mohd_route(Tensor x, Tensor weight, int top_k, int offset, int gate_mode) -> (Tensor, Tensor)", &mohd_route);
@@ -402,8 +404,8 @@ def _build_name() -> str:
 
 
 def native_gather():
-    """The compiled kernels as `torch.ops.hf_mohd` (`gathered_up`, `gathered_down`, `mohd_route`, `mohd_gather_in`,
-    `mohd_gather_out`; module docstring), or None where it is
+    """The compiled kernels as their `torch.ops` namespace, `hf_mohd_native_gather_<digest>` (`gathered_up`,
+    `gathered_down`, `mohd_route`, `mohd_gather_in`, `mohd_gather_out`; module docstring), or None where it is
     disabled (`HF_MOHD_NATIVE_GATHER=0`) or cannot be built (the reason is logged once). Built at most once per
     process; thread-safe."""
     if "module" in _state:
@@ -419,14 +421,15 @@ def native_gather():
                 from torch.utils.cpp_extension import load_inline
 
                 flags = ["-O3", "-fopenmp"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+                name = _build_name()
                 load_inline(
-                    _build_name(),
+                    name,
                     cpp_sources=SOURCE,
-                    extra_cflags=flags,
+                    extra_cflags=flags + [f"-DHF_MOHD_NAMESPACE={name}"],
                     extra_ldflags=["-fopenmp"],
                     is_python_module=False,  # a plain library: its ops register with the dispatcher on load
                 )
-                module = torch.ops.hf_mohd
+                module = getattr(torch.ops, name)
             except Exception as error:  # no compiler, no ninja, a failed build: keep the torch forms
                 logger.warning_once(
                     f"The native decoding kernels could not be built ({type(error).__name__}: {error}); LatentMoE "

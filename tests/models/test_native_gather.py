@@ -154,3 +154,24 @@ def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setattr(ng, "_state", {})
     monkeypatch.setenv("HF_MOHD_NATIVE_GATHER", "0")
     assert ng.native_gather() is None
+
+
+@pytest.mark.slow
+def test_two_copies_of_the_kernels_register_side_by_side(kernels, monkeypatch):
+    """A second copy of this file with another source (as the remote code of a checkpoint saved by another version,
+    loaded beside the package) builds its own library under its own operator namespace instead of colliding with
+    the first one's (a second registration of one namespace would abort the process); both answer."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("other_native_gather", ng.__file__)
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    other.SOURCE += "\n// another version of this file\n"
+    other_kernels = other.native_gather()
+    assert other_kernels is not None and other_kernels.name != kernels.name
+    x, weight = torch.randn(1, 16, dtype=torch.float64), torch.randn(6, 16, dtype=torch.float64)
+    for module in (kernels, other_kernels):
+        ids, gates = module.mohd_route(x, weight, 2, 1, 0)
+        expected = torch.sort(torch.softmax(x @ weight.t(), -1), descending=True, stable=True)
+        assert torch.equal(ids, expected.indices[:, :2] + 1)
+        torch.testing.assert_close(gates, expected.values[:, :2], rtol=1e-14, atol=1e-14)
