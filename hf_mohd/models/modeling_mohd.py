@@ -235,11 +235,12 @@ class MoHDSubDimensions(nn.Module):
     def native_token_plan(self, hidden_states: torch.Tensor, projections, kwargs) -> MoHDNativeTokenPlan | None:
         """The plan of one decoded token routed and computed by the native kernels (`native_gather`: the router, each
         side of the sublayer one dispatched op), or None where the general path must run: switched off
-        (`MoHDPreTrainedModel.set_native_token_plan(False)`), more than one token, autograd, `torch.compile`, autocast to another dtype, a device other than the CPU, routing replay, a router
-        something observes (`TopKRouter.observed`: recorded router logits, hooks), the masked strategy, one sparse
-        side only, dropped-block compensation, a compensation observer, projections that are not plain bias-free
-        `nn.Linear` in the fused block-major storage (`fuse_block_major_`, set by `to_weight_layout("block_major")`),
-        a dtype the kernels do not take, or kernels that could not be built. The selection is the router's (the k
+        (`MoHDPreTrainedModel.set_native_token_plan(False)`), more than one token, autograd, `torch.compile`,
+        autocast to another dtype, a device other than the CPU, routing replay, a router something observes
+        (`TopKRouter.observed`: recorded router logits, hooks), the masked strategy, one sparse side only,
+        dropped-block compensation, a compensation observer, projections that are not plain bias-free `nn.Linear` in
+        the fused block-major storage (`fuse_block_major_`, set by `to_weight_layout("block_major")`), a dtype the
+        kernels do not take, or kernels that could not be built. The selection is the router's (the k
         largest softmax probabilities in fp32, or float64, ties to the lower index; gates by `routed_gate`), its
         ids and gates are appended to a `RoutingCache` as the router's forward appends them."""
         router, dtype = self.router, hidden_states.dtype

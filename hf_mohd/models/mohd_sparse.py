@@ -973,18 +973,16 @@ class MoHDNativeTokenPlan(MoHDPlan):
 
     def project_out(self, hidden_states: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         """(1, in) -> (1, N, s), zero outside the active blocks."""
-        g = self.geometry
-        out = self.kernels.mohd_gather_out(
-            hidden_states.contiguous(), self.ids, linear.weight, None, g.num_shared, g.block, 1.0
-        )
-        return out.view(1, g.num_sub_dims, g.block)
+        return self._gather_out(hidden_states, linear, None, 1.0)
 
     def project_out_mixed(
         self, hidden_states: torch.Tensor, linear: nn.Linear, fusion: nn.Module, scale: float
     ) -> torch.Tensor | None:
         """(1, in) -> (1, N, s) = alpha F y, y the active output blocks, in one call."""
+        return self._gather_out(hidden_states, linear, fusion.matrix(hidden_states.dtype), scale)
+
+    def _gather_out(self, hidden_states, linear, matrix: torch.Tensor | None, scale: float) -> torch.Tensor:
         g = self.geometry
-        matrix = fusion.matrix(hidden_states.dtype)
         out = self.kernels.mohd_gather_out(
             hidden_states.contiguous(), self.ids, linear.weight, matrix, g.num_shared, g.block, scale
         )

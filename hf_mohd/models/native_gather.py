@@ -262,11 +262,9 @@ static std::vector<std::pair<int64_t, int64_t>> active_spans(const int64_t* ids,
   return spans;
 }
 
-static void check_route_ids(const torch::Tensor& ids, const torch::Tensor& gates, int64_t num_blocks,
-                            int64_t num_shared) {
-  check(ids, "ids"); check(gates, "gates");
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == 1 && ids.scalar_type() == torch::kLong && gates.dim() == 2 &&
-              gates.size(0) == 1 && gates.size(1) == ids.size(1), "ids and gates (1, k), ids int64");
+static void check_routed_ids(const torch::Tensor& ids, int64_t num_blocks, int64_t num_shared) {
+  check(ids, "ids");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == 1 && ids.scalar_type() == torch::kLong, "ids (1, k) int64");
   const int64_t* p = ids.data_ptr<int64_t>();
   for (int64_t j = 0; j < ids.numel(); ++j) {
     TORCH_CHECK(p[j] >= num_shared && p[j] < num_blocks, "routed block id ", p[j], " outside [", num_shared, ", ",
@@ -295,7 +293,9 @@ torch::Tensor mohd_gather_in(torch::Tensor x, torch::Tensor ids, torch::Tensor g
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight_t.dim() == 2 && weight_t.size(0) == x.size(1) &&
               weight_t.stride(1) == 1 && x.size(1) % block == 0 && weight_t.scalar_type() == x.scalar_type() &&
               gates.scalar_type() == x.scalar_type(), "mohd_gather_in: x (1, D), weight_t (D, O) rows contiguous, D = N s");
-  check_route_ids(ids, gates, x.size(1) / block, num_shared);
+  check_routed_ids(ids, x.size(1) / block, num_shared);
+  check(gates, "gates");
+  TORCH_CHECK(gates.dim() == 2 && gates.size(0) == 1 && gates.size(1) == ids.size(1), "ids and gates (1, k)");
   // g ⊙ x over the routed blocks (the shared blocks have gate 1), then one product per run of active blocks, each
   // run's s-row slices of x and of weight_t contiguous, accumulated in place
   auto gated = x.clone();
@@ -327,7 +327,7 @@ torch::Tensor mohd_gather_out(torch::Tensor hidden, torch::Tensor ids, torch::Te
               weight.size(0) % block == 0 && weight.scalar_type() == hidden.scalar_type(),
               "mohd_gather_out: hidden (1, I), weight (D, I), D = N s");
   const int64_t N = weight.size(0) / block;
-  check_route_ids(ids, ids, N, num_shared);
+  check_routed_ids(ids, N, num_shared);
   const bool fused = fusion.has_value();
   if (fused) {
     check(*fusion, "fusion");
