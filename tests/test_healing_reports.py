@@ -3,6 +3,8 @@ earlier work folder are kept, new ones added."""
 
 import json
 
+import pytest
+
 from experiments.smollm2 import heal_carved
 
 
@@ -47,9 +49,10 @@ def test_report_keeps_earlier_arms_and_adds_new_ones(tmp_path):
     assert json.loads(output.read_text(encoding="utf-8"))["arms"]["carved75_1m"] == added
 
 
-def test_ladder_report_keeps_earlier_arms_and_adds_new_ones(tmp_path):
-    """`experiments.smollm2.ladder.report` likewise: a 256k arm healed here joins the 64k arms recorded earlier."""
-    from experiments.smollm2 import heal, ladder
+def ladder_work(tmp_path):
+    """A ladder work folder with heal's and the ladder's training-free records (dense 25 on Wikipedia; 20 and 40
+    on two held-out sources)."""
+    from experiments.smollm2 import heal
 
     work = tmp_path / "work"
     work.mkdir()
@@ -57,13 +60,41 @@ def test_ladder_report_keeps_earlier_arms_and_adds_new_ones(tmp_path):
     write(work / "prepare.json", {"perplexity": {"teacher": 25.0, **students}, "held_out_tokens": 4096})
     write(work / "ladder_prepare.json", {})
     write(
-        work / "ladder_unit_nested_budgets_256k.json",
+        work / "ladder_sources.json",
         {
-            "perplexity": {"target": 50.0, "full_activation": 26.0},
-            "train_cpu_seconds_this_process": 3.0,
-            "machine": {"load_average": [2.0, 2.0, 2.0]},
+            "teacher": {"wikipedia": 20.0, "kjv": 40.0},
+            "mohd75ub": {
+                "target": {"wikipedia": 80.0, "kjv": 80.0},
+                "full_activation": {"wikipedia": 20.0, "kjv": 40.0},
+            },
+            "mohd50ub": {
+                "target": {"wikipedia": 200.0, "kjv": 800.0},
+                "full_activation": {"wikipedia": 20.0, "kjv": 40.0},
+            },
         },
     )
+    return work
+
+
+def healed(work, name, target, full, **extra):
+    write(
+        work / f"ladder_{name}.json",
+        {
+            "perplexity": {"target": target, "full_activation": full},
+            "train_cpu_seconds_this_process": 3.0,
+            "machine": {"load_average": [2.0, 2.0, 2.0]},
+            **extra,
+        },
+    )
+
+
+def test_ladder_report_keeps_earlier_arms_and_adds_new_ones(tmp_path):
+    """`experiments.smollm2.ladder.report` likewise: a 256k arm healed here (on the multi-source text, measured per
+    source) joins the 64k arms recorded earlier (one Wikipedia number each)."""
+    from experiments.smollm2 import ladder
+
+    work = ladder_work(tmp_path)
+    healed(work, "unit_nested_budgets_256k", {"wikipedia": 40.0, "kjv": 160.0}, {"wikipedia": 21.0, "kjv": 42.0})
     output = tmp_path / "ladder.json"
     earlier_arm = {"student": "mohd75u", "budget_tokens": 65536, "ratio_to_dense": {"target": 3.2}}
     write(output, {"arms": {"unit_64k": earlier_arm}})
@@ -73,5 +104,51 @@ def test_ladder_report_keeps_earlier_arms_and_adds_new_ones(tmp_path):
     assert result["arms"]["unit_64k"] == earlier_arm
     added = result["arms"]["unit_nested_budgets_256k"]
     assert added["student"] == "mohd75ub" and added["budget_tokens"] == 256 * 1024 and added["nested_full_activation"]
-    assert added["ratio_to_dense"] == {"target": 2.0, "full_activation": 1.04}
+    assert added["ratio_to_dense"] == {
+        "target": {"wikipedia": 2.0, "kjv": 4.0},
+        "full_activation": {"wikipedia": 1.05, "kjv": 1.05},
+    }
+    assert added["geometric_mean_ratio_to_dense"]["target"] == pytest.approx(8**0.5)  # sqrt(2 x 4)
+    assert result["students_per_source"]["mohd50ub"]["ratio_to_dense"]["target"] == {"wikipedia": 10.0, "kjv": 20.0}
     assert "unit_64k" not in result["missing"] and "unit_256k" in result["missing"]
+    assert result["best_256k_recipe"] is None and result["curve"]["75%"]["points"] == []  # the ladder is unfinished
+
+
+def test_ladder_curve_starts_from_the_best_256k_recipe(tmp_path):
+    """The curve's recipe is the 256k arm of lowest geometric-mean perplexity over the sources, moved to the 50%
+    student of the same kind; the report orders each activation's points by tokens from the training-free student."""
+    from experiments.smollm2 import ladder
+
+    work = ladder_work(tmp_path)
+    with pytest.raises(SystemExit, match="unit_256k"):
+        ladder.resolve(work, "curve50_256k")
+    full = {"wikipedia": 20.0, "kjv": 40.0}
+    # geometric means of the perplexity: 60, sqrt(30 x 120) = 60, 40 (the best), sqrt(50 x 112.5) = 75, 80
+    for name, target in zip(
+        ladder.LADDER_256K,
+        [(60.0, 60.0), (30.0, 120.0), (40.0, 40.0), (50.0, 112.5), (80.0, 80.0)],
+        strict=True,
+    ):
+        healed(work, name, dict(zip(("wikipedia", "kjv"), target, strict=True)), full)
+    assert ladder.LADDER_256K[2] == "unit_nested_budgets_256k"
+    arm, recipe = ladder.resolve(work, "curve50_256k")
+    assert recipe == "unit_nested_budgets_256k"
+    assert arm == ladder.ARMS[recipe]._replace(student="mohd50ub")
+    arm, _ = ladder.resolve(work, "curve75_2m")
+    assert arm.student == "mohd75ub" and arm.budget == 2048 * 1024 and arm.nested and arm.corpus
+    healed(work, "curve50_256k", {"wikipedia": 60.0, "kjv": 120.0}, full, recipe=recipe, student="mohd50ub")
+
+    result = ladder.report(work, tmp_path / "ladder.json")
+
+    assert result["best_256k_recipe"] == recipe
+    points75 = result["curve"]["75%"]["points"]
+    assert [(p["tokens"], p["arm"]) for p in points75] == [(0, "mohd75ub"), (256 * 1024, recipe)]
+    # ratios 40 / 20 = 2 and 40 / 40 = 1 to the dense model: geometric mean sqrt(2)
+    assert points75[1]["geometric_mean_ratio_to_dense"]["target"] == pytest.approx(2**0.5)
+    points50 = result["curve"]["50%"]["points"]
+    assert [(p["tokens"], p["arm"]) for p in points50] == [(0, "mohd50ub"), (256 * 1024, "curve50_256k")]
+    assert points50[1]["ratio_to_dense"]["target"] == {"wikipedia": 3.0, "kjv": 3.0}
+    assert result["arms"]["curve50_256k"]["recipe"] == recipe
+    assert {"curve75_1m", "curve75_2m", "curve50_1m"} <= set(result["missing"])
+    # the final models' lm-eval: dense, the largest healed 75% point (the ladder's best) and 50% point
+    assert {f"lm-eval {n} (500 docs)" for n in ("dense", recipe, "curve50_256k")} <= set(result["missing"])

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Healing that keeps the dense function, on SmolLM2-135M: the levers one at a time, at a fixed budget.
+"""Healing that keeps the dense function, on SmolLM2-135M: the levers one at a time at a fixed budget, then the best
+recipe's curve.
 
 Builds on `experiments.smollm2.heal` (its teacher, text split, held-out windows and 75% / 50% conversions) and adds:
 
@@ -7,19 +8,32 @@ Builds on `experiments.smollm2.heal` (its teacher, text split, held-out windows 
   exactly), and copies of each student with dropped-block compensation fitted on the calibration text
   (`hf_mohd.conversion.compensation`), whose training-free gain `prepare` records;
 - a ladder of healing arms at 75%, each adding one lever to the previous one (see `ARMS`): unit gates, nested
-  healing at the target k and at full activation (`distill.active_sub_dims`), a gradual schedule, compensation;
+  healing at the target k and at full activation (`distill.active_sub_dims`), a gradual schedule, compensation,
+  uneven budgets, intermediate (residual-stream) distillation;
 - uneven budgets (`budgets`): each unit-gate student with every layer and sublayer kind at its own k, allocated by
   `hf_mohd.conversion.budgets` on the calibration text under the per-token parameter budget of its uniform k, and the
   held-out perplexity of the result, training-free; and (`sides`) the same students with only one side of each
   sublayer sparse (`sparse_sides` "input": it reads only the active blocks; "output": it writes only them);
+- the curve (`CURVE`): the best 256k arm's recipe (lowest geometric mean of its held-out perplexity over the five
+  sources at the target k) at 1M and 2M tokens at 75%, and at 256k and 1M tokens on the 50% student of the same kind;
 - for every healed arm, the held-out perplexity at the target k and of the same weights with every block active.
+
+The 64k arms heal on heal's Wikipedia text and are measured on its 4,096 held-out Wikipedia tokens. The 256k arms
+and the curve heal on the multi-source text of `experiments.smollm2.healing_corpus` (`--corpus-dir`: Wikipedia
+without its first and last 8 articles, An Anarchist FAQ, the Python documentation, Brown) and are measured on its
+five held-out sources (4,096 tokens each; the KJV bible never seen), as are the dense teacher and the training-free
+students (`sources`, the curve's 0-token points).
 
 Every stage resumes (finished parts are read back from `--work-dir`, training resumes from its last checkpoint):
 
+    python -m experiments.smollm2.ladder ladder                   # the whole 256k ladder: every stage below, in order
+    python -m experiments.smollm2.ladder curve                    # the whole curve (after the 256k ladder)
     python -m experiments.smollm2.ladder prepare                  # heal's prepare, then the unit and compensated students
     python -m experiments.smollm2.ladder budgets                  # the budgeted students (after prepare)
     python -m experiments.smollm2.ladder sides                    # one sparse side, training-free
-    python -m experiments.smollm2.ladder train unit_nested_64k    # one arm of ARMS (64k or 256k); two may run side by side
+    python -m experiments.smollm2.ladder sources                  # dense and students on the five held-out sources
+    python -m experiments.smollm2.ladder train unit_nested_256k   # one arm of ARMS or CURVE; two may run side by side
+    python -m experiments.smollm2.ladder lm-eval curve75_1m       # also dense or any arm; 500 documents per task
     python -m experiments.smollm2.ladder report                   # experiments/smollm2/results/smollm2_healing_ladder.json
 
 The recipe of every arm is heal's 64k arm (`mohd75_all_64k`: AdamW at 2e-4, warmup 16 steps, cosine to 0.1 x at the
@@ -29,14 +43,17 @@ budget, 4 x 256 tokens per step, KL to the teacher at T = 1, all weights train) 
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from experiments.smollm2 import RESULTS_DIR, heal
 from experiments.smollm2 import evaluate_perplexity as ep
+from experiments.smollm2.held_out_sources import source_windows
 from hf_mohd.atomic_folder import write_folder_atomically, write_json_atomically
 from hf_mohd.evaluation.perplexity import perplexity
 
@@ -55,22 +72,47 @@ STUDENTS = {
 # budgeted student -> the unit-gate student it is allocated from (`budgets`)
 BUDGETED = {"mohd75ub": "mohd75u", "mohd50ub": "mohd50u"}
 BUDGET_CALIBRATION_ROWS = 16  # 16 x 256 = 4,096 tokens of heal's calibration text
-# arm -> (student, nested healing at full activation, schedule fraction, budget tokens, hidden_weight); each adds
-# one lever to the nested arm
+
+
+class Arm(NamedTuple):
+    """One healing arm: the student it starts from, its levers and budget, and its text (`corpus`: the multi-source
+    healing text and the five held-out sources; otherwise heal's Wikipedia healing text and held-out tokens)."""
+
+    student: str
+    nested: bool  # nested healing: the loss at the target k plus the loss at full activation
+    schedule: float  # share of the budget over which k goes from full activation to the target (cubic); 0: none
+    budget: int  # tokens
+    hidden: float  # weight of the per-layer residual-stream distillation; 0: logits only
+    corpus: bool = False
+
+
 ARMS = {
-    "unit_64k": ("mohd75u", False, 0.0, 64 * K, 0.0),
-    "unit_nested_64k": ("mohd75u", True, 0.0, 64 * K, 0.0),
-    "unit_nested_schedule_64k": ("mohd75u", True, 0.25, 64 * K, 0.0),
-    "unit_nested_compensated_64k": ("mohd75uc", True, 0.0, 64 * K, 0.0),
-    "unit_nested_budgets_64k": ("mohd75ub", True, 0.0, 64 * K, 0.0),
-    "unit_nested_hidden_64k": ("mohd75u", True, 0.0, 64 * K, 1.0),
-    # the same ladder at 256k tokens, from the best 64k student (per-layer budgets) on: each arm adds one lever
-    "unit_256k": ("mohd75u", False, 0.0, 256 * K, 0.0),
-    "unit_nested_256k": ("mohd75u", True, 0.0, 256 * K, 0.0),
-    "unit_nested_budgets_256k": ("mohd75ub", True, 0.0, 256 * K, 0.0),
-    "unit_nested_budgets_schedule_256k": ("mohd75ub", True, 0.25, 256 * K, 0.0),
-    "unit_nested_budgets_hidden_256k": ("mohd75ub", True, 0.0, 256 * K, 1.0),
+    "unit_64k": Arm("mohd75u", False, 0.0, 64 * K, 0.0),
+    "unit_nested_64k": Arm("mohd75u", True, 0.0, 64 * K, 0.0),
+    "unit_nested_schedule_64k": Arm("mohd75u", True, 0.25, 64 * K, 0.0),
+    "unit_nested_compensated_64k": Arm("mohd75uc", True, 0.0, 64 * K, 0.0),
+    "unit_nested_budgets_64k": Arm("mohd75ub", True, 0.0, 64 * K, 0.0),
+    "unit_nested_hidden_64k": Arm("mohd75u", True, 0.0, 64 * K, 1.0),
+    # the same ladder at 256k tokens on the multi-source text, from the best 64k student (per-layer budgets) on: each
+    # arm adds one lever
+    "unit_256k": Arm("mohd75u", False, 0.0, 256 * K, 0.0, corpus=True),
+    "unit_nested_256k": Arm("mohd75u", True, 0.0, 256 * K, 0.0, corpus=True),
+    "unit_nested_budgets_256k": Arm("mohd75ub", True, 0.0, 256 * K, 0.0, corpus=True),
+    "unit_nested_budgets_schedule_256k": Arm("mohd75ub", True, 0.25, 256 * K, 0.0, corpus=True),
+    "unit_nested_budgets_hidden_256k": Arm("mohd75ub", True, 0.0, 256 * K, 1.0, corpus=True),
 }
+LADDER_256K = [name for name, arm in ARMS.items() if arm.corpus]
+# curve point -> (activation, budget tokens): the best 256k recipe, on the student of the same kind at that
+# activation; the 75% curve's 256k point is the best ladder arm itself
+CURVE = {
+    "curve75_1m": ("75", 1024 * K),
+    "curve75_2m": ("75", 2048 * K),
+    "curve50_256k": ("50", 256 * K),
+    "curve50_1m": ("50", 1024 * K),
+}
+# the training-free students measured on the five sources: the curve's 0-token points
+SOURCE_STUDENTS = ("mohd75u", "mohd75ub", "mohd50u", "mohd50ub")
+LM_EVAL_LIMIT = 500  # documents per task, the same for every model (and as experiments.smollm2.heal_carved)
 BASELINE = ("mohd75_all_64k", "heal's recipe: normalized gates, target k only, no schedule, no compensation")
 
 
@@ -196,43 +238,106 @@ def sides(work: Path) -> None:
             del model
 
 
-def evaluate(model, windows) -> dict:
-    """Held-out perplexity at the model's k (each sublayer's) and with every block active (the same weights)."""
-    result = {"target": perplexity(model, windows, 4, desc="own k")}
+def sources(work: Path, corpus: Path) -> None:
+    """The dense teacher and the training-free students (`SOURCE_STUDENTS`, the curve's 0-token points) on the five
+    held-out sources, at their k and with every block active, into `work`/ladder_sources.json."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_mohd  # noqa: F401
+
+    path = work / "ladder_sources.json"
+    info = heal.read_json(path, {})
+    windows = source_windows(corpus, AutoTokenizer.from_pretrained(work / "teacher"))
+    for name in ("teacher", *SOURCE_STUDENTS):
+        if name in info:
+            continue
+        if not (work / name / "config.json").exists():
+            sys.exit(f"{work / name}: missing; run the prepare and budgets stages first.")
+        model = AutoModelForCausalLM.from_pretrained(str(work / name), dtype=torch.float32).eval()
+        if name == "teacher":
+            info[name] = {s: perplexity(model, w, 4, desc=f"dense {s}") for s, w in windows.items()}
+        else:
+            info[name] = evaluate(model, windows)
+        info["machine"] = ep.machine()
+        write_json_atomically(path, info)
+        logger.info("%s: %s", name, info[name])
+        del model
+
+
+def evaluate(model, windows: torch.Tensor | dict[str, torch.Tensor]) -> dict:
+    """Held-out perplexity at the model's k (each sublayer's) and with every block active (the same weights): one
+    number for one set of windows, {source: number} for a dict of them."""
+
+    def measure(label: str) -> float | dict[str, float]:
+        if isinstance(windows, dict):
+            return {s: perplexity(model, w, 4, desc=f"{label} {s}") for s, w in windows.items()}
+        return perplexity(model, windows, 4, desc=label)
+
+    result = {"target": measure("own k")}
     model.set_active_sub_dims(model.config.num_routed_sub_dims)
-    result["full_activation"] = perplexity(model, windows, 4, desc="k=N_r")
+    result["full_activation"] = measure("k=N_r")
     model.set_active_sub_dims(None)
     return result
 
 
-def train_arm(work: Path, arm: str) -> None:
-    """Heal one arm to its budget (heal's 64k recipe, its cosine schedule ending at the arm's budget, with the arm's
-    levers), then evaluate it."""
+def geometric_mean(values: dict[str, float]) -> float:
+    return math.exp(sum(math.log(v) for v in values.values()) / len(values))
+
+
+def best_recipe(work: Path) -> str:
+    """The 256k ladder arm with the lowest geometric mean of its held-out perplexity over the five sources at its
+    target k; exits naming the arms not yet healed."""
+    found = {arm: heal.read_json(work / f"ladder_{arm}.json", None) for arm in LADDER_256K}
+    missing = [arm for arm, record in found.items() if record is None]
+    if missing:
+        sys.exit(f"the curve starts from the best 256k arm; heal these first: {', '.join(missing)}")
+    return min(LADDER_256K, key=lambda arm: geometric_mean(found[arm]["perplexity"]["target"]))
+
+
+def resolve(work: Path, name: str) -> tuple[Arm, str | None]:
+    """The arm named `name` (of ARMS, or a CURVE point built from the best 256k recipe) and its recipe (None for
+    ARMS)."""
+    if name in ARMS:
+        return ARMS[name], None
+    activation, budget = CURVE[name]
+    recipe = best_recipe(work)
+    arm = ARMS[recipe]
+    return arm._replace(student=arm.student.replace("75", activation, 1), budget=budget), recipe
+
+
+def train_arm(work: Path, name: str, corpus: Path) -> None:
+    """Heal one arm (of ARMS or CURVE) to its budget (heal's 64k recipe, its cosine schedule ending at the arm's
+    budget, with the arm's levers), then evaluate it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    student, nested, schedule, budget, hidden = ARMS[arm]
-    path = work / f"ladder_{arm}.json"
+    path = work / f"ladder_{name}.json"
     if path.exists():
-        logger.info("%s: done (%s)", arm, path)
+        logger.info("%s: done (%s)", name, path)
         return
-    config = json.loads((work / student / "config.json").read_text())
+    arm, recipe = resolve(work, name)
+    if not (work / arm.student / "config.json").exists():
+        sys.exit(f"{work / arm.student}: missing; run the prepare and budgets stages first.")
+    config = json.loads((work / arm.student / "config.json").read_text())
     target, full = config["num_routed_sub_dims_per_tok"], config["num_sub_dims"] - config["num_shared_sub_dims"]
     distill = {"teacher": str(work / "teacher"), "kl_weight": 1.0, "temperature": 1.0, "lm_weight": 0.0}
-    if nested:
+    if arm.nested:
         distill["active_sub_dims"] = [target, full]
-    if hidden:
-        distill["hidden_weight"] = hidden
-    if schedule:
-        distill.update(schedule_fraction=schedule, schedule_curve="cubic")
+    if arm.hidden:
+        distill["hidden_weight"] = arm.hidden
+    if arm.schedule:
+        distill.update(schedule_fraction=arm.schedule, schedule_curve="cubic")
         distill.setdefault("active_sub_dims", [target])
-    out = work / "runs" / f"ladder_{arm}"
+    text = corpus / "healing.jsonl" if arm.corpus else work / "healing.jsonl"
+    if not text.exists():
+        sys.exit(f"{text}: missing; run python -m experiments.smollm2.healing_corpus first.")
+    out = work / "runs" / f"ladder_{name}"
     values = {
         "output_dir": str(out),
-        "model": {"init_from": str(work / student), "trainable": "all"},
-        "data": {"path": str(work / "healing.jsonl"), "eval_fraction": 0.0, "seq_len": 256},
+        "model": {"init_from": str(work / arm.student), "trainable": "all"},
+        "data": {"path": str(text), "eval_fraction": 0.0, "seq_len": 256},
         "optim": {"lr": 2e-4, "warmup_steps": 16, "weight_decay": 0.0, "min_lr_ratio": 0.1},
         "distill": distill,
-        "max_steps": budget // heal.TOKENS_PER_STEP,
+        "max_steps": arm.budget // heal.TOKENS_PER_STEP,
         "micro_batch_size": 4,
         "mixed_precision": "no",
         "router_aux_loss": False,
@@ -243,24 +348,76 @@ def train_arm(work: Path, arm: str) -> None:
     }
     training = heal.run_healing(values)
     tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
+    windows = source_windows(corpus, tokenizer) if arm.corpus else heal.held_out_windows(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(str(out / "final"), dtype=torch.float32).eval()
     record = {
-        "arm": arm,
-        "student": student,
-        "tokens": budget,
-        "perplexity": evaluate(model, heal.held_out_windows(tokenizer)),
+        "arm": name,
+        **({"recipe": recipe} if recipe else {}),
+        "student": arm.student,
+        "tokens": arm.budget,
+        "perplexity": evaluate(model, windows),
         **training,
         "machine": ep.machine(),
     }
     write_json_atomically(path, record)
-    logger.info("%s: %s", arm, record["perplexity"])
+    logger.info("%s: %s", name, record["perplexity"])
+
+
+def lm_eval_model(work: Path, name: str) -> None:
+    """lm-eval of `name` (dense, or a healed arm of ARMS or CURVE) at its k into `work`/lm_eval_NAME_500.json
+    (`heal.run_lm_eval`: resumable per task, per-document scores for the paired comparison with dense)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_mohd  # noqa: F401
+
+    folder = work / "teacher" if name == "dense" else work / "runs" / f"ladder_{name}" / "final"
+    if not (folder / "config.json").exists():
+        sys.exit(f"{folder}: missing; heal the arm first (python -m experiments.smollm2.ladder train {name}).")
+    tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
+    heal.run_lm_eval(
+        work / f"lm_eval_{name}_{LM_EVAL_LIMIT}.json",
+        name,
+        LM_EVAL_LIMIT,
+        lambda: AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval(),
+        tokenizer,
+    )
+
+
+def ratios(values: float | dict, dense: float | dict) -> float | dict:
+    """`values` over the dense perplexity: one number (Wikipedia) or per source."""
+    if isinstance(values, dict):
+        return {source: values[source] / dense[source] for source in values}
+    return values / dense
+
+
+def arm_row(found: dict, arm: Arm, dense: float | dict) -> dict:
+    ppl = found["perplexity"]
+    row = {
+        "student": arm.student,
+        "nested_full_activation": arm.nested,
+        "schedule_fraction": arm.schedule,
+        "hidden_weight": arm.hidden,
+        "budget_tokens": arm.budget,
+        "text": "multi-source healing corpus, five held-out sources" if arm.corpus else "heal's Wikipedia text",
+        "perplexity": ppl,
+        "ratio_to_dense": {key: ratios(values, dense) for key, values in ppl.items()},
+        "train_cpu_seconds": found["train_cpu_seconds_this_process"],
+        "load_average_after": found["machine"]["load_average"],
+    }
+    if isinstance(ppl["target"], dict):
+        row["geometric_mean_ratio_to_dense"] = {key: geometric_mean(v) for key, v in row["ratio_to_dense"].items()}
+    if "resumed" in found:
+        row["resumed"] = found["resumed"]
+    if "recipe" in found:
+        row["recipe"] = found["recipe"]
+    return row
 
 
 def report(work: Path, output: Path) -> dict:
-    """Gather the students' training-free numbers and every finished arm into one JSON; missing arms are listed. An
-    arm that `work` does not hold but `output` already records (healed in an earlier work folder, possibly on another
-    machine) is kept as recorded."""
-    earlier = heal.read_json(output, {}).get("arms", {})
+    """Gather the students' training-free numbers, every finished arm and curve point and the lm-eval rows into one
+    JSON; missing parts are listed. An arm that `work` does not hold but `output` already records (healed in an
+    earlier work folder, possibly on another machine) is kept as recorded."""
+    earlier = heal.read_json(output, {})
     prepared = heal.read_json(work / "prepare.json", None)
     ladder = heal.read_json(work / "ladder_prepare.json", None)
     if prepared is None or ladder is None:
@@ -296,43 +453,102 @@ def report(work: Path, output: Path) -> dict:
             "sparse_sides": found["sparse_sides"],
             "active_parameters": found["active_parameters"],
         }
-    arms, missing = {}, []
-    for arm, (student, nested, schedule, budget, hidden) in ARMS.items():
-        found = heal.read_json(work / f"ladder_{arm}.json", None)
-        if found is None:
-            if arm in earlier:
-                arms[arm] = earlier[arm]
-            else:
-                missing.append(arm)
-            continue
-        ppl = found["perplexity"]
-        arms[arm] = {
-            "student": student,
-            "nested_full_activation": nested,
-            "schedule_fraction": schedule,
-            "hidden_weight": hidden,
-            "budget_tokens": budget,
-            "perplexity": ppl,
-            "ratio_to_dense": {key: value / dense for key, value in ppl.items()},
-            "train_cpu_seconds": found["train_cpu_seconds_this_process"],
-            "load_average_after": found["machine"]["load_average"],
+    measured = heal.read_json(work / "ladder_sources.json", {})
+    dense_sources = measured.get("teacher") or earlier.get("dense_perplexity_per_source")
+    sources = {
+        name: {
+            "perplexity": measured[name],
+            "ratio_to_dense": {k: ratios(v, dense_sources) for k, v in measured[name].items()},
         }
-    baseline = heal.read_json(RESULTS_DIR / "smollm2_healing.json", {}).get("healing", {}).get(BASELINE[0])
+        for name in SOURCE_STUDENTS
+        if name in measured
+    }
+    sources = {**{k: v for k, v in earlier.get("students_per_source", {}).items() if k not in sources}, **sources}
+    arms, missing = {}, []
+    for name in [*ARMS, *CURVE]:
+        found = heal.read_json(work / f"ladder_{name}.json", None)
+        if found is None:
+            if name in earlier.get("arms", {}):
+                arms[name] = earlier["arms"][name]
+            else:
+                missing.append(name)
+            continue
+        if name in ARMS:
+            arm = ARMS[name]
+        else:
+            arm = ARMS[found["recipe"]]._replace(student=found["student"], budget=CURVE[name][1])
+        if arm.corpus and dense_sources is None:
+            sys.exit(f"{work}: run the sources stage first (the dense model on the five held-out sources).")
+        arms[name] = arm_row(found, arm, dense_sources if arm.corpus else dense)
+    curve = {}
+    best = None
+    if all(name in arms for name in LADDER_256K):
+        best = min(LADDER_256K, key=lambda name: arms[name]["geometric_mean_ratio_to_dense"]["target"])
+    for activation in ("75", "50"):
+        points = []
+        student = None
+        if best is not None:
+            student = ARMS[best].student.replace("75", activation, 1)
+            if student in sources:
+                points.append({"tokens": 0, "arm": student, **sources[student]})
+        arms_here = [(CURVE[n][1], n) for n in CURVE if CURVE[n][0] == activation]
+        if activation == "75" and best is not None:
+            arms_here.append((ARMS[best].budget, best))
+        for tokens, name in sorted(arms_here):
+            if name in arms:
+                row = arms[name]
+                points.append(
+                    {
+                        "tokens": tokens,
+                        "arm": name,
+                        "perplexity": row["perplexity"],
+                        "ratio_to_dense": row["ratio_to_dense"],
+                    }
+                )
+        for point in points:
+            point["geometric_mean_ratio_to_dense"] = {k: geometric_mean(v) for k, v in point["ratio_to_dense"].items()}
+        curve[f"{activation}%"] = {"student": student, "points": points}
+    names = ["dense", *ARMS, *CURVE]
+    lm_eval = heal.lm_eval_rows(
+        [
+            work / f"lm_eval_{n}_{LM_EVAL_LIMIT}.json"
+            for n in names
+            if (work / f"lm_eval_{n}_{LM_EVAL_LIMIT}.json").exists()
+        ],
+        heal.read_json(work / f"lm_eval_dense_{LM_EVAL_LIMIT}.json", None),
+    )
+    lm_eval = {**{row: found for row, found in earlier.get("lm_eval", {}).items() if row not in lm_eval}, **lm_eval}
+    # the final model of each activation: its healed curve point with the most tokens (the largest planned one until
+    # one is healed)
+    finals = ["dense"]
+    for activation in ("75", "50"):
+        healed = [point["arm"] for point in curve[f"{activation}%"]["points"] if point["tokens"]]
+        planned = [name for name in CURVE if CURVE[name][0] == activation]
+        finals.append(healed[-1] if healed else max(planned, key=lambda name: CURVE[name][1]))
+    missing += [f"lm-eval {n} ({LM_EVAL_LIMIT} docs)" for n in finals if f"{n} ({LM_EVAL_LIMIT} docs)" not in lm_eval]
     result = {
-        "command": "python -m experiments.smollm2.ladder prepare|budgets|sides|train ARM|report",
+        "command": "python -m experiments.smollm2.ladder ladder|curve|prepare|budgets|sides|sources|train ARM|"
+        "lm-eval NAME|report",
         "complete": not missing,
         "missing": missing,
         "dense_perplexity": dense,
+        "dense_perplexity_per_source": dense_sources,
         "held_out_tokens": prepared["held_out_tokens"],
         "students": students,
+        "students_per_source": sources,
         "baseline": {
             "arm": BASELINE[0],
             "recipe": BASELINE[1],
-            "points": baseline and baseline["points"],
+            "points": (
+                heal.read_json(RESULTS_DIR / "smollm2_healing.json", {}).get("healing", {}).get(BASELINE[0]) or {}
+            ).get("points"),
             "source": "experiments/smollm2/results/smollm2_healing.json (an earlier run on another CPU; the held-out "
             "text and the recipe are the same, and perplexity depends on the CPU only through rounding)",
         },
         "arms": arms,
+        "best_256k_recipe": best,
+        "curve": curve,
+        "lm_eval": lm_eval,
         "machine": ep.machine(),
         "torch_threads_per_run": 1,
     }
@@ -341,28 +557,52 @@ def report(work: Path, output: Path) -> dict:
 
 
 def main(argv=None) -> int:
+    stages = ("ladder", "curve", "prepare", "budgets", "sides", "sources", "train", "lm-eval", "report")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=("prepare", "budgets", "sides", "train", "report"))
-    parser.add_argument("arm", nargs="?", choices=list(ARMS), help="train: an arm of ARMS.")
+    parser.add_argument("stage", choices=stages)
+    parser.add_argument(
+        "arm", nargs="?", choices=["dense", *ARMS, *CURVE], help="train: an arm of ARMS or CURVE; lm-eval: also dense."
+    )
     parser.add_argument("--work-dir", type=Path, default=Path("runs/heal_smollm2"))
+    parser.add_argument("--corpus-dir", type=Path, default=Path("runs/healing_corpus"))
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1).")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "smollm2_healing_ladder.json")
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
-    if args.stage == "prepare":
-        prepare(args.work_dir)
+    work, corpus = args.work_dir, args.corpus_dir
+    if args.stage == "ladder":
+        prepare(work)
+        budgets(work)
+        sides(work)
+        sources(work, corpus)
+        for name in LADDER_256K:
+            train_arm(work, name, corpus)
+        report(work, args.output)
+    elif args.stage == "curve":
+        sources(work, corpus)
+        for name in CURVE:
+            train_arm(work, name, corpus)
+        report(work, args.output)
+    elif args.stage == "prepare":
+        prepare(work)
     elif args.stage == "budgets":
-        budgets(args.work_dir)
+        budgets(work)
     elif args.stage == "sides":
-        sides(args.work_dir)
+        sides(work)
+    elif args.stage == "sources":
+        sources(work, corpus)
     elif args.stage == "train":
+        if args.arm not in {*ARMS, *CURVE}:
+            parser.error(f"train needs an arm of ARMS or CURVE, got {args.arm!r}")
+        train_arm(work, args.arm, corpus)
+    elif args.stage == "lm-eval":
         if args.arm is None:
-            parser.error("train needs an arm")
-        train_arm(args.work_dir, args.arm)
+            parser.error("lm-eval needs a model name (dense or an arm)")
+        lm_eval_model(work, args.arm)
     else:
-        report(args.work_dir, args.output)
+        report(work, args.output)
     return 0
 
 
