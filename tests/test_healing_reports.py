@@ -97,11 +97,14 @@ def test_ladder_report_keeps_earlier_arms_and_adds_new_ones(tmp_path):
     healed(work, "unit_nested_budgets_256k", {"wikipedia": 40.0, "kjv": 160.0}, {"wikipedia": 21.0, "kjv": 42.0})
     output = tmp_path / "ladder.json"
     earlier_arm = {"student": "mohd75u", "budget_tokens": 65536, "ratio_to_dense": {"target": 3.2}}
-    write(output, {"arms": {"unit_64k": earlier_arm}})
+    earlier_student = {"from": "mohd50u", "perplexity": 430.0}
+    write(output, {"arms": {"unit_64k": earlier_arm}, "students": {"mohd50ub": earlier_student, "mohd75": {}}})
 
     result = ladder.report(work, output)
 
     assert result["arms"]["unit_64k"] == earlier_arm
+    assert result["students"]["mohd50ub"] == earlier_student  # kept; mohd75 is measured here and replaced
+    assert result["students"]["mohd75"] == {"perplexity": 100.0, "ratio_to_dense": 4.0}
     added = result["arms"]["unit_nested_budgets_256k"]
     assert added["student"] == "mohd75ub" and added["budget_tokens"] == 256 * 1024 and added["nested_full_activation"]
     assert added["ratio_to_dense"] == {

@@ -415,8 +415,8 @@ def arm_row(found: dict, arm: Arm, dense: float | dict) -> dict:
 
 def report(work: Path, output: Path) -> dict:
     """Gather the students' training-free numbers, every finished arm and curve point and the lm-eval rows into one
-    JSON; missing parts are listed. An arm that `work` does not hold but `output` already records (healed in an
-    earlier work folder, possibly on another machine) is kept as recorded."""
+    JSON; missing parts are listed. A student, arm or lm-eval row that `work` does not hold but `output` already
+    records (measured in an earlier work folder, possibly on another machine) is kept as recorded."""
     earlier = heal.read_json(output, {})
     prepared = heal.read_json(work / "prepare.json", None)
     ladder = heal.read_json(work / "ladder_prepare.json", None)
@@ -453,6 +453,7 @@ def report(work: Path, output: Path) -> dict:
             "sparse_sides": found["sparse_sides"],
             "active_parameters": found["active_parameters"],
         }
+    students = {**{k: v for k, v in earlier.get("students", {}).items() if k not in students}, **students}
     measured = heal.read_json(work / "ladder_sources.json", {})
     dense_sources = measured.get("teacher") or earlier.get("dense_perplexity_per_source")
     sources = {
