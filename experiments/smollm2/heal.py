@@ -386,6 +386,17 @@ def lm_eval_rows(paths: list[Path], reference: dict | None) -> dict:
     return rows
 
 
+def lm_eval_table(work: Path, names: list[str], limit: int, earlier: dict) -> dict:
+    """`lm_eval_rows` of the `run_lm_eval` files `work`/lm_eval_NAME_LIMIT.json that exist, against the dense
+    model's (`work`/lm_eval_dense_LIMIT.json), with the rows of `earlier` (a report's "lm_eval", measured in an
+    earlier work folder) that `work` does not hold kept as recorded."""
+    paths = [work / f"lm_eval_{name}_{limit}.json" for name in names]
+    rows = lm_eval_rows(
+        [path for path in paths if path.exists()], read_json(work / f"lm_eval_dense_{limit}.json", None)
+    )
+    return {**{row: found for row, found in earlier.items() if row not in rows}, **rows}
+
+
 def paired(a: list[float], b: list[float]) -> tuple[float, float]:
     """Mean difference a - b in percentage points and its paired standard error."""
     n = min(len(a), len(b))

@@ -236,15 +236,7 @@ def report(work: Path, output: Path) -> dict:
             "load_average_after": found["machine"]["load_average"],
         }
     names = ["dense", *CARVINGS, *ARMS]
-    lm_eval = heal.lm_eval_rows(
-        [
-            work / f"lm_eval_{name}_{LM_EVAL_LIMIT}.json"
-            for name in names
-            if (work / f"lm_eval_{name}_{LM_EVAL_LIMIT}.json").exists()
-        ],
-        heal.read_json(work / f"lm_eval_dense_{LM_EVAL_LIMIT}.json", None),
-    )
-    lm_eval = {**{row: found for row, found in earlier.get("lm_eval", {}).items() if row not in lm_eval}, **lm_eval}
+    lm_eval = heal.lm_eval_table(work, names, LM_EVAL_LIMIT, earlier.get("lm_eval", {}))
     missing += [
         f"lm-eval {name} ({LM_EVAL_LIMIT} docs)" for name in names if f"{name} ({LM_EVAL_LIMIT} docs)" not in lm_eval
     ]

@@ -510,15 +510,7 @@ def report(work: Path, output: Path) -> dict:
             point["geometric_mean_ratio_to_dense"] = {k: geometric_mean(v) for k, v in point["ratio_to_dense"].items()}
         curve[f"{activation}%"] = {"student": student, "points": points}
     names = ["dense", *ARMS, *CURVE]
-    lm_eval = heal.lm_eval_rows(
-        [
-            work / f"lm_eval_{n}_{LM_EVAL_LIMIT}.json"
-            for n in names
-            if (work / f"lm_eval_{n}_{LM_EVAL_LIMIT}.json").exists()
-        ],
-        heal.read_json(work / f"lm_eval_dense_{LM_EVAL_LIMIT}.json", None),
-    )
-    lm_eval = {**{row: found for row, found in earlier.get("lm_eval", {}).items() if row not in lm_eval}, **lm_eval}
+    lm_eval = heal.lm_eval_table(work, names, LM_EVAL_LIMIT, earlier.get("lm_eval", {}))
     # the final model of each activation: its healed curve point with the most tokens (the largest planned one until
     # one is healed)
     finals = ["dense"]
