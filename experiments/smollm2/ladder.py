@@ -16,6 +16,8 @@ Builds on `experiments.smollm2.heal` (its teacher, text split, held-out windows 
   sublayer sparse (`sparse_sides` "input": it reads only the active blocks; "output": it writes only them);
 - the curve (`CURVE`): the best 256k arm's recipe (lowest geometric mean of its held-out perplexity over the five
   sources at the target k) at 1M and 2M tokens at 75%, and at 256k and 1M tokens on the 50% student of the same kind;
+- the unit-gate students, with and without compensation, under oracle routing (`oracle`: per token the top-k blocks
+  by the dense rotated model's input energy), the upper bound of what a router can give them training-free;
 - for every healed arm, the held-out perplexity at the target k and of the same weights with every block active.
 
 The 64k arms heal on heal's Wikipedia text and are measured on its 4,096 held-out Wikipedia tokens. The 256k arms
@@ -31,6 +33,7 @@ Every stage resumes (finished parts are read back from `--work-dir`, training re
     python -m experiments.smollm2.ladder prepare                  # heal's prepare, then the unit and compensated students
     python -m experiments.smollm2.ladder budgets                  # the budgeted students (after prepare)
     python -m experiments.smollm2.ladder sides                    # one sparse side, training-free
+    python -m experiments.smollm2.ladder oracle                   # unit-gate students with oracle routing
     python -m experiments.smollm2.ladder sources                  # dense and students on the five held-out sources
     python -m experiments.smollm2.ladder train unit_nested_256k   # one arm of ARMS or CURVE; two may run side by side
     python -m experiments.smollm2.ladder lm-eval curve75_1m       # also dense or any arm; 500 documents per task
@@ -236,6 +239,45 @@ def sides(work: Path) -> None:
             logger.info("%s: held-out perplexity %.3f", key, info[key]["perplexity"])
             write_json_atomically(path, info)
             del model
+
+
+def oracle(work: Path) -> None:
+    """The unit-gate students, with and without fitted compensation, with oracle routing: per token and sublayer the
+    top-k routed blocks by the energy of the dense rotated model's input (`oracle_routing_record`, replayed), on the
+    held-out Wikipedia windows. The rotation is rebuilt as the conversion made it (`rotate_llama` on the same
+    calibration tokens) and checked against the student's embedding."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_mohd  # noqa: F401
+    from hf_mohd.conversion import load_dense_llama, oracle_routing_record, rotate_llama
+    from hf_mohd.conversion.rotation import calibration_token_ids
+
+    path = work / "ladder_oracle.json"
+    info = heal.read_json(path, {})
+    names = [name for name, (_, gate, _) in STUDENTS.items() if gate == "unit"]
+    if all(name in info for name in names):
+        return
+    source = load_dense_llama(work / "teacher", dtype=torch.float32)
+    rotated, _ = rotate_llama(source, calibration_token_ids(source, work / "calibration.txt"))
+    windows = heal.held_out_windows(source.tokenizer)
+    batches = [windows[i : i + 4] for i in range(0, windows.shape[0], 4)]
+    embedding = rotated.build_llama().get_input_embeddings().weight
+    for name in names:
+        if name in info:
+            continue
+        model = AutoModelForCausalLM.from_pretrained(str(work / name), dtype=torch.float32).eval()
+        miss = (embedding - model.get_input_embeddings().weight).abs().max().item()
+        if miss > 1e-4:
+            sys.exit(f"{work / name}: the rebuilt rotation misses its embedding by {miss:.2e}; not the same basis.")
+        records = [oracle_routing_record(rotated, batch, model.config) for batch in batches]
+        info[name] = {
+            "perplexity_oracle": perplexity(model, windows, 4, routing_records=records, desc=f"{name} oracle"),
+            "rotation_embedding_max_difference": miss,
+            "machine": ep.machine(),
+        }
+        write_json_atomically(path, info)
+        logger.info("%s: oracle routing, held-out perplexity %.3f", name, info[name]["perplexity_oracle"])
+        del model
 
 
 def sources(work: Path, corpus: Path) -> None:
@@ -446,6 +488,10 @@ def report(work: Path, output: Path) -> dict:
             "budgets": found["allocation"]["budgets"],
             "allocation_tokens": found["allocation"]["tokens"],
         }
+    for name, found in heal.read_json(work / "ladder_oracle.json", {}).items():
+        if name in students:
+            students[name]["perplexity_oracle"] = found["perplexity_oracle"]
+            students[name]["ratio_to_dense_oracle"] = found["perplexity_oracle"] / dense
     for key, found in heal.read_json(work / "ladder_sides.json", {}).items():
         students[key] = {
             "perplexity": found["perplexity"],
@@ -520,7 +566,7 @@ def report(work: Path, output: Path) -> dict:
         finals.append(healed[-1] if healed else max(planned, key=lambda name: CURVE[name][1]))
     missing += [f"lm-eval {n} ({LM_EVAL_LIMIT} docs)" for n in finals if f"{n} ({LM_EVAL_LIMIT} docs)" not in lm_eval]
     result = {
-        "command": "python -m experiments.smollm2.ladder ladder|curve|prepare|budgets|sides|sources|train ARM|"
+        "command": "python -m experiments.smollm2.ladder ladder|curve|prepare|budgets|sides|oracle|sources|train ARM|"
         "lm-eval NAME|report",
         "complete": not missing,
         "missing": missing,
@@ -550,7 +596,7 @@ def report(work: Path, output: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    stages = ("ladder", "curve", "prepare", "budgets", "sides", "sources", "train", "lm-eval", "report")
+    stages = ("ladder", "curve", "prepare", "budgets", "sides", "oracle", "sources", "train", "lm-eval", "report")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", choices=stages)
     parser.add_argument(
@@ -569,6 +615,7 @@ def main(argv=None) -> int:
         prepare(work)
         budgets(work)
         sides(work)
+        oracle(work)
         sources(work, corpus)
         for name in LADDER_256K:
             train_arm(work, name, corpus)
@@ -584,6 +631,8 @@ def main(argv=None) -> int:
         budgets(work)
     elif args.stage == "sides":
         sides(work)
+    elif args.stage == "oracle":
+        oracle(work)
     elif args.stage == "sources":
         sources(work, corpus)
     elif args.stage == "train":
