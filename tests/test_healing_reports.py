@@ -58,7 +58,8 @@ def ladder_work(tmp_path):
     work.mkdir()
     students = {name: 100.0 for name in heal.STUDENTS.values()}
     write(work / "prepare.json", {"perplexity": {"teacher": 25.0, **students}, "held_out_tokens": 4096})
-    write(work / "ladder_prepare.json", {})
+    write(work / "ladder_prepare.json", {"mohd75u": {"perplexity": 200.0, "perplexity_full_activation": 25.0}})
+    write(work / "ladder_oracle.json", {"mohd75u": {"perplexity_oracle": 150.0}})
     write(
         work / "ladder_sources.json",
         {
@@ -105,6 +106,13 @@ def test_ladder_report_keeps_earlier_arms_and_adds_new_ones(tmp_path):
     assert result["arms"]["unit_64k"] == earlier_arm
     assert result["students"]["mohd50ub"] == earlier_student  # kept; mohd75 is measured here and replaced
     assert result["students"]["mohd75"] == {"perplexity": 100.0, "ratio_to_dense": 4.0}
+    assert result["students"]["mohd75u"] == {
+        "perplexity": 200.0,
+        "perplexity_full_activation": 25.0,
+        "ratio_to_dense": 8.0,
+        "perplexity_oracle": 150.0,
+        "ratio_to_dense_oracle": 6.0,
+    }
     added = result["arms"]["unit_nested_budgets_256k"]
     assert added["student"] == "mohd75ub" and added["budget_tokens"] == 256 * 1024 and added["nested_full_activation"]
     assert added["ratio_to_dense"] == {
