@@ -4,8 +4,10 @@ earlier work folder are kept, new ones added."""
 import json
 
 import pytest
+from test_reliability import MOHD_BASES
 
 from experiments.smollm2 import heal_carved
+from hf_mohd import MoHDConfig
 
 
 def write(path, value):
@@ -148,6 +150,8 @@ def test_ladder_curve_starts_from_the_best_256k_recipe(tmp_path):
     arm, _ = ladder.resolve(work, "curve75_2m")
     assert arm.student == "mohd75ub" and arm.budget == 2048 * 1024 and arm.nested and arm.corpus
     healed(work, "curve50_256k", {"wikipedia": 60.0, "kjv": 120.0}, full, recipe=recipe, student="mohd50ub")
+    # the best arm's healed folder: its config is what the model card renders
+    MoHDConfig(**MOHD_BASES["mohd_gqa"]).save_pretrained(work / "runs" / f"ladder_{recipe}" / "final")
 
     result = ladder.report(work, tmp_path / "ladder.json")
 
@@ -163,3 +167,11 @@ def test_ladder_curve_starts_from_the_best_256k_recipe(tmp_path):
     assert {"curve75_1m", "curve75_2m", "curve50_1m"} <= set(result["missing"])
     # the final models' lm-eval: dense, the largest healed 75% point (the ladder's best) and 50% point
     assert {f"lm-eval {n} (500 docs)" for n in ("dense", recipe, "curve50_256k")} <= set(result["missing"])
+    # the plot and the final 75% model's card (the best 256k arm until a longer 75% point is healed)
+    assert (tmp_path / "ladder.png").stat().st_size > 0
+    card = (tmp_path / "smollm2_mohd75_ladder_model_card.md").read_text(encoding="utf-8")
+    assert "| healed 262,144 tokens | 40.0 (2.00x) | 40.0 (1.00x) |" in card
+    assert "| converted, training-free | 80.0 (4.00x) | 80.0 (2.00x) |" in card
+    assert "| healed, every block active | 20.0 (1.00x) | 40.0 (1.00x) |" in card
+    assert "nested: the loss at the target k plus the loss with every block active" in card
+    assert "Partial: " in card and "curve75_1m" in card

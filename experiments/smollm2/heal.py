@@ -397,6 +397,44 @@ def lm_eval_table(work: Path, names: list[str], limit: int, earlier: dict) -> di
     return {**{row: found for row, found in earlier.items() if row not in rows}, **rows}
 
 
+def healing_datasets() -> list[str]:
+    """The model-card `datasets` entries of the multi-source healing text (`experiments.smollm2.healing_corpus`'s
+    committed record): each healing source with its licence."""
+    corpus = json.loads((RESULTS_DIR / "healing_corpus.json").read_text(encoding="utf-8"))
+    return [
+        f"{source['description']}; licence: {source['licence'].split(' (')[0]}"
+        for source in corpus["sources"].values()
+        if source["role"] == "healing"
+    ]
+
+
+def perplexity_table(dense: dict, rows: list[tuple[str, dict, dict]]) -> str:
+    """A Markdown table of held-out perplexity per source: one row per (name, {source: perplexity}, {source: ratio
+    to dense}), the sources as `dense`'s keys."""
+    table = "| | " + " | ".join(dense) + " |\n|---|" + "---|" * len(dense) + "\n"
+    return table + "\n".join(
+        f"| {name} | " + " | ".join(f"{ppl[s]:.1f} ({ratio[s]:.2f}x)" for s in dense) + " |"
+        for name, ppl, ratio in rows
+    )
+
+
+def lm_eval_sentence(row: dict | None, limit: int) -> str:
+    """One paragraph of an `lm_eval_rows` row: accuracy per task with its paired difference to dense ("" for
+    None)."""
+    if row is None:
+        return ""
+    return (
+        f"\n\nlm-eval, the first {limit} documents of each task (acc_norm where the task has it), difference to the "
+        "dense model on the same documents with its paired standard error: "
+        + "; ".join(
+            f"{task.removeprefix('offline_')} {e['accuracy_points']:.1f} ({e['minus_dense_points']:+.1f} "
+            f"± {e['paired_stderr_points']:.1f})"
+            for task, e in row["tasks"].items()
+        )
+        + f"; mean {row['mean_accuracy_points']:.1f} points."
+    )
+
+
 def paired(a: list[float], b: list[float]) -> tuple[float, float]:
     """Mean difference a - b in percentage points and its paired standard error."""
     n = min(len(a), len(b))

@@ -312,25 +312,8 @@ def model_card(work: Path, result: dict, arm: str):
             found["ratio_to_dense"]["every_expert_active"],
         ),
     ]
-    table = "| | " + " | ".join(dense) + " |\n|---|" + "---|" * len(dense) + "\n"
-    table += "\n".join(
-        f"| {name} | " + " | ".join(f"{ppl[s]:.1f} ({ratio[s]:.2f}x)" for s in dense) + " |"
-        for name, ppl, ratio in rows
-    )
-    evaluated = result["lm_eval"].get(f"{arm} ({LM_EVAL_LIMIT} docs)")
-    eval_text = ""
-    if evaluated is not None:
-        tasks = evaluated["tasks"]
-        eval_text = (
-            f"\n\nlm-eval, the first {LM_EVAL_LIMIT} documents of each task (acc_norm where the task has it), "
-            "difference to the dense model on the same documents with its paired standard error: "
-            + "; ".join(
-                f"{task.removeprefix('offline_')} {e['accuracy_points']:.1f} ({e['minus_dense_points']:+.1f} "
-                f"± {e['paired_stderr_points']:.1f})"
-                for task, e in tasks.items()
-            )
-            + f"; mean {evaluated['mean_accuracy_points']:.1f} points."
-        )
+    table = heal.perplexity_table(dense, rows)
+    eval_text = heal.lm_eval_sentence(result["lm_eval"].get(f"{arm} ({LM_EVAL_LIMIT} docs)"), LM_EVAL_LIMIT)
     notes = (
         carving_notes(work / found["carving"])
         + "\n\n"
@@ -354,17 +337,12 @@ def model_card(work: Path, result: dict, arm: str):
         "hardware": f"{result['machine']['cpu']}, 1 torch thread",
     }
     eval_file = heal.read_json(work / f"lm_eval_{arm}_{LM_EVAL_LIMIT}.json", None)
-    corpus = json.loads((RESULTS_DIR / "healing_corpus.json").read_text(encoding="utf-8"))
     config = AutoConfig.from_pretrained(work / "runs" / arm / "final")
     config.name_or_path = f"SmolLM2-135M-{arm}"  # the card's title, not the run folder's name
     return render_model_card(
         config,
         base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
-        datasets=[
-            f"{source['description']}; licence: {source['licence'].split(' (')[0]}"
-            for source in corpus["sources"].values()
-            if source["role"] == "healing"
-        ],
+        datasets=heal.healing_datasets(),
         eval_results={"results": eval_file["results"]} if eval_file and eval_file["results"] else None,
         training=training,
         notes=notes,

@@ -592,7 +592,131 @@ def report(work: Path, output: Path) -> dict:
         "torch_threads_per_run": 1,
     }
     write_json_atomically(output, result)
+    if any(found["points"] for found in curve.values()):
+        plot(result, output.with_suffix(".png"))
+    card = model_card(work, result)
+    if card is not None:
+        card.save(output.parent / "smollm2_mohd75_ladder_model_card.md")
     return result
+
+
+def final_point(result: dict, activation: str) -> dict | None:
+    """The healed point of `activation`'s curve with the most tokens (None before one is healed)."""
+    healed = [point for point in result["curve"][f"{activation}%"]["points"] if point["tokens"]]
+    return healed[-1] if healed else None
+
+
+def plot(result: dict, path: Path) -> None:
+    """The curve: geometric mean over the five sources of the ratio to dense, at the target k and with every block
+    active, against healing tokens, one colour per activation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.4, 4.2))
+    for (activation, found), colour in zip(result["curve"].items(), ("tab:blue", "tab:orange"), strict=True):
+        points = found["points"]
+        if not points:
+            continue
+        tokens = [point["tokens"] / (K * K) for point in points]
+        for key, style, label in (("target", "-o", "at its k"), ("full_activation", "--s", "every block active")):
+            axis.plot(
+                tokens,
+                [point["geometric_mean_ratio_to_dense"][key] for point in points],
+                style,
+                color=colour,
+                label=f"MoHD {activation} {label}",
+            )
+    axis.axhline(1.0, color="black", linewidth=0.8, label="dense SmolLM2-135M")
+    axis.set_yscale("log")
+    axis.set_xlabel("healing tokens (M)")
+    axis.set_ylabel("held-out perplexity / dense (geometric mean, 5 sources)")
+    axis.set_title(f"SmolLM2-135M MoHD healing, recipe {result['best_256k_recipe']}")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def model_card(work: Path, result: dict):
+    """The model card of the final healed 75% model (`final_point`): the conversion, the per-layer budgets, the
+    healing recipe, held-out perplexity on the five sources along the curve and lm-eval with paired differences to
+    dense; None before a 75% point is healed or when `work` lacks its run folder."""
+    from transformers import AutoConfig
+
+    import hf_mohd  # noqa: F401
+    from hf_mohd.model_card import render_model_card
+
+    final = final_point(result, "75")
+    if final is None or not (work / "runs" / f"ladder_{final['arm']}" / "final").is_dir():
+        return None
+    arm = result["arms"][final["arm"]]
+    dense = result["dense_perplexity_per_source"]
+    rows = [("dense SmolLM2-135M", dense, {s: 1.0 for s in dense})]
+    student = result["students_per_source"].get(arm["student"])
+    if student is not None:
+        rows.append(("converted, training-free", student["perplexity"]["target"], student["ratio_to_dense"]["target"]))
+    for point in result["curve"]["75%"]["points"][1:]:
+        rows.append(
+            (f"healed {point['tokens']:,} tokens", point["perplexity"]["target"], point["ratio_to_dense"]["target"])
+        )
+    rows.append(
+        (
+            "healed, every block active",
+            final["perplexity"]["full_activation"],
+            final["ratio_to_dense"]["full_activation"],
+        )
+    )
+    budgets = (
+        " Then every layer and sublayer kind got its own k (`per_layer_config`), allocated greedily on "
+        f"{BUDGET_CALIBRATION_ROWS * 256:,} calibration tokens under the per-token parameter budget of the uniform k "
+        "(`hf_mohd.conversion.budgets`; TEAL's greedy, arXiv 2408.14690)."
+        if arm["student"].endswith("b")
+        else ""
+    )
+    levers = ["KL to the dense model at T = 1, no LM loss"]
+    if arm["nested_full_activation"]:
+        levers.append("nested: the loss at the target k plus the loss with every block active, each step")
+    if arm["schedule_fraction"]:
+        levers.append(f"k from full activation to the target over the first {arm['schedule_fraction']:.0%} (cubic)")
+    if arm["hidden_weight"]:
+        levers.append(f"residual-stream distillation at weight {arm['hidden_weight']}")
+    notes = (
+        "Converted from SmolLM2-135M-Instruct with `hf-mohd convert mohd --preset compression_75 --rotate pca "
+        "--routers fitted --activation-scaling none --routed-gate unit`, calibration text the first 8 articles of the "
+        "gensim Wikipedia sample (16,384 tokens): every block active, it is the dense model exactly."
+        + budgets
+        + f"\n\nHealed by distillation for {final['tokens']:,} tokens of a multi-source text (English Wikipedia "
+        "without the calibration and held-out articles, An Anarchist FAQ, the Python documentation, the Brown "
+        f"corpus; recipe `{final['arm'] if final['arm'] in ARMS else arm['recipe']}`): "
+        + "; ".join(levers)
+        + "; all weights trainable, AdamW at peak lr 2e-4, warmup 16 steps, cosine to 0.1x, 4 x 256 tokens per step."
+        "\n\nHeld-out perplexity, 4,096 tokens of each source (none in the calibration or healing text; the KJV "
+        "bible's source never seen), with the ratio to the dense model:\n\n"
+        + heal.perplexity_table(dense, rows)
+        + heal.lm_eval_sentence(result["lm_eval"].get(f"{final['arm']} ({LM_EVAL_LIMIT} docs)"), LM_EVAL_LIMIT)
+        + ("" if result["complete"] else "\n\nPartial: " + "; ".join(result["missing"]) + ".")
+    )
+    eval_file = heal.read_json(work / f"lm_eval_{final['arm']}_{LM_EVAL_LIMIT}.json", None)
+    config = AutoConfig.from_pretrained(work / "runs" / f"ladder_{final['arm']}" / "final")
+    config.name_or_path = f"SmolLM2-135M-MoHD75-{final['arm']}"  # the card's title, not the run folder's name
+    return render_model_card(
+        config,
+        base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+        datasets=heal.healing_datasets(),
+        eval_results={"results": eval_file["results"]} if eval_file and eval_file["results"] else None,
+        training={
+            "teacher": "SmolLM2-135M-Instruct (dense, fp32)",
+            "objective": "; ".join(levers),
+            "trainable": "all",
+            "peak_learning_rate": 2e-4,
+            "tokens": final["tokens"],
+            "hardware": f"{result['machine']['cpu']}, 1 torch thread",
+        },
+        notes=notes,
+        language="en",
+    )
 
 
 def main(argv=None) -> int:
