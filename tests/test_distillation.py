@@ -116,6 +116,41 @@ def test_distillation_run_logs_the_kl_trains_only_routers_norms_and_resumes(tmp_
     assert resumed_curve == pytest.approx(curve, rel=1e-6)
 
 
+def test_sparse_implementation_masked_trains_the_same_curve_and_saves_the_config_strategy(
+    tmp_path, teacher_and_student
+):
+    """`model.sparse_implementation: masked` heals a MoHD student with the masked strategy: the same KL curve as the
+    default gather strategy (the same function and gradients), every sublayer on the masked strategy while it
+    trains, and the saved config keeps "gather"; a bad name and a non-MoHD model are refused with the field named."""
+    from hf_mohd.models.mohd_sparse import MoHDMaskedStrategy
+
+    teacher_dir, student_dir = teacher_and_student
+    corpus = write_word_corpus(tmp_path / "corpus.jsonl")
+    curves, models = {}, {}
+    for implementation in ("", "masked"):
+        config = distill_config(
+            tmp_path, teacher_dir, student_dir, corpus, f"run_{implementation or 'default'}",
+            **{"model.sparse_implementation": implementation, "model.trainable": "all", "save_final": True},
+        )  # fmt: skip
+        result = train(config)
+        curves[implementation] = [r["distill_kl"] for r in result.train_log if "distill_kl" in r]
+        models[implementation] = result.model
+    assert len(curves[""]) == 3
+    assert curves["masked"] == pytest.approx(curves[""], rel=1e-5)
+    strategies = {type(m.strategy) for m in models["masked"].modules() if hasattr(m, "strategy")}
+    assert strategies == {MoHDMaskedStrategy}
+    assert MoHDMaskedStrategy not in {type(m.strategy) for m in models[""].modules() if hasattr(m, "strategy")}
+    saved = json.loads((tmp_path / "run_masked" / "final" / "config.json").read_text(encoding="utf-8"))
+    assert saved["sparse_implementation"] == "gather"
+    with pytest.raises(ValueError, match="model.sparse_implementation"):
+        distill_config(tmp_path, teacher_dir, student_dir, corpus, **{"model.sparse_implementation": "fast"})
+    dense = distill_config(
+        tmp_path, teacher_dir, teacher_dir, corpus, "dense", **{"model.sparse_implementation": "masked"}
+    )
+    with pytest.raises(TrainConfigError, match="model.sparse_implementation"):
+        train(dense)
+
+
 def test_ffn_trainable_heals_a_carved_model_moving_only_its_feed_forward_sublayers(tmp_path):
     """`model.trainable: ffn` on a carved LatentMoE (the carve route's healing, with the `dense_masked` experts
     kernel): every expert kind and the shared expert move, nothing outside the `mlp` sublayers does; everything else

@@ -105,6 +105,10 @@ class ModelConfig:
             `experts_implementation`: "eager", "grouped_mm", "batched_mm", "dense_masked", or one registered with
             transformers' `ExpertsInterface`); empty: the model's default. "dense_masked" is the fast one for many
             experts per token (a carved model), where the grouped kernel copies every token once per picked expert.
+        sparse_implementation: the MoHD execution strategy while it trains ("gather" or "masked", as
+            `MoHDForCausalLM.set_sparse_implementation`); empty: the model's own. Both compute the same function and
+            gradients; "masked" (every block computed, then masked) runs a training step of a few thousand tokens with
+            fewer, larger products. The saved model keeps its config's strategy. Only for MoHD models.
     """
 
     init_from: str = ""
@@ -117,6 +121,7 @@ class ModelConfig:
     lora_rank: int = 8
     lora_alpha: float = 16.0
     experts_implementation: str = ""
+    sparse_implementation: str = ""
 
 
 TRAINABLE_CHOICES = ("all", "ffn", "routers_norms", "lora")
@@ -326,6 +331,14 @@ class TrainConfig:
                 raise ValueError(
                     f"`model.experts_implementation` must be empty or one of {known}, got "
                     f"{self.model.experts_implementation!r}."
+                )
+        if self.model.sparse_implementation:
+            from ..models.mohd_sparse import ALL_SPARSE_IMPLEMENTATIONS
+
+            if self.model.sparse_implementation not in ALL_SPARSE_IMPLEMENTATIONS:
+                raise ValueError(
+                    f"`model.sparse_implementation` must be empty or one of {list(ALL_SPARSE_IMPLEMENTATIONS)}, got "
+                    f"{self.model.sparse_implementation!r}."
                 )
         if not isinstance(self.model.lora_rank, int) or self.model.lora_rank < 1 or self.model.lora_alpha <= 0:
             raise ValueError(

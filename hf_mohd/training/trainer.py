@@ -164,7 +164,12 @@ def _check_tokenizer_folder(source: str, field: str) -> None:
 
 
 def build_model(config: TrainConfig, tokenizer):
-    """A fresh model from `model.architecture` (vocabulary and special ids from the tokenizer) or `init_from`."""
+    """A fresh model from `model.architecture` (vocabulary and special ids from the tokenizer) or `init_from`, with the
+    experts kernel and the MoHD strategy the config asks for.
+
+    Raises:
+        TrainConfigError: `model.sparse_implementation` set for a model that is not MoHD.
+    """
     from transformers import AutoModelForCausalLM
 
     import hf_mohd  # noqa: F401  (registers the model types with the Auto classes)
@@ -175,17 +180,26 @@ def build_model(config: TrainConfig, tokenizer):
     if config.model.init_from:
         if config.model.gguf_file:
             kwargs["gguf_file"] = config.model.gguf_file
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             config.model.init_from, dtype=torch.float32, trust_remote_code=config.model.trust_remote_code, **kwargs
         )
-    model_config = architecture_config(
-        config.model.architecture,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32, **kwargs)
+    else:
+        model_config = architecture_config(
+            config.model.architecture,
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32, **kwargs)
+    if config.model.sparse_implementation:
+        if not hasattr(model, "set_sparse_implementation"):
+            raise TrainConfigError(
+                f"`model.sparse_implementation` chooses a MoHD model's execution strategy; this model is "
+                f"{model.config.model_type!r}. Leave it empty."
+            )
+        model.set_sparse_implementation(config.model.sparse_implementation)  # the saved config keeps its own
+    return model
 
 
 def router_kwargs(model, enabled: bool) -> dict:
