@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hf_mohd.training import latest_checkpoint, load_train_config, train, train_config_from_dict
+from hf_mohd.training.config import TrainConfigError
 from hf_mohd.training.data import PackedBatches, load_documents, pack, split_documents, train_bpe_tokenizer
 
 
@@ -490,6 +491,28 @@ def test_train_cli_names_a_bad_architecture_or_data_field_in_one_line(tmp_path, 
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # past datasets' progress bars
     assert len(err) == 1 and err[0].startswith(f"error: {config}: ") and message in err[0], err
     assert not os.path.exists(os.path.join(values["output_dir"], "checkpoints"))
+
+
+def test_resume_check_reads_fields_a_run_predates_as_their_defaults_and_ignores_execution_choices(tmp_path):
+    """A run folder whose `train_config.json` was written before a field existed resumes when that field is at its
+    default (what the run used) and is refused when it is not; the experts kernel and the MoHD strategy may change
+    between calls (the same function), the model may not."""
+    from hf_mohd.training.trainer import check_same_run, field_default
+
+    assert field_default("model.trainable") == "all" and field_default("model.sparse_implementation") == ""
+    assert field_default("seed") == 0 and field_default("model.no_such_field") is None
+    values = _tiny_values(tmp_path, write_corpus(tmp_path / "corpus.jsonl"))
+    saved = json.loads(json.dumps(values))
+    assert "sparse_implementation" not in saved["model"] and "trainable" not in saved["model"]  # older than both
+    os.makedirs(os.path.join(values["output_dir"], "checkpoints", "step_0000002"))
+    with open(os.path.join(values["output_dir"], "train_config.json"), "w", encoding="utf-8") as handle:
+        json.dump(saved, handle)
+
+    check_same_run(train_config_from_dict(values))  # both at their defaults: resumes
+    check_same_run(train_config_from_dict({**values, "model": {**values["model"], "sparse_implementation": "masked"}}))
+    check_same_run(train_config_from_dict({**values, "model": {**values["model"], "experts_implementation": "eager"}}))
+    with pytest.raises(TrainConfigError, match="`model.trainable` is 'routers_norms'.* were trained with 'all'"):
+        check_same_run(train_config_from_dict({**values, "model": {**values["model"], "trainable": "routers_norms"}}))
 
 
 def test_train_cli_refuses_other_model_in_a_run_folder_and_leaves_a_finished_run_alone(tmp_path, capsys):

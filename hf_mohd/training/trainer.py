@@ -463,10 +463,34 @@ def make_accelerator(config: TrainConfig):
 # What a checkpoint's weights and data order depend on: a resumed run must have the same (the rest, such as
 # `max_steps` or the learning rate, may change between calls).
 RUN_IDENTITY_FIELDS = ("model", "data.path", "data.seq_len", "seed")
+# execution choices under `model` (the same function and gradients either way): free to change between calls
+EXECUTION_FIELDS = ("model.experts_implementation", "model.sparse_implementation")
+
+
+def field_default(name: str):
+    """The default of the dotted `TrainConfig` field `name` (e.g. "model.trainable"); None for an unknown one."""
+    import dataclasses
+
+    value = TrainConfig
+    for part in name.split("."):
+        fields = {f.name: f for f in dataclasses.fields(value)} if dataclasses.is_dataclass(value) else {}
+        if part not in fields:
+            return None
+        found = fields[part]
+        if found.default is not dataclasses.MISSING:
+            value = found.default
+        elif found.default_factory is not dataclasses.MISSING:
+            value = found.default_factory()
+        else:
+            return None
+    return value
 
 
 def check_same_run(config: TrainConfig) -> None:
     """Refuses to resume the checkpoints of `output_dir` with another model, data or seed.
+
+    A field the saved file lacks (added to the trainer after the run began) counts as its default, which is what
+    the run used; `EXECUTION_FIELDS` may differ.
 
     Raises:
         TrainConfigError: a field of `RUN_IDENTITY_FIELDS` differs from the run's saved `train_config.json` while a
@@ -486,10 +510,13 @@ def check_same_run(config: TrainConfig) -> None:
 
     before, now = flat(before), flat(now)
     for name in sorted(set(before) | set(now)):
-        if name.startswith(RUN_IDENTITY_FIELDS) and before.get(name) != now.get(name):
+        if not name.startswith(RUN_IDENTITY_FIELDS) or name in EXECUTION_FIELDS:
+            continue
+        was, is_now = before.get(name, field_default(name)), now.get(name, field_default(name))
+        if was != is_now:
             raise TrainConfigError(
-                f"`{name}` is {now.get(name)!r}, but the checkpoints in {config.output_dir!r} were trained with "
-                f"{before.get(name)!r}: set another `output_dir`, or `resume: never` to start afresh in this one."
+                f"`{name}` is {is_now!r}, but the checkpoints in {config.output_dir!r} were trained with {was!r}: "
+                "set another `output_dir`, or `resume: never` to start afresh in this one."
             )
 
 
