@@ -659,7 +659,7 @@ def model_card(work: Path, result: dict):
     student = result["students_per_source"].get(arm["student"])
     if student is not None:
         rows.append(("converted, training-free", student["perplexity"]["target"], student["ratio_to_dense"]["target"]))
-    for point in result["curve"]["75%"]["points"][1:]:
+    for point in (point for point in result["curve"]["75%"]["points"] if point["tokens"]):
         rows.append(
             (f"healed {point['tokens']:,} tokens", point["perplexity"]["target"], point["ratio_to_dense"]["target"])
         )
