@@ -517,11 +517,6 @@ def report(work: Path, output: Path) -> dict:
 
 def model_card(work: Path, result: dict, arm: str):
     """The model card of a healed arm: every conversion and healing choice, the perplexity curve, lm-eval."""
-    from transformers import AutoConfig
-
-    import hf_mohd  # noqa: F401
-    from hf_mohd.model_card import render_model_card
-
     curve = result["healing"][arm]
     found = read_json(work / f"lm_eval_{arm}_500.json", None)
     rows = "\n".join(
@@ -551,12 +546,35 @@ def model_card(work: Path, result: dict, arm: str):
         "tokens": curve["budget_tokens"],
         "hardware": f"{result['machine']['cpu']}, 1 torch thread",
     }
-    config = AutoConfig.from_pretrained(work / STUDENTS[curve["preset"]])
+    return healed_card(
+        work / STUDENTS[curve["preset"]],
+        None,
+        found,
+        training,
+        notes,
+        ["English Wikipedia sample of the gensim wheel (CC BY-SA), distinct articles for each use"],
+    )
+
+
+def healed_card(
+    folder: Path, title: str | None, lm_eval_file: dict | None, training: dict, notes: str, datasets: list[str]
+):
+    """The `hf_mohd.model_card.render_model_card` card of a model healed from SmolLM2-135M-Instruct: the config saved
+    in `folder`, titled `title` (None: the folder's own name), with `lm_eval_file`'s results (a `run_lm_eval` file;
+    None or empty: no eval results), the `training` record, `notes` and the healing `datasets`."""
+    from transformers import AutoConfig
+
+    import hf_mohd  # noqa: F401
+    from hf_mohd.model_card import render_model_card
+
+    config = AutoConfig.from_pretrained(folder)
+    if title is not None:
+        config.name_or_path = title  # the card's title, not the run folder's name
     return render_model_card(
         config,
         base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
-        datasets=["English Wikipedia sample of the gensim wheel (CC BY-SA), distinct articles for each use"],
-        eval_results={"results": found["results"]} if found and found["results"] else None,
+        datasets=datasets,
+        eval_results={"results": lm_eval_file["results"]} if lm_eval_file and lm_eval_file["results"] else None,
         training=training,
         notes=notes,
         language="en",

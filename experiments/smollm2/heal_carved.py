@@ -290,11 +290,6 @@ def carving_notes(folder: Path) -> str:
 def model_card(work: Path, result: dict, arm: str):
     """The model card of a healed carving: the carving's choices, the healing, held-out perplexity on the five
     sources (training-free, healed, healed with every expert active) and lm-eval with paired differences to dense."""
-    from transformers import AutoConfig
-
-    import hf_mohd  # noqa: F401
-    from hf_mohd.model_card import render_model_card
-
     found = result["arms"][arm]
     carving = result["carvings"][found["carving"]]
     dense = result["dense_perplexity"]
@@ -336,17 +331,13 @@ def model_card(work: Path, result: dict, arm: str):
         "tokens": found["budget_tokens"],
         "hardware": f"{result['machine']['cpu']}, 1 torch thread",
     }
-    eval_file = heal.read_json(work / f"lm_eval_{arm}_{LM_EVAL_LIMIT}.json", None)
-    config = AutoConfig.from_pretrained(work / "runs" / arm / "final")
-    config.name_or_path = f"SmolLM2-135M-{arm}"  # the card's title, not the run folder's name
-    return render_model_card(
-        config,
-        base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
-        datasets=heal.healing_datasets(),
-        eval_results={"results": eval_file["results"]} if eval_file and eval_file["results"] else None,
-        training=training,
-        notes=notes,
-        language="en",
+    return heal.healed_card(
+        work / "runs" / arm / "final",
+        f"SmolLM2-135M-{arm}",
+        heal.read_json(work / f"lm_eval_{arm}_{LM_EVAL_LIMIT}.json", None),
+        training,
+        notes,
+        heal.healing_datasets(),
     )
 
 

@@ -645,11 +645,6 @@ def model_card(work: Path, result: dict):
     """The model card of the final healed 75% model (`final_point`): the conversion, the per-layer budgets, the
     healing recipe, held-out perplexity on the five sources along the curve and lm-eval with paired differences to
     dense; None before a 75% point is healed or when `work` lacks its run folder."""
-    from transformers import AutoConfig
-
-    import hf_mohd  # noqa: F401
-    from hf_mohd.model_card import render_model_card
-
     final = final_point(result, "75")
     if final is None or not (work / "runs" / f"ladder_{final['arm']}" / "final").is_dir():
         return None
@@ -700,24 +695,21 @@ def model_card(work: Path, result: dict):
         + heal.lm_eval_sentence(result["lm_eval"].get(f"{final['arm']} ({LM_EVAL_LIMIT} docs)"), LM_EVAL_LIMIT)
         + ("" if result["complete"] else "\n\nPartial: " + "; ".join(result["missing"]) + ".")
     )
-    eval_file = heal.read_json(work / f"lm_eval_{final['arm']}_{LM_EVAL_LIMIT}.json", None)
-    config = AutoConfig.from_pretrained(work / "runs" / f"ladder_{final['arm']}" / "final")
-    config.name_or_path = f"SmolLM2-135M-MoHD75-{final['arm']}"  # the card's title, not the run folder's name
-    return render_model_card(
-        config,
-        base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
-        datasets=heal.healing_datasets(),
-        eval_results={"results": eval_file["results"]} if eval_file and eval_file["results"] else None,
-        training={
-            "teacher": "SmolLM2-135M-Instruct (dense, fp32)",
-            "objective": "; ".join(levers),
-            "trainable": "all",
-            "peak_learning_rate": 2e-4,
-            "tokens": final["tokens"],
-            "hardware": f"{result['machine']['cpu']}, 1 torch thread",
-        },
-        notes=notes,
-        language="en",
+    training = {
+        "teacher": "SmolLM2-135M-Instruct (dense, fp32)",
+        "objective": "; ".join(levers),
+        "trainable": "all",
+        "peak_learning_rate": 2e-4,
+        "tokens": final["tokens"],
+        "hardware": f"{result['machine']['cpu']}, 1 torch thread",
+    }
+    return heal.healed_card(
+        work / "runs" / f"ladder_{final['arm']}" / "final",
+        f"SmolLM2-135M-MoHD75-{final['arm']}",
+        heal.read_json(work / f"lm_eval_{final['arm']}_{LM_EVAL_LIMIT}.json", None),
+        training,
+        notes,
+        heal.healing_datasets(),
     )
 
 
