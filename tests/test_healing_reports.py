@@ -175,3 +175,61 @@ def test_ladder_curve_starts_from_the_best_256k_recipe(tmp_path):
     assert "| healed, every block active | 20.0 (1.00x) | 40.0 (1.00x) |" in card
     assert "nested: the loss at the target k plus the loss with every block active" in card
     assert "Partial: " in card and "curve75_1m" in card
+
+
+def test_ladder_curve_recipe_counts_recorded_arms_and_a_chosen_recipe(tmp_path):
+    """On a new work folder the curve's recipe counts the arms the committed report records; with the ladder
+    unfinished a curve point heals with a chosen recipe, which the report leaves out of the curve until that recipe
+    is the best."""
+    from experiments.smollm2 import ladder
+
+    work = ladder_work(tmp_path)
+    output = tmp_path / "ladder.json"
+    full = {"wikipedia": 20.0, "kjv": 40.0}
+    targets = dict(zip(ladder.LADDER_256K, [(60.0, 60.0), (30.0, 120.0), (40.0, 40.0), (50.0, 112.5)], strict=False))
+    # four arms recorded by an earlier work folder (geometric means 60, 60, 40, 75), the fifth not healed anywhere
+    recorded = {
+        name: {
+            "perplexity": {"target": {"wikipedia": wikipedia, "kjv": kjv}, "full_activation": full},
+            "ratio_to_dense": {
+                "target": {"wikipedia": wikipedia / 20, "kjv": kjv / 40},
+                "full_activation": {"wikipedia": 1.0, "kjv": 1.0},
+            },
+        }
+        for name, (wikipedia, kjv) in targets.items()
+    }
+    write(output, {"arms": recorded})
+    last = ladder.LADDER_256K[4]
+    with pytest.raises(SystemExit, match=f"heal these first: {last} .*--recipe"):
+        ladder.resolve(work, "curve50_256k", output)
+    with pytest.raises(SystemExit, match="expected an arm of the 256k ladder"):
+        ladder.resolve(work, "curve50_256k", output, "curve75_1m")
+    arm, recipe = ladder.resolve(work, "curve50_256k", output, "unit_nested_budgets_256k")
+    assert recipe == "unit_nested_budgets_256k" and arm.student == "mohd50ub" and arm.budget == 256 * 1024
+    healed(work, "curve50_256k", {"wikipedia": 60.0, "kjv": 120.0}, full, recipe=recipe, student="mohd50ub")
+
+    # the ladder unfinished: the point is measured but not on the curve
+    result = ladder.report(work, output)
+    assert result["arms"]["curve50_256k"]["recipe"] == recipe
+    assert [p["arm"] for p in result["curve"]["50%"]["points"]] == []
+    assert "curve50_256k (healed with unit_nested_budgets_256k; the 256k ladder is unfinished)" in result["missing"]
+
+    # the last arm healed here and better (geometric mean 30): the point's recipe is not the best one
+    healed(work, last, {"wikipedia": 30.0, "kjv": 30.0}, full)
+    assert ladder.best_recipe(work, output) == last
+    with pytest.raises(SystemExit, match=f"names {last} as the best recipe"):
+        ladder.resolve(work, "curve50_1m", output, recipe)
+    result = ladder.report(work, output)
+    assert result["best_256k_recipe"] == last and result["curve"]["50%"]["points"][0]["arm"] == "mohd50ub"
+    assert "curve50_256k" not in [p["arm"] for p in result["curve"]["50%"]["points"]]
+    assert f"curve50_256k (healed with {recipe}; the best recipe is {last})" in result["missing"]
+
+    # the last arm worse (geometric mean 80): the chosen recipe is the best and the point joins the curve
+    healed(work, last, {"wikipedia": 80.0, "kjv": 80.0}, full)
+    assert ladder.best_recipe(work, output) == recipe
+    result = ladder.report(work, output)
+    assert [(p["tokens"], p["arm"]) for p in result["curve"]["50%"]["points"]] == [
+        (0, "mohd50ub"),
+        (256 * 1024, "curve50_256k"),
+    ]
+    assert not any(entry.startswith("curve50_256k") for entry in result["missing"])

@@ -26,7 +26,9 @@ without its first and last 8 articles, An Anarchist FAQ, the Python documentatio
 five held-out sources (4,096 tokens each; the KJV bible never seen), as are the dense teacher and the training-free
 students (`sources`, the curve's 0-token points).
 
-Every stage resumes (finished parts are read back from `--work-dir`, training resumes from its last checkpoint):
+Every stage resumes (finished parts are read back from `--work-dir`, training resumes from its last checkpoint).
+The report keeps what `--output` already records and the work folder lacks (measured in an earlier work folder,
+possibly on another machine), and the curve's recipe counts those recorded arms too:
 
     python -m experiments.smollm2.ladder ladder                   # the whole 256k ladder: every stage below, in order
     python -m experiments.smollm2.ladder curve                    # the whole curve (after the 256k ladder)
@@ -36,6 +38,7 @@ Every stage resumes (finished parts are read back from `--work-dir`, training re
     python -m experiments.smollm2.ladder oracle                   # unit-gate students with oracle routing
     python -m experiments.smollm2.ladder sources                  # dense and students on the five held-out sources
     python -m experiments.smollm2.ladder train unit_nested_256k   # one arm of ARMS or CURVE; two may run side by side
+    python -m experiments.smollm2.ladder train curve50_256k --recipe unit_nested_budgets_256k  # beside the last arm
     python -m experiments.smollm2.ladder lm-eval curve75_1m       # also dense or any arm; 500 documents per task
     python -m experiments.smollm2.ladder report                   # experiments/smollm2/results/smollm2_healing_ladder.json
 
@@ -326,37 +329,68 @@ def geometric_mean(values: dict[str, float]) -> float:
     return math.exp(sum(math.log(v) for v in values.values()) / len(values))
 
 
-def best_recipe(work: Path) -> str:
+def arm_targets(work: Path, output: Path | None = None) -> dict[str, float]:
+    """256k ladder arm -> geometric mean over the five sources of its held-out perplexity at its target k, for every
+    arm healed in `work` or, failing that, recorded in `output` (the report of an earlier work folder)."""
+    recorded = heal.read_json(output, {}).get("arms", {}) if output is not None else {}
+    targets = {}
+    for arm in LADDER_256K:
+        found = heal.read_json(work / f"ladder_{arm}.json", None) or recorded.get(arm)
+        if found is not None:
+            targets[arm] = geometric_mean(found["perplexity"]["target"])
+    return targets
+
+
+def best_recipe(work: Path, output: Path | None = None, chosen: str | None = None) -> str:
     """The 256k ladder arm with the lowest geometric mean of its held-out perplexity over the five sources at its
-    target k; exits naming the arms not yet healed."""
-    found = {arm: heal.read_json(work / f"ladder_{arm}.json", None) for arm in LADDER_256K}
-    missing = [arm for arm, record in found.items() if record is None]
-    if missing:
-        sys.exit(f"the curve starts from the best 256k arm; heal these first: {', '.join(missing)}")
-    return min(LADDER_256K, key=lambda arm: geometric_mean(found[arm]["perplexity"]["target"]))
+    target k (`arm_targets`). With the ladder unfinished, `chosen` (an arm of the ladder) stands in for it, so that
+    a curve point can heal beside the last ladder arm; the report leaves out a point whose recipe turns out not to be
+    the best.
+
+    Raises:
+        SystemExit: an arm is not healed and no recipe is chosen; or `chosen` is not a 256k ladder arm, or the
+            finished ladder names another arm as the best.
+    """
+    if chosen is not None and chosen not in LADDER_256K:
+        sys.exit(f"--recipe {chosen}: expected an arm of the 256k ladder ({', '.join(LADDER_256K)})")
+    targets = arm_targets(work, output)
+    missing = [arm for arm in LADDER_256K if arm not in targets]
+    if not missing:
+        best = min(LADDER_256K, key=targets.__getitem__)
+        if chosen is not None and chosen != best:
+            sys.exit(f"--recipe {chosen}: the finished 256k ladder names {best} as the best recipe")
+        return best
+    if chosen is None:
+        sys.exit(
+            f"the curve starts from the best 256k arm; heal these first: {', '.join(missing)} "
+            "(or name the recipe with --recipe ARM to heal a curve point beside them)"
+        )
+    logger.info("the 256k ladder lacks %s; healing with the chosen recipe %s", ", ".join(missing), chosen)
+    return chosen
 
 
-def resolve(work: Path, name: str) -> tuple[Arm, str | None]:
-    """The arm named `name` (of ARMS, or a CURVE point built from the best 256k recipe) and its recipe (None for
-    ARMS)."""
+def resolve(work: Path, name: str, output: Path | None = None, chosen: str | None = None) -> tuple[Arm, str | None]:
+    """The arm named `name` (of ARMS, or a CURVE point built from the best 256k recipe, `best_recipe`) and its
+    recipe (None for ARMS)."""
     if name in ARMS:
         return ARMS[name], None
     activation, budget = CURVE[name]
-    recipe = best_recipe(work)
+    recipe = best_recipe(work, output, chosen)
     arm = ARMS[recipe]
     return arm._replace(student=arm.student.replace("75", activation, 1), budget=budget), recipe
 
 
-def train_arm(work: Path, name: str, corpus: Path) -> None:
+def train_arm(work: Path, name: str, corpus: Path, output: Path | None = None, chosen: str | None = None) -> None:
     """Heal one arm (of ARMS or CURVE) to its budget (heal's 64k recipe, its cosine schedule ending at the arm's
-    budget, with the arm's levers), then evaluate it."""
+    budget, with the arm's levers), then evaluate it. A CURVE point takes its recipe from `resolve` (`output`: the
+    report whose recorded arms count; `chosen`: the recipe while the ladder is unfinished)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = work / f"ladder_{name}.json"
     if path.exists():
         logger.info("%s: done (%s)", name, path)
         return
-    arm, recipe = resolve(work, name)
+    arm, recipe = resolve(work, name, output, chosen)
     if not (work / arm.student / "config.json").exists():
         sys.exit(f"{work / arm.student}: missing; run the prepare and budgets stages first.")
     config = json.loads((work / arm.student / "config.json").read_text())
@@ -532,7 +566,14 @@ def report(work: Path, output: Path) -> dict:
     curve = {}
     best = None
     if all(name in arms for name in LADDER_256K):
-        best = min(LADDER_256K, key=lambda name: arms[name]["geometric_mean_ratio_to_dense"]["target"])
+        best = min(LADDER_256K, key=lambda name: geometric_mean(arms[name]["perplexity"]["target"]))
+    # a curve point healed with a chosen recipe before the ladder finished counts only once that recipe is the best
+    off_recipe = {name: arms[name]["recipe"] for name in CURVE if name in arms and arms[name]["recipe"] != best}
+    missing += [
+        f"{name} (healed with {recipe}; "
+        + (f"the best recipe is {best})" if best else "the 256k ladder is unfinished)")
+        for name, recipe in off_recipe.items()
+    ]
     for activation in ("75", "50"):
         points = []
         student = None
@@ -544,7 +585,7 @@ def report(work: Path, output: Path) -> dict:
         if activation == "75" and best is not None:
             arms_here.append((ARMS[best].budget, best))
         for tokens, name in sorted(arms_here):
-            if name in arms:
+            if name in arms and name not in off_recipe:
                 row = arms[name]
                 points.append(
                     {
@@ -724,7 +765,15 @@ def main(argv=None) -> int:
     parser.add_argument("--corpus-dir", type=Path, default=Path("runs/healing_corpus"))
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1).")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "smollm2_healing_ladder.json")
+    parser.add_argument(
+        "--recipe",
+        choices=LADDER_256K,
+        help="train of a curve point before the 256k ladder is finished: the ladder arm whose recipe it heals with "
+        "(the report leaves the point out unless that arm turns out the best).",
+    )
     args = parser.parse_args(argv)
+    if args.recipe is not None and not (args.stage == "train" and args.arm in CURVE):
+        parser.error("--recipe goes with train of a curve point")
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
@@ -741,7 +790,7 @@ def main(argv=None) -> int:
     elif args.stage == "curve":
         sources(work, corpus)
         for name in CURVE:
-            train_arm(work, name, corpus)
+            train_arm(work, name, corpus, args.output)
         report(work, args.output)
     elif args.stage == "prepare":
         prepare(work)
@@ -756,7 +805,7 @@ def main(argv=None) -> int:
     elif args.stage == "train":
         if args.arm not in {*ARMS, *CURVE}:
             parser.error(f"train needs an arm of ARMS or CURVE, got {args.arm!r}")
-        train_arm(work, args.arm, corpus)
+        train_arm(work, args.arm, corpus, args.output, args.recipe)
     elif args.stage == "lm-eval":
         if args.arm is None:
             parser.error("lm-eval needs a model name (dense or an arm)")
