@@ -387,3 +387,21 @@ def test_hidden_weight_adds_a_trained_term(tmp_path, teacher_and_student):
                 "distill": {"hidden_weight": 1.0},
             }
         )
+
+
+def test_hidden_distillation_resumes_with_the_basis_of_its_start(tmp_path, teacher_and_student):
+    """A run with `distill.hidden_weight` that trains the embedding, interrupted at step 2 and resumed, logs the
+    same KL as the uninterrupted run: the change of basis comes from the weights the run started from, not from the
+    checkpoint's trained embedding (which is no longer a change of basis of the teacher's and was refused)."""
+    teacher_dir, student_dir = teacher_and_student
+    corpus = write_word_corpus(tmp_path / "corpus.jsonl")
+    overrides = {"max_steps": 4, "distill.hidden_weight": 1.0, "model.trainable": "all"}
+    full = train(distill_config(tmp_path, teacher_dir, student_dir, corpus, "full", **overrides))
+    train(distill_config(tmp_path, teacher_dir, student_dir, corpus, "resumed", stop_after_steps=2, **overrides))
+    start = AutoModelForCausalLM.from_pretrained(student_dir).get_input_embeddings().weight.detach()
+    resumed = train(distill_config(tmp_path, teacher_dir, student_dir, corpus, "resumed", **overrides))
+    trained = resumed.model.get_input_embeddings().weight.detach()
+    assert (trained - start).abs().max().item() > 1e-4  # the embedding did train
+    assert len(resumed.train_log) == len(full.train_log) == 4
+    assert [r["distill_kl"] for r in resumed.train_log] == pytest.approx([r["distill_kl"] for r in full.train_log])
+    assert [r["loss"] for r in resumed.train_log] == pytest.approx([r["loss"] for r in full.train_log])

@@ -551,6 +551,11 @@ def train(config: TrainConfig) -> TrainResult:
     model = build_model(config, tokenizer)
     num_parameters = sum(p.numel() for p in model.parameters())
     teacher = load_teacher(config.distill, model, accelerator.device, config.model.trust_remote_code)
+    hidden_basis_q = None  # intermediate distillation: the student's residual-stream basis in the teacher's
+    if teacher is not None and config.distill.hidden_weight > 0:
+        # from the weights the run starts from, before a checkpoint's trained embedding replaces them: one fixed basis
+        # for the whole run, resumed or not
+        hidden_basis_q = hidden_basis(teacher, model)
     model = select_trainable(model, config.model)
     sharded = (DistributedType.FSDP, DistributedType.DEEPSPEED)
     if accelerator.distributed_type in sharded and hasattr(model, "to_weight_layout"):
@@ -593,9 +598,7 @@ def train(config: TrainConfig) -> TrainResult:
         # the model's own k: its config's default, which stands for its per-layer budgets when it has them
         target_k, full_k = unwrapped.config.num_routed_sub_dims_per_tok, unwrapped.config.num_routed_sub_dims
     extra = router_kwargs(unwrapped, config.router_aux_loss)
-    hidden_basis_q = None  # intermediate distillation: the student's residual-stream basis in the teacher's
-    if teacher is not None and config.distill.hidden_weight > 0:
-        hidden_basis_q = hidden_basis(teacher, unwrapped)
+    if hidden_basis_q is not None:
         extra = {**extra, "output_hidden_states": True}
     aux_coef = float(getattr(unwrapped.config, "router_aux_loss_coef", 0.0) or 0.0)
     tokens_per_step = config.micro_batch_size * config.grad_accum_steps * accelerator.num_processes
