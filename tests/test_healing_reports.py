@@ -101,13 +101,18 @@ def test_ladder_report_keeps_earlier_arms_and_adds_new_ones(tmp_path):
     output = tmp_path / "ladder.json"
     earlier_arm = {"student": "mohd75u", "budget_tokens": 65536, "ratio_to_dense": {"target": 3.2}}
     earlier_student = {"from": "mohd50u", "perplexity": 430.0}
-    write(output, {"arms": {"unit_64k": earlier_arm}, "students": {"mohd50ub": earlier_student, "mohd75": {}}})
+    earlier_oracle = {"perplexity": 99.0, "perplexity_oracle": 90.0}
+    write(
+        output,
+        {"arms": {"unit_64k": earlier_arm}, "students": {"mohd50ub": earlier_student, "mohd75": earlier_oracle}},
+    )
 
     result = ladder.report(work, output)
 
     assert result["arms"]["unit_64k"] == earlier_arm
     assert result["students"]["mohd50ub"] == earlier_student  # kept; mohd75 is measured here and replaced
-    assert result["students"]["mohd75"] == {"perplexity": 100.0, "ratio_to_dense": 4.0}
+    # measured here: its numbers replace the recorded ones, the oracle number it did not measure stays
+    assert result["students"]["mohd75"] == {"perplexity": 100.0, "ratio_to_dense": 4.0, "perplexity_oracle": 90.0}
     assert result["students"]["mohd75u"] == {
         "perplexity": 200.0,
         "perplexity_full_activation": 25.0,

@@ -481,6 +481,7 @@ def arm_row(found: dict, arm: Arm, dense: float | dict) -> dict:
         "ratio_to_dense": {key: ratios(values, dense) for key, values in ppl.items()},
         "train_cpu_seconds": found["train_cpu_seconds_this_process"],
         "load_average_after": found["machine"]["load_average"],
+        "cpu": found["machine"].get("cpu"),
     }
     if isinstance(ppl["target"], dict):
         row["geometric_mean_ratio_to_dense"] = {key: geometric_mean(v) for key, v in row["ratio_to_dense"].items()}
@@ -535,7 +536,9 @@ def report(work: Path, output: Path) -> dict:
             "sparse_sides": found["sparse_sides"],
             "active_parameters": found["active_parameters"],
         }
-    students = {**{k: v for k, v in earlier.get("students", {}).items() if k not in students}, **students}
+    # a student measured here replaces its recorded numbers, and keeps those this folder did not measure (oracle)
+    students = {**earlier.get("students", {}), **students}
+    students = {name: {**earlier.get("students", {}).get(name, {}), **found} for name, found in students.items()}
     measured = heal.read_json(work / "ladder_sources.json", {})
     dense_sources = measured.get("teacher") or earlier.get("dense_perplexity_per_source")
     sources = {
@@ -742,7 +745,7 @@ def model_card(work: Path, result: dict):
         "trainable": "all",
         "peak_learning_rate": 2e-4,
         "tokens": final["tokens"],
-        "hardware": f"{result['machine']['cpu']}, 1 torch thread",
+        "hardware": f"{arm.get('cpu') or result['machine']['cpu']} (CPU)",
     }
     return heal.healed_card(
         work / "runs" / f"ladder_{final['arm']}" / "final",
