@@ -678,7 +678,7 @@ def plot(result: dict, path: Path) -> None:
     axis.set_yscale("log")
     axis.set_xlabel("healing tokens (M)")
     axis.set_ylabel("held-out perplexity / dense (geometric mean, 5 sources)")
-    axis.set_title(f"SmolLM2-135M MoHD healing, recipe {result['best_256k_recipe']}")
+    axis.set_title(f"SmolLM2-135M MoHD healing\nrecipe {result['best_256k_recipe']}", fontsize=10)
     axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
