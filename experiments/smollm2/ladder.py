@@ -329,21 +329,25 @@ def geometric_mean(values: dict[str, float]) -> float:
     return math.exp(sum(math.log(v) for v in values.values()) / len(values))
 
 
-def arm_targets(work: Path, output: Path | None = None) -> dict[str, float]:
-    """256k ladder arm -> geometric mean over the five sources of its held-out perplexity at its target k, for every
-    arm healed in `work` or, failing that, recorded in `output` (the report of an earlier work folder)."""
+def arm_records(work: Path, output: Path | None = None) -> dict[str, dict]:
+    """256k ladder arm -> its record, for every arm healed in `work` or, failing that, recorded in `output` (the
+    report of an earlier work folder)."""
     recorded = heal.read_json(output, {}).get("arms", {}) if output is not None else {}
-    targets = {}
-    for arm in LADDER_256K:
-        found = heal.read_json(work / f"ladder_{arm}.json", None) or recorded.get(arm)
-        if found is not None:
-            targets[arm] = geometric_mean(found["perplexity"]["target"])
-    return targets
+    records = {arm: heal.read_json(work / f"ladder_{arm}.json", None) or recorded.get(arm) for arm in LADDER_256K}
+    return {arm: record for arm, record in records.items() if record is not None}
+
+
+def best_arm(records: dict[str, dict]) -> str | None:
+    """The 256k ladder arm with the lowest geometric mean of its held-out perplexity over the five sources at its
+    target k, among `records` (arm -> a record with `perplexity.target`); None while an arm is missing."""
+    if any(arm not in records for arm in LADDER_256K):
+        return None
+    return min(LADDER_256K, key=lambda arm: geometric_mean(records[arm]["perplexity"]["target"]))
 
 
 def best_recipe(work: Path, output: Path | None = None, chosen: str | None = None) -> str:
     """The 256k ladder arm with the lowest geometric mean of its held-out perplexity over the five sources at its
-    target k (`arm_targets`). With the ladder unfinished, `chosen` (an arm of the ladder) stands in for it, so that
+    target k (`best_arm` of `arm_records`). With the ladder unfinished, `chosen` (an arm of the ladder) stands in for it, so that
     a curve point can heal beside the last ladder arm; the report leaves out a point whose recipe turns out not to be
     the best.
 
@@ -353,13 +357,13 @@ def best_recipe(work: Path, output: Path | None = None, chosen: str | None = Non
     """
     if chosen is not None and chosen not in LADDER_256K:
         sys.exit(f"--recipe {chosen}: expected an arm of the 256k ladder ({', '.join(LADDER_256K)})")
-    targets = arm_targets(work, output)
-    missing = [arm for arm in LADDER_256K if arm not in targets]
-    if not missing:
-        best = min(LADDER_256K, key=targets.__getitem__)
+    records = arm_records(work, output)
+    best = best_arm(records)
+    if best is not None:
         if chosen is not None and chosen != best:
             sys.exit(f"--recipe {chosen}: the finished 256k ladder names {best} as the best recipe")
         return best
+    missing = [arm for arm in LADDER_256K if arm not in records]
     if chosen is None:
         sys.exit(
             f"the curve starts from the best 256k arm; heal these first: {', '.join(missing)} "
@@ -567,9 +571,7 @@ def report(work: Path, output: Path) -> dict:
             sys.exit(f"{work}: run the sources stage first (the dense model on the five held-out sources).")
         arms[name] = arm_row(found, arm, dense_sources if arm.corpus else dense)
     curve = {}
-    best = None
-    if all(name in arms for name in LADDER_256K):
-        best = min(LADDER_256K, key=lambda name: geometric_mean(arms[name]["perplexity"]["target"]))
+    best = best_arm(arms)
     # a curve point healed with a chosen recipe before the ladder finished counts only once that recipe is the best
     off_recipe = {name: arms[name]["recipe"] for name in CURVE if name in arms and arms[name]["recipe"] != best}
     missing += [
