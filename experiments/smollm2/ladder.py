@@ -439,6 +439,7 @@ def train_arm(work: Path, name: str, corpus: Path, output: Path | None = None, c
         "tokens": arm.budget,
         "perplexity": evaluate(model, windows),
         **training,
+        "torch_threads_this_process": torch.get_num_threads(),
         "machine": ep.machine(),
     }
     write_json_atomically(path, record)
@@ -637,7 +638,6 @@ def report(work: Path, output: Path) -> dict:
         "curve": curve,
         "lm_eval": lm_eval,
         "machine": ep.machine(),
-        "torch_threads_per_run": 1,
     }
     write_json_atomically(output, result)
     if any(found["points"] for found in curve.values()):
