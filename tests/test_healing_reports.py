@@ -238,3 +238,79 @@ def test_ladder_curve_recipe_counts_recorded_arms_and_a_chosen_recipe(tmp_path):
         (256 * 1024, "curve50_256k"),
     ]
     assert not any(entry.startswith("curve50_256k") for entry in result["missing"])
+
+
+def test_ladder_breakdown_sets_one_part_to_full_activation(tmp_path, monkeypatch):
+    """`ladder.breakdown`: each part of the network at k = N_r and every other sublayer at its own k (per-layer
+    budgets kept) gives the perplexity of a model whose config asks for exactly that; the parts are the sublayer
+    kinds and the thirds of the layers."""
+    import torch
+    import transformers
+
+    from experiments.smollm2 import ladder
+    from hf_mohd import MoHDForCausalLM
+    from hf_mohd.evaluation.perplexity import perplexity
+
+    layers = range(30)
+    third = {part: [i for i in layers if ladder.BREAKDOWN[part](i, "ffn", 30)] for part in list(ladder.BREAKDOWN)[2:]}
+    assert third == {
+        "first third of the layers": list(range(10)),
+        "middle third of the layers": list(range(10, 20)),
+        "last third of the layers": list(range(20, 30)),
+    }
+    # three layers, k = 2 of N_r = 5 routed blocks, layer 1's attention at its own k = 1
+    own = {(i, s): 2 for i in range(3) for s in ("attention", "ffn")}
+    own[(1, "attention")] = 1
+    base = dict(
+        MOHD_BASES["mohd_gqa"], num_hidden_layers=3, per_layer_config={1: {"attention_routed_sub_dims_per_tok": 1}}
+    )
+    torch.manual_seed(0)
+    work = ladder_work(tmp_path)
+    final = work / "runs" / "ladder_curve50_256k" / "final"
+    MoHDForCausalLM(MoHDConfig(**base)).save_pretrained(final)
+    vocab = base["vocab_size"]
+    windows = {"a": torch.randint(vocab, (4, 16)), "b": torch.randint(vocab, (4, 16))}
+    monkeypatch.setattr(ladder, "source_windows", lambda corpus, tokenizer: windows)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *args, **kwargs: None)
+
+    ladder.breakdown(work, "curve50_256k", tmp_path / "corpus")
+
+    found = json.loads((work / "ladder_breakdown_curve50_256k.json").read_text(encoding="utf-8"))
+    assert list(found["perplexity"]) == list(ladder.BREAKDOWN)
+    state = MoHDForCausalLM.from_pretrained(final).state_dict()
+    for part, member in ladder.BREAKDOWN.items():
+        per_layer = {
+            i: {f"{s}_routed_sub_dims_per_tok": 5 if member(i, s, 3) else own[(i, s)] for s in ("attention", "ffn")}
+            for i in range(3)
+        }
+        oracle = MoHDForCausalLM(MoHDConfig(**{**base, "per_layer_config": per_layer})).eval()
+        oracle.load_state_dict(state)
+        for source, ids in windows.items():
+            assert found["perplexity"][part][source] == pytest.approx(perplexity(oracle, ids, 4), rel=1e-5), part
+    # the parts differ from one another (a part left at its own k would repeat another's number)
+    assert len({round(ppl["a"], 6) for ppl in found["perplexity"].values()}) == len(ladder.BREAKDOWN)
+
+
+def test_ladder_report_breakdown_share_of_the_gap(tmp_path):
+    """The report's breakdown: per part the ratio to dense per source, its geometric mean and the share of the log
+    gap to dense that the part at full activation closes (hand-computed)."""
+    from experiments.smollm2 import ladder
+
+    work = ladder_work(tmp_path)
+    full = {"wikipedia": 20.0, "kjv": 40.0}
+    healed(work, "curve50_256k", {"wikipedia": 80.0, "kjv": 80.0}, full, recipe="unit_nested_256k", student="mohd50u")
+    parts = {part: {"wikipedia": 80.0, "kjv": 80.0} for part in ladder.BREAKDOWN}
+    parts["ffn"] = {"wikipedia": 40.0, "kjv": 40.0}
+    write(work / "ladder_breakdown_curve50_256k.json", {"arm": "curve50_256k", "perplexity": parts})
+
+    result = ladder.report(work, tmp_path / "ladder.json")
+
+    row = result["breakdown"]["curve50_256k"]
+    # as healed: ratios 4 and 2, geometric mean sqrt(8); FFN at full activation: ratios 2 and 1, sqrt(2)
+    assert row["at_own_k"] == pytest.approx(8**0.5)
+    ffn = row["parts"]["ffn"]
+    assert ffn["ratio_to_dense"] == {"wikipedia": 2.0, "kjv": 1.0}
+    assert ffn["geometric_mean_ratio_to_dense"] == pytest.approx(2**0.5)
+    # log(sqrt(8) / sqrt(2)) / log(sqrt(8)) = log 2 / (1.5 log 2)
+    assert ffn["share_of_log_gap_closed"] == pytest.approx(2 / 3)
+    assert row["parts"]["attention"]["share_of_log_gap_closed"] == pytest.approx(0.0)

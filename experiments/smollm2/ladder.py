@@ -18,7 +18,9 @@ Builds on `experiments.smollm2.heal` (its teacher, text split, held-out windows 
   sources at the target k) at 1M and 2M tokens at 75%, and at 256k and 1M tokens on the 50% student of the same kind;
 - the unit-gate students, with and without compensation, under oracle routing (`oracle`: per token the top-k blocks
   by the dense rotated model's input energy), the upper bound of what a router can give them training-free;
-- for every healed arm, the held-out perplexity at the target k and of the same weights with every block active.
+- for every healed arm, the held-out perplexity at the target k and of the same weights with every block active;
+  and for a healed arm named to `breakdown`, with every block active in one part of the network only (one sublayer
+  kind, or a third of the layers): where the loss that healing leaves sits.
 
 The 64k arms heal on heal's Wikipedia text and are measured on its 4,096 held-out Wikipedia tokens. The 256k arms
 and the curve heal on the multi-source text of `experiments.smollm2.healing_corpus` (`--corpus-dir`: Wikipedia
@@ -40,6 +42,7 @@ possibly on another machine), and the curve's recipe counts those recorded arms 
     python -m experiments.smollm2.ladder train unit_nested_256k   # one arm of ARMS or CURVE; two may run side by side
     python -m experiments.smollm2.ladder train curve50_256k --recipe unit_nested_budgets_256k  # beside the last arm
     python -m experiments.smollm2.ladder lm-eval curve75_1m       # also dense or any arm; 500 documents per task
+    python -m experiments.smollm2.ladder breakdown curve50_256k   # a healed arm with one part at full activation
     python -m experiments.smollm2.ladder report                   # experiments/smollm2/results/smollm2_healing_ladder.json
 
 The recipe of every arm is heal's 64k arm (`mohd75_all_64k`: AdamW at 2e-4, warmup 16 steps, cosine to 0.1 x at the
@@ -120,6 +123,15 @@ CURVE = {
 SOURCE_STUDENTS = ("mohd75u", "mohd75ub", "mohd50u", "mohd50ub")
 LM_EVAL_LIMIT = 500  # documents per task, the same for every model (and as experiments.smollm2.heal_carved)
 BASELINE = ("mohd75_all_64k", "heal's recipe: normalized gates, target k only, no schedule, no compensation")
+# where a healed model's remaining loss sits: one part of the network at full activation (k = N_r), the rest at its
+# own k; a part is (layer index, sublayer kind, number of layers) -> whether the sublayer belongs to it
+BREAKDOWN = {
+    "attention": lambda layer, sublayer, layers: sublayer == "attention",
+    "ffn": lambda layer, sublayer, layers: sublayer == "ffn",
+    "first third of the layers": lambda layer, sublayer, layers: 3 * layer < layers,
+    "middle third of the layers": lambda layer, sublayer, layers: layers <= 3 * layer < 2 * layers,
+    "last third of the layers": lambda layer, sublayer, layers: 3 * layer >= 2 * layers,
+}
 
 
 def calibration_ids(work: Path, tokenizer) -> torch.Tensor:
@@ -466,6 +478,74 @@ def lm_eval_model(work: Path, name: str) -> None:
     )
 
 
+def breakdown(work: Path, name: str, corpus: Path) -> None:
+    """Where the healed model `name` (an arm of ARMS or CURVE) loses what remains: its held-out perplexity on the five
+    sources with every block active (k = N_r) in one part of the network (`BREAKDOWN`: one sublayer kind, or both
+    sublayers of a third of the layers) and every other sublayer at its own k, into `work`/ladder_breakdown_NAME.json,
+    resuming part by part. The gap a part closes against the model as healed is what that part's sparsity still
+    costs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_mohd  # noqa: F401
+    from hf_mohd.models.modeling_mohd import MoHDSubDimensions
+
+    folder = work / "runs" / f"ladder_{name}" / "final"
+    if not (folder / "config.json").exists():
+        sys.exit(f"{folder}: missing; heal the arm first (python -m experiments.smollm2.ladder train {name}).")
+    path = work / f"ladder_breakdown_{name}.json"
+    result = heal.read_json(path, {"arm": name, "perplexity": {}})
+    todo = [part for part in BREAKDOWN if part not in result["perplexity"]]
+    if not todo:
+        logger.info("%s: breakdown done (%s)", name, path)
+        return
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    windows = source_windows(corpus, AutoTokenizer.from_pretrained(work / "teacher"))
+    config, layers = model.config, model.config.num_hidden_layers
+    routed = [
+        module for module in model.modules() if isinstance(module, MoHDSubDimensions) and module.router is not None
+    ]
+    for part in todo:
+        for module in routed:
+            full = BREAKDOWN[part](module.layer_idx, module.sublayer, layers)
+            own = config.routed_sub_dims_per_tok(module.layer_idx, module.sublayer)
+            module.set_top_k(config.num_routed_sub_dims if full else own)
+        result["perplexity"][part] = {s: perplexity(model, w, 4, desc=f"{part} {s}") for s, w in windows.items()}
+        result["machine"] = ep.machine()
+        result["torch_threads_this_process"] = torch.get_num_threads()
+        write_json_atomically(path, result)
+        logger.info("%s, %s at full activation: %s", name, part, result["perplexity"][part])
+
+
+def breakdown_rows(work: Path, arms: dict, dense: dict) -> dict:
+    """arm -> {part: its perplexity per source, ratio to dense and their geometric mean} for every finished
+    breakdown of a healed arm in `work` (`breakdown`), the part's share of the gap to dense that it closes included."""
+    rows = {}
+    for name in arms:
+        found = heal.read_json(work / f"ladder_breakdown_{name}.json", None)
+        if found is None or set(found["perplexity"]) != set(BREAKDOWN):
+            continue
+        healed = geometric_mean(arms[name]["ratio_to_dense"]["target"])
+        parts = {}
+        for part, ppl in found["perplexity"].items():
+            ratio = ratios(ppl, dense)
+            mean = geometric_mean(ratio)
+            # the share of log(healed / dense) that this part at full activation removes
+            closed = math.log(healed / mean) / math.log(healed) if healed > 1 else None
+            parts[part] = {
+                "perplexity": ppl,
+                "ratio_to_dense": ratio,
+                "geometric_mean_ratio_to_dense": mean,
+                "share_of_log_gap_closed": closed,
+            }
+        rows[name] = {
+            "parts": parts,
+            "at_own_k": healed,
+            "torch_threads": found.get("torch_threads_this_process"),
+            "machine": found.get("machine"),
+        }
+    return rows
+
+
 def ratios(values: float | dict, dense: float | dict) -> float | dict:
     """`values` over the dense perplexity: one number (Wikipedia) or per source."""
     if isinstance(values, dict):
@@ -604,6 +684,7 @@ def report(work: Path, output: Path) -> dict:
         for point in points:
             point["geometric_mean_ratio_to_dense"] = {k: geometric_mean(v) for k, v in point["ratio_to_dense"].items()}
         curve[f"{activation}%"] = {"student": student, "points": points}
+    breakdowns = {**earlier.get("breakdown", {}), **breakdown_rows(work, arms, dense_sources)}
     names = ["dense", *ARMS, *CURVE]
     lm_eval = heal.lm_eval_table(work, names, LM_EVAL_LIMIT, earlier.get("lm_eval", {}))
     # the final model of each activation: its healed curve point with the most tokens (the largest planned one until
@@ -616,7 +697,7 @@ def report(work: Path, output: Path) -> dict:
     missing += [f"lm-eval {n} ({LM_EVAL_LIMIT} docs)" for n in finals if f"{n} ({LM_EVAL_LIMIT} docs)" not in lm_eval]
     result = {
         "command": "python -m experiments.smollm2.ladder ladder|curve|prepare|budgets|sides|oracle|sources|train ARM|"
-        "lm-eval NAME|report",
+        "lm-eval NAME|breakdown ARM|report",
         "complete": not missing,
         "missing": missing,
         "dense_perplexity": dense,
@@ -637,6 +718,7 @@ def report(work: Path, output: Path) -> dict:
         "best_256k_recipe": best,
         "curve": curve,
         "lm_eval": lm_eval,
+        "breakdown": breakdowns,
         "machine": ep.machine(),
     }
     write_json_atomically(output, result)
@@ -760,7 +842,19 @@ def model_card(work: Path, result: dict):
 
 
 def main(argv=None) -> int:
-    stages = ("ladder", "curve", "prepare", "budgets", "sides", "oracle", "sources", "train", "lm-eval", "report")
+    stages = (
+        "ladder",
+        "curve",
+        "prepare",
+        "budgets",
+        "sides",
+        "oracle",
+        "sources",
+        "train",
+        "lm-eval",
+        "breakdown",
+        "report",
+    )
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", choices=stages)
     parser.add_argument(
@@ -815,6 +909,12 @@ def main(argv=None) -> int:
         if args.arm is None:
             parser.error("lm-eval needs a model name (dense or an arm)")
         lm_eval_model(work, args.arm)
+    elif args.stage == "breakdown":
+        if args.arm not in CURVE and not (args.arm in ARMS and ARMS[args.arm].corpus):
+            parser.error(
+                f"breakdown needs a 256k arm of ARMS or a point of CURVE (five held-out sources), got {args.arm!r}"
+            )
+        breakdown(work, args.arm, corpus)
     else:
         report(work, args.output)
     return 0
