@@ -157,6 +157,9 @@ def test_ladder_curve_starts_from_the_best_256k_recipe(tmp_path):
     healed(work, "curve50_256k", {"wikipedia": 60.0, "kjv": 120.0}, full, recipe=recipe, student="mohd50ub")
     # the best arm's healed folder: its config is what the model card renders
     MoHDConfig(**MOHD_BASES["mohd_gqa"]).save_pretrained(work / "runs" / f"ladder_{recipe}" / "final")
+    parts = {part: {"wikipedia": 40.0, "kjv": 40.0} for part in ladder.BREAKDOWN}
+    parts["attention"] = {"wikipedia": 80.0, "kjv": 160.0}  # ratios 4 and 4
+    write(work / f"ladder_breakdown_{recipe}.json", {"arm": recipe, "perplexity": parts})
 
     result = ladder.report(work, tmp_path / "ladder.json")
 
@@ -180,6 +183,9 @@ def test_ladder_curve_starts_from_the_best_256k_recipe(tmp_path):
     assert "| healed, every block active | 20.0 (1.00x) | 40.0 (1.00x) |" in card
     assert "nested: the loss at the target k plus the loss with every block active" in card
     assert "Partial: " in card and "curve75_1m" in card
+    # where the loss remains: per part the geometric mean of the ratios to dense (40 / 20, 40 / 40: sqrt(2))
+    assert "is attention 4.00x, FFN 1.41x, first third of the layers 1.41x" in card
+    assert "(as healed: 1.41x)" in card
 
 
 def test_ladder_curve_recipe_counts_recorded_arms_and_a_chosen_recipe(tmp_path):

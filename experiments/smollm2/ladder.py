@@ -821,6 +821,7 @@ def model_card(work: Path, result: dict):
         "bible's source never seen), with the ratio to the dense model:\n\n"
         + heal.perplexity_table(dense, rows)
         + heal.lm_eval_sentence(result["lm_eval"].get(f"{final['arm']} ({LM_EVAL_LIMIT} docs)"), LM_EVAL_LIMIT)
+        + breakdown_sentence(result.get("breakdown", {}).get(final["arm"]))
         + ("" if result["complete"] else "\n\nPartial: " + "; ".join(result["missing"]) + ".")
     )
     training = {
@@ -838,6 +839,22 @@ def model_card(work: Path, result: dict):
         training,
         notes,
         heal.healing_datasets(),
+    )
+
+
+def breakdown_sentence(row: dict | None) -> str:
+    """The card's paragraph on where the loss remains (a `breakdown_rows` row; empty without one)."""
+    if row is None:
+        return ""
+    parts = ", ".join(
+        f"{'FFN' if part == 'ffn' else part} {found['geometric_mean_ratio_to_dense']:.2f}x"
+        for part, found in row["parts"].items()
+    )
+    return (
+        "\n\nWhere the loss remains: with every block active in one part of the network and every other sublayer at "
+        f"its own k, the geometric mean over the five sources of the ratio to dense is {parts} (as healed: "
+        f"{row['at_own_k']:.2f}x). A part that makes it worse was never trained in that mix: healing trains the own "
+        "k everywhere and every block everywhere."
     )
 
 
