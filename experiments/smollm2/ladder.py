@@ -479,8 +479,8 @@ def lm_eval_model(work: Path, name: str) -> None:
 
 
 def breakdown(work: Path, name: str, corpus: Path) -> None:
-    """Where the healed model `name` (an arm of ARMS or CURVE) loses what remains: its held-out perplexity on the five
-    sources with every block active (k = N_r) in one part of the network (`BREAKDOWN`: one sublayer kind, or both
+    """Where the healed model `name` (a 256k arm or a curve point) loses what remains: its held-out perplexity on the
+    five sources with every block active (k = N_r) in one part of the network (`BREAKDOWN`: one sublayer kind, or both
     sublayers of a third of the layers) and every other sublayer at its own k, into `work`/ladder_breakdown_NAME.json,
     resuming part by part. The gap a part closes against the model as healed is what that part's sparsity still
     costs."""
