@@ -458,6 +458,14 @@ def train_arm(work: Path, name: str, corpus: Path, output: Path | None = None, c
     logger.info("%s: %s", name, record["perplexity"])
 
 
+def healed_folder(work: Path, name: str) -> Path:
+    """The saved final model of the healed arm `name`; exits naming the command that heals it when it is missing."""
+    folder = work / "runs" / f"ladder_{name}" / "final"
+    if not (folder / "config.json").exists():
+        sys.exit(f"{folder}: missing; heal the arm first (python -m experiments.smollm2.ladder train {name}).")
+    return folder
+
+
 def lm_eval_model(work: Path, name: str) -> None:
     """lm-eval of `name` (dense, or a healed arm of ARMS or CURVE) at its k into `work`/lm_eval_NAME_500.json
     (`heal.run_lm_eval`: resumable per task, per-document scores for the paired comparison with dense)."""
@@ -465,9 +473,7 @@ def lm_eval_model(work: Path, name: str) -> None:
 
     import hf_mohd  # noqa: F401
 
-    folder = work / "teacher" if name == "dense" else work / "runs" / f"ladder_{name}" / "final"
-    if not (folder / "config.json").exists():
-        sys.exit(f"{folder}: missing; heal the arm first (python -m experiments.smollm2.ladder train {name}).")
+    folder = work / "teacher" if name == "dense" else healed_folder(work, name)
     tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
     heal.run_lm_eval(
         work / f"lm_eval_{name}_{LM_EVAL_LIMIT}.json",
@@ -489,9 +495,7 @@ def breakdown(work: Path, name: str, corpus: Path) -> None:
     import hf_mohd  # noqa: F401
     from hf_mohd.models.modeling_mohd import MoHDSubDimensions
 
-    folder = work / "runs" / f"ladder_{name}" / "final"
-    if not (folder / "config.json").exists():
-        sys.exit(f"{folder}: missing; heal the arm first (python -m experiments.smollm2.ladder train {name}).")
+    folder = healed_folder(work, name)
     path = work / f"ladder_breakdown_{name}.json"
     result = heal.read_json(path, {"arm": name, "perplexity": {}})
     todo = [part for part in BREAKDOWN if part not in result["perplexity"]]
