@@ -515,10 +515,14 @@ def test_cli_rotates_and_fits_routers(tmp_path, input_ids):
     assert cli_main(["convert", "mohd", src, str(tmp_path / "x"), "--rotate", "pca"]) == 2  # needs calibration text
 
 
-def test_cli_allocates_per_layer_budgets(tmp_path, input_ids):
-    """`--routed-budgets greedy`: the saved config gives the sublayers the allocation's ks (uneven here), the model
-    reads at most the uniform model's parameters per token, the card says how, and full activation is still the
-    source (unit gates); without calibration text it is refused."""
+@pytest.mark.parametrize(
+    ("budgets", "error", "said"),
+    [("greedy", "residual", "residual-stream error"), ("greedy_output", "output", "with only that sublayer lowered")],
+)
+def test_cli_allocates_per_layer_budgets(tmp_path, input_ids, budgets, error, said):
+    """`--routed-budgets greedy` / `greedy_output`: the saved config gives the sublayers the allocation's ks on its
+    error measure (uneven here), the model reads at most the uniform model's parameters per token, the card says
+    how, and full activation is still the source (unit gates); without calibration text it is refused."""
     from hf_mohd.conversion import allocate_routed_sub_dims, calibration_token_ids, load_dense_llama
 
     oracle = save_tiny_llama(tmp_path / "llama", tied=True, sharded=False)
@@ -529,21 +533,22 @@ def test_cli_allocates_per_layer_budgets(tmp_path, input_ids):
     args = ["--preset", "compression_75", "--routers", "fitted", "--calibration-text", str(text), "--routed-gate"]
     args += ["unit", "--calibration-window", "50", "-q"]
     assert cli_main(["convert", "mohd", src, str(uniform), *args]) == 0
-    assert cli_main(["convert", "mohd", src, str(out), *args, "--routed-budgets", "greedy"]) == 0
+    assert cli_main(["convert", "mohd", src, str(out), *args, "--routed-budgets", budgets]) == 0
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     flat = AutoModelForCausalLM.from_pretrained(uniform).eval()
     calibration = calibration_token_ids(load_dense_llama(src), text, 50, 16384)
-    want = allocate_routed_sub_dims(flat, calibration, 3).budgets
+    want = allocate_routed_sub_dims(flat, calibration, 3, error=error).budgets
     ks = {(m.layer_idx, m.sublayer): m.router.top_k for m in model.modules() if hasattr(m, "sublayer")}
     assert ks == want and len(set(ks.values())) > 1
     assert model.config.num_active_parameters() <= flat.config.num_active_parameters()
-    assert "own k (`per_layer_config`), allocated greedily" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "own k (`per_layer_config`), allocated greedily" in card and said in card
     model.set_active_sub_dims(model.config.num_routed_sub_dims)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids).logits, oracle(input_ids).logits, rtol=0, atol=1e-4)
     assert (
         cli_main(
-            ["convert", "mohd", src, str(tmp_path / "x"), "--preset", "compression_75", "--routed-budgets", "greedy"]
+            ["convert", "mohd", src, str(tmp_path / "x"), "--preset", "compression_75", "--routed-budgets", budgets]
         )
         == 2
     )  # needs calibration text

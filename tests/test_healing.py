@@ -387,6 +387,50 @@ def test_sublayer_errors_are_each_sublayer_lowered_alone():
         assert errors[(1, kind)][k - 1] > 0 and errors[(1, kind)][-1] == 0.0
 
 
+def test_sublayer_output_errors_are_the_output_kl_with_each_sublayer_lowered_alone():
+    """e_u(k) of `sublayer_output_errors` against an independent measurement: a model with only that sublayer at k
+    (through `per_layer_config`, the others at N_r) run whole on all the ids at once, its next-token distribution
+    against the full model's, KL(full || lowered) averaged over tokens; a lowered layer-0 sublayer reaches the output
+    through layer 1, so a re-run that skipped the later layers would fail it."""
+    from hf_mohd.conversion.budgets import sublayer_output_errors
+
+    model = build(2, routed_gate="unit")
+    ids = torch.randint(3, 61, (5, 6), generator=torch.Generator().manual_seed(3))
+    errors, tokens = sublayer_output_errors(model, ids, batch_size=2)
+    assert tokens == 30 and set(errors) == set(BUDGETS)
+    assert {key: sub.router.top_k for key, sub in sub_dims_of(model).items()} == dict.fromkeys(BUDGETS, 2)
+
+    def log_probs(per_layer):
+        run = build(6, routed_gate="unit", per_layer_config=per_layer)
+        run.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            return torch.log_softmax(run(input_ids=ids).logits, dim=-1)
+
+    full = log_probs({})
+    for layer, kind, k in ((0, "ffn", 4), (0, "attention", 3), (1, "attention", 1)):
+        lowered = log_probs({layer: {f"{kind}_routed_sub_dims_per_tok": k}})
+        want = (full.exp() * (full - lowered)).sum().item() / ids.numel()
+        assert errors[(layer, kind)][k - 1] == pytest.approx(want, rel=1e-9), (layer, kind)
+        assert errors[(layer, kind)][k - 1] > 0 and errors[(layer, kind)][-1] == 0.0
+
+
+def test_allocation_on_the_output_error_follows_its_table():
+    """`error="output"` allocates on `sublayer_output_errors`' table: the same budgets as `greedy_budgets` on that
+    table (and the recorded measure is "output"); an unknown measure is refused by name."""
+    from hf_mohd.conversion.budgets import allocate_routed_sub_dims, greedy_budgets, sublayer_output_errors
+    from hf_mohd.conversion.source import ConversionError
+
+    model = build(2, routed_gate="unit")
+    ids = torch.randint(3, 61, (4, 8), generator=torch.Generator().manual_seed(4))
+    allocation = allocate_routed_sub_dims(model, ids, 3, batch_size=2, error="output")
+    errors, _ = sublayer_output_errors(model, ids, batch_size=2)
+    assert allocation.errors == errors and allocation.as_dict()["error"] == "output"
+    assert allocation.budgets == greedy_budgets(errors, allocation.block_params, allocation.budget_block_params)[0]
+    assert allocation.active_block_params <= allocation.budget_block_params
+    with pytest.raises(ConversionError, match="`error` must be one of"):
+        allocate_routed_sub_dims(model, ids, 3, error="logits")
+
+
 def test_greedy_budgets_on_a_hand_table():
     """Two units, N_r = 3, w = 1 and 2, budget 2 (1 + 2) = 6: from (3, 3) = 9, lowering B 3 -> 2 costs 0.05 / 2 =
     0.025 per parameter against A's 0.1, then B 2 -> 1 costs 0.15 / 2 = 0.075 against 0.1: (3, 1) = 5 <= 6."""

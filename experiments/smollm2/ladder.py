@@ -11,8 +11,9 @@ Builds on `experiments.smollm2.heal` (its teacher, text split, held-out windows 
   healing at the target k and at full activation (`distill.active_sub_dims`), a gradual schedule, compensation,
   uneven budgets, intermediate (residual-stream) distillation;
 - uneven budgets (`budgets`): each unit-gate student with every layer and sublayer kind at its own k, allocated by
-  `hf_mohd.conversion.budgets` on the calibration text under the per-token parameter budget of its uniform k, and the
-  held-out perplexity of the result, training-free; and (`sides`) the same students with only one side of each
+  `hf_mohd.conversion.budgets` on the calibration text under the per-token parameter budget of its uniform k (from
+  each sublayer's residual-stream error, and again from the model's output KL), and the held-out perplexity of the
+  result, training-free; and (`sides`) the same students with only one side of each
   sublayer sparse (`sparse_sides` "input": it reads only the active blocks; "output": it writes only them);
 - the curve (`CURVE`): the best 256k arm's recipe (lowest geometric mean of its held-out perplexity over the five
   sources at the target k) at 1M and 2M tokens at 75%, and at 256k and 1M tokens on the 50% student of the same kind;
@@ -78,8 +79,15 @@ STUDENTS = {
     "mohd75uc": ("compression_75", "unit", True),
     "mohd50uc": ("compression_50", "unit", True),
 }
-# budgeted student -> the unit-gate student it is allocated from (`budgets`)
-BUDGETED = {"mohd75ub": "mohd75u", "mohd50ub": "mohd50u"}
+# budgeted student -> (the unit-gate student it is allocated from, the allocation's error measure) (`budgets`):
+# "residual", each sublayer's local residual-stream error; "output", the model's output KL with only that sublayer
+# lowered (`hf_mohd.conversion.budgets`, `BUDGET_ERRORS`)
+BUDGETED = {
+    "mohd75ub": ("mohd75u", "residual"),
+    "mohd50ub": ("mohd50u", "residual"),
+    "mohd75ubo": ("mohd75u", "output"),
+    "mohd50ubo": ("mohd50u", "output"),
+}
 BUDGET_CALIBRATION_ROWS = 16  # 16 x 256 = 4,096 tokens of heal's calibration text
 
 
@@ -119,8 +127,8 @@ CURVE = {
     "curve50_256k": ("50", 256 * K),
     "curve50_1m": ("50", 1024 * K),
 }
-# the training-free students measured on the five sources: the curve's 0-token points
-SOURCE_STUDENTS = ("mohd75u", "mohd75ub", "mohd50u", "mohd50ub")
+# the training-free students measured on the five sources (the curve's 0-token points are those of its recipe)
+SOURCE_STUDENTS = ("mohd75u", "mohd75ub", "mohd75ubo", "mohd50u", "mohd50ub", "mohd50ubo")
 LM_EVAL_LIMIT = 500  # documents per task, the same for every model (and as experiments.smollm2.heal_carved)
 BASELINE = ("mohd75_all_64k", "heal's recipe: normalized gates, target k only, no schedule, no compensation")
 # where a healed model's remaining loss sits: one part of the network at full activation (k = N_r), the rest at its
@@ -202,13 +210,14 @@ def budgets(work: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
     windows = heal.held_out_windows(tokenizer)
     calibration = calibration_ids(work, tokenizer)[:BUDGET_CALIBRATION_ROWS]
-    for name, base in BUDGETED.items():
+    for name, (base, error) in BUDGETED.items():
         if name in info:
             continue
         started = heal.cpu_seconds()
         model = AutoModelForCausalLM.from_pretrained(str(work / base), dtype=torch.float32).eval()
         uniform_active = model.config.num_active_parameters()
-        allocation = allocate_routed_sub_dims(model, calibration, model.config.num_routed_sub_dims_per_tok)
+        k = model.config.num_routed_sub_dims_per_tok
+        allocation = allocate_routed_sub_dims(model, calibration, k, error=error)
         apply_routed_budgets(model, allocation)
         with write_folder_atomically(work / name) as staging:
             model.save_pretrained(staging)
@@ -296,8 +305,8 @@ def oracle(work: Path) -> None:
 
 
 def sources(work: Path, corpus: Path) -> None:
-    """The dense teacher and the training-free students (`SOURCE_STUDENTS`, the curve's 0-token points) on the five
-    held-out sources, at their k and with every block active, into `work`/ladder_sources.json."""
+    """The dense teacher and the training-free students (`SOURCE_STUDENTS`, the curve's 0-token points among them)
+    on the five held-out sources, at their k and with every block active, into `work`/ladder_sources.json."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_mohd  # noqa: F401
@@ -612,6 +621,7 @@ def report(work: Path, output: Path) -> dict:
             "active_parameters": found["active_parameters"],
             "uniform_active_parameters": found["uniform_active_parameters"],
             "budgets": found["allocation"]["budgets"],
+            "allocation_error": found["allocation"].get("error", "residual"),
             "allocation_tokens": found["allocation"]["tokens"],
         }
     for name, found in heal.read_json(work / "ladder_oracle.json", {}).items():

@@ -137,10 +137,12 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--calibration-window", type=int, default=256, help="Tokens per calibration row.")
     parser.add_argument(
         "--routed-budgets",
-        choices=("uniform", "greedy"),
+        choices=("uniform", "greedy", "greedy_output"),
         default="uniform",
         help="uniform: every sublayer at k; greedy: each layer and sublayer kind its own k, allocated on "
-        "the calibration text under the parameter budget of k everywhere; needs --calibration-text.",
+        "the calibration text under the parameter budget of k everywhere from each sublayer's residual-stream "
+        "error; greedy_output: the same from the model's output KL with only that sublayer lowered (slower); "
+        "both need --calibration-text.",
     )
     parser.set_defaults(func=run_mohd)
     return parser

@@ -18,8 +18,20 @@ fixed. Here the unit is a MoHD sublayer (the attention or the FFN of one layer),
    (e_u(k_u - 1) - e_u(k_u)) / w_u among those with k_u > 1; ties go to the earlier unit (layer order, attention
    first). The result never reads more parameters per token than the uniform model it replaces.
 
-The errors are local (each sublayer on the dense input), as TEAL's are; they do not see how errors compound through
-later layers, which is the price of measuring 2 N_r forwards of one sublayer instead of a model forward per step.
+The errors of step 1 are local (each sublayer on the dense input), as TEAL's are; they do not see how errors compound
+through later layers, which is the price of measuring 2 N_r forwards of one sublayer instead of a model forward per
+step. The residual stream's norm also counts the few channels of very large magnitude that language models carry
+(massive activations, Sun et al., arXiv 2402.17762) and that the next norm's weights (folded into the next linears
+after a rotation) scale down, so where the stream is large the rule calls a sublayer cheap. The output error (`error="output"`, `sublayer_output_errors`) replaces step 1
+with what the model predicts:
+
+1'. e_u(k) = the mean over calibration tokens of KL(p || p_u(k)), in nats, where p is the next-token distribution of
+    the model at full activation and p_u(k) that of the same model with only sublayer u at k: each sublayer's
+    sensitivity as the model's output sees it, errors compounded through every later layer included (the end-to-end
+    importance Minitron measures for depth pruning, the loss with one layer removed, Muralidharan et al., arXiv
+    2407.14679, here per sublayer and k). It costs, per calibration batch, one full forward plus (N_r - 1) forwards
+    of the layers from each sublayer's own to the last, each with the LM head. The greedy adds the units' errors as
+    if they were independent, as TEAL's does.
 
 Carved LatentMoE models (`allocate_experts_per_tok`, `apply_expert_budgets`): the unit is a MoE layer, its step
 K -> K - 1 drops the router's lowest-ranked picked expert, w is a routed expert's parameters, and the error is
@@ -39,8 +51,11 @@ from .carve import every_expert_active, moe_blocks
 from .source import ConversionError
 
 
-# `convert_mohd(routed_budgets=...)`: every sublayer at the uniform k, or the greedy allocation of this module
-ROUTED_BUDGETS = ("uniform", "greedy")
+# `convert_mohd(routed_budgets=...)`: every sublayer at the uniform k, or the greedy allocation of this module on the
+# residual-stream error ("greedy") or on the output error ("greedy_output")
+ROUTED_BUDGETS = ("uniform", "greedy", "greedy_output")
+# `allocate_routed_sub_dims(error=...)`: step 1 (`sublayer_errors`) or step 1' (`sublayer_output_errors`)
+BUDGET_ERRORS = ("residual", "output")
 
 
 @dataclass
@@ -49,12 +64,14 @@ class BudgetAllocation:
 
     Attributes:
         budgets: {(layer_idx, sublayer): k}, sublayer "attention" or "ffn".
-        errors: {(layer_idx, sublayer): [e(1), ..., e(N_r)]}, the relative residual-stream error at each k
-            (`sublayer_errors`; e(N_r) = 0).
+        errors: {(layer_idx, sublayer): [e(1), ..., e(N_r)]}: at each k the relative residual-stream error
+            (`sublayer_errors`) or the output KL in nats (`sublayer_output_errors`), as `error` says; e(N_r) = 0.
         block_params: {(layer_idx, sublayer): w}, parameters one routed block adds per token.
         mean_routed_sub_dims: the requested uniform k whose parameter budget the allocation keeps.
         active_block_params: sum_u w_u k_u of the allocation; `budget_block_params`: sum_u w_u k_mean.
         tokens: calibration tokens measured.
+        error: "residual" or "output" (`BUDGET_ERRORS`): which measure `errors` holds.
+        steps: the units the greedy lowered, in order.
     """
 
     budgets: dict
@@ -64,6 +81,7 @@ class BudgetAllocation:
     active_block_params: int
     budget_block_params: float
     tokens: int
+    error: str = "residual"
     steps: list = field(default_factory=list)
 
     def per_layer_config(self, default_k: int) -> dict[int, dict[str, int]]:
@@ -79,6 +97,7 @@ class BudgetAllocation:
         """JSON-ready: budgets and errors keyed "layer.sublayer"."""
         key = "{}.{}".format
         return {
+            "error": self.error,
             "mean_routed_sub_dims": self.mean_routed_sub_dims,
             "active_block_params": self.active_block_params,
             "budget_block_params": self.budget_block_params,
@@ -130,13 +149,7 @@ def sublayer_errors(
     Raises:
         ConversionError: the model has no routed sublayer, or `calibration_ids` is not a non-empty (R, T) tensor.
     """
-    units = routed_sublayers(model)
-    if not units:
-        raise ConversionError("sublayer_errors: the model has no routed sublayer (no router to budget).")
-    if calibration_ids.dim() != 2 or calibration_ids.numel() == 0:
-        raise ConversionError(
-            f"sublayer_errors: calibration ids must be a non-empty (rows, tokens) tensor, got {tuple(calibration_ids.shape)}."
-        )
+    units = _checked_units(model, calibration_ids, "sublayer_errors")
     full = model.config.num_routed_sub_dims
     saved = {unit: sub.router.top_k for unit, sub in units.items()}
     layers = model.model.layers
@@ -189,25 +202,114 @@ def sublayer_errors(
     return {unit: (squared[unit] / max(residual[unit], 1e-30)).tolist() for unit in units}, tokens
 
 
+def _checked_units(model: MoHDForCausalLM, calibration_ids: torch.Tensor, caller: str) -> dict:
+    """`routed_sublayers(model)`; raises ConversionError naming `caller` when there is none or `calibration_ids` is
+    not a non-empty (R, T) tensor."""
+    units = routed_sublayers(model)
+    if not units:
+        raise ConversionError(f"{caller}: the model has no routed sublayer (no router to budget).")
+    if calibration_ids.dim() != 2 or calibration_ids.numel() == 0:
+        raise ConversionError(
+            f"{caller}: calibration ids must be a non-empty (rows, tokens) tensor, got {tuple(calibration_ids.shape)}."
+        )
+    return units
+
+
 def _first(output):
     return output[0] if isinstance(output, tuple) else output
 
 
+@torch.no_grad()
+def sublayer_output_errors(
+    model: MoHDForCausalLM, calibration_ids: torch.Tensor, batch_size: int = 4
+) -> tuple[dict[tuple[int, str], list[float]], int]:
+    """e_u(k) for every routed sublayer u and k in [1, N_r]: the mean over tokens of KL(p || p_u(k)) in nats (module
+    docstring, step 1'), p the next-token distribution at full activation, p_u(k) with only u at k.
+
+    Each batch runs once at full activation, keeping every decoder layer's input and keyword arguments (mask,
+    position embeddings); then for each u and k < N_r the layers from u's own to the last run again on the kept input
+    of u's layer with u at k, followed by the final norm and the LM head.
+
+    Args:
+        model: a MoHD model with routers; left at the k it had (each sublayer's).
+        calibration_ids: (R, T) token ids of calibration text.
+        batch_size: rows per forward.
+
+    Returns:
+        ({(layer_idx, sublayer): [e(1), ..., e(N_r)]}, tokens measured), e(N_r) = 0.
+
+    Raises:
+        ConversionError: the model has no routed sublayer, or `calibration_ids` is not a non-empty (R, T) tensor.
+    """
+    units = _checked_units(model, calibration_ids, "sublayer_output_errors")
+    full = model.config.num_routed_sub_dims
+    saved = {unit: sub.router.top_k for unit, sub in units.items()}
+    layers = model.model.layers
+    kept = {}  # per batch: layer index -> the decoder layer's (args, kwargs) in the full-activation forward
+    positions = {layer: idx for idx, layer in enumerate(layers)}
+
+    def keep(module, args, kwargs):
+        if len(kept) < len(layers):  # the re-runs of later layers must not replace the full-activation inputs
+            kept[positions[module]] = (args, kwargs)
+
+    def log_probs(hidden: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(model.lm_head(model.model.norm(hidden)).double(), dim=-1)
+
+    kl = {unit: torch.zeros(full, dtype=torch.float64) for unit in units}
+    handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in layers]
+    tokens = 0
+    was_training = model.training
+    model.eval()
+    try:
+        model.set_active_sub_dims(full)
+        for start in range(0, calibration_ids.shape[0], batch_size):
+            batch = calibration_ids[start : start + batch_size].to(model.device)
+            kept.clear()
+            reference = torch.log_softmax(model(input_ids=batch, use_cache=False).logits.double(), dim=-1)
+            probabilities = reference.exp()
+            tokens += batch.numel()
+            for (layer_idx, kind), sub in units.items():
+                for k in range(1, full):
+                    sub.set_top_k(k)
+                    args, kwargs = kept[layer_idx]
+                    hidden = args[0] if args else kwargs["hidden_states"]
+                    for idx in range(layer_idx, len(layers)):
+                        args, kwargs = kept[idx]
+                        kwargs = {key: value for key, value in kwargs.items() if key != "hidden_states"}
+                        hidden = layers[idx](hidden, *args[1:], **kwargs)
+                    divergence = (probabilities * (reference - log_probs(hidden))).sum()
+                    kl[(layer_idx, kind)][k - 1] += divergence.cpu()
+                sub.set_top_k(full)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for unit, sub in units.items():
+            sub.set_top_k(saved[unit])
+        model.train(was_training)
+    return {unit: (kl[unit] / tokens).tolist() for unit in units}, tokens
+
+
 def allocate_routed_sub_dims(
-    model: MoHDForCausalLM, calibration_ids: torch.Tensor, mean_routed_sub_dims: float, batch_size: int = 4
+    model: MoHDForCausalLM,
+    calibration_ids: torch.Tensor,
+    mean_routed_sub_dims: float,
+    batch_size: int = 4,
+    error: str = "residual",
 ) -> BudgetAllocation:
     """Each routed sublayer's k for the per-token parameter budget of a uniform k = `mean_routed_sub_dims`, by the
-    greedy of the module docstring (steps 1-3). Apply it with `apply_routed_budgets`.
+    greedy of the module docstring (steps 1-3, or 1' and 2-3). Apply it with `apply_routed_budgets`.
 
     Args:
         model: a MoHD model with routers (the same geometry in every sublayer).
         calibration_ids: (R, T) calibration token ids, disjoint from evaluation text.
         mean_routed_sub_dims: k_mean in [1, N_r]; a fraction is allowed (the budget is linear in k).
         batch_size: rows per forward.
+        error: "residual" (each sublayer's local residual-stream error, `sublayer_errors`) or "output" (the model's
+            output KL with only that sublayer lowered, `sublayer_output_errors`).
 
     Raises:
-        ConversionError: `mean_routed_sub_dims` outside [1, N_r], or the errors cannot be measured
-            (`sublayer_errors`).
+        ConversionError: `mean_routed_sub_dims` outside [1, N_r], an unknown `error`, or the errors cannot be
+            measured.
     """
     full = model.config.num_routed_sub_dims
     if isinstance(mean_routed_sub_dims, bool) or not 1 <= float(mean_routed_sub_dims) <= full:
@@ -215,7 +317,10 @@ def allocate_routed_sub_dims(
             f"`mean_routed_sub_dims` must be a number in [1, {full}] (the routed sub-dimensions), "
             f"got {mean_routed_sub_dims!r}."
         )
-    errors, tokens = sublayer_errors(model, calibration_ids, batch_size)
+    if error not in BUDGET_ERRORS:
+        raise ConversionError(f"`error` must be one of {list(BUDGET_ERRORS)}, got {error!r}.")
+    measure = sublayer_output_errors if error == "output" else sublayer_errors
+    errors, tokens = measure(model, calibration_ids, batch_size)
     per_kind = block_params(model.config)
     weights = {unit: per_kind[unit[1]] for unit in errors}
     budget = sum(weights.values()) * float(mean_routed_sub_dims)
@@ -228,6 +333,7 @@ def allocate_routed_sub_dims(
         active_block_params=sum(weights[u] * ks[u] for u in ks),
         budget_block_params=budget,
         tokens=tokens,
+        error=error,
         steps=steps,
     )
 

@@ -120,9 +120,11 @@ def convert_mohd(
         calibration_text: UTF-8 text file, tokenized with the source tokenizer (`calibration_token_ids`); needed by
             `rotation` and `routers="fitted"`; keep it disjoint from evaluation text.
         calibration_tokens, calibration_window: at most this many calibration tokens, in rows of this many.
-        routed_budgets: "uniform" (every sublayer at k) or "greedy": each layer and sublayer kind gets its own k,
-            allocated on the calibration text under the per-token parameter budget of the uniform k
-            (`budgets.allocate_routed_sub_dims`, after the routers; saved in `per_layer_config`).
+        routed_budgets: "uniform" (every sublayer at k), "greedy" or "greedy_output": each layer and sublayer kind
+            gets its own k, allocated on the calibration text under the per-token parameter budget of the uniform k
+            (`budgets.allocate_routed_sub_dims`, after the routers; saved in `per_layer_config`), from each
+            sublayer's residual-stream error ("greedy") or from the model's output KL with only that sublayer
+            lowered ("greedy_output": about N_r / 2 model forwards per sublayer and calibration batch).
         verify: before writing, check the exact model (every sub-dimension shared, same channel order and basis)
             against the source's logits; with a rotation the check runs in float64 (the same Q applied to a float64
             copy of the source), since fp32 rounding of the rotated weights alone moves real logits by ~1e-4.
@@ -151,9 +153,10 @@ def convert_mohd(
     )
     if routed_budgets not in ROUTED_BUDGETS:
         raise ConversionError(f"`routed_budgets` must be one of {list(ROUTED_BUDGETS)}, got {routed_budgets!r}.")
-    if routed_budgets == "greedy" and calibration_text is None:
+    if routed_budgets != "uniform" and calibration_text is None:
         raise ConversionError(
-            "routed_budgets='greedy' allocates on calibration text: give `calibration_text` (--calibration-text)."
+            f"routed_budgets={routed_budgets!r} allocates on calibration text: give `calibration_text` "
+            "(--calibration-text)."
         )
     source, save_options = _load_checked(
         source, output_dir, gguf_file, dtype, perplexity_json, base_model, overwrite, max_shard_size
@@ -190,19 +193,25 @@ def convert_mohd(
         **sparsity,
     )
     budget_note = None
-    if routed_budgets == "greedy":
+    if routed_budgets != "uniform":
         if model.config.num_routed_sub_dims_per_tok == 0 or model.config.num_routed_sub_dims == 0:
             raise ConversionError(
-                "routed_budgets='greedy' needs routed sub-dimensions (k >= 1); this preset has none."
+                f"routed_budgets={routed_budgets!r} needs routed sub-dimensions (k >= 1); this preset has none."
             )
-        allocation = allocate_routed_sub_dims(model, calibration_ids, model.config.num_routed_sub_dims_per_tok)
+        error = "output" if routed_budgets == "greedy_output" else "residual"
+        allocation = allocate_routed_sub_dims(
+            model, calibration_ids, model.config.num_routed_sub_dims_per_tok, error=error
+        )
         apply_routed_budgets(model, allocation)
         shown = ", ".join(f"{layer}.{kind} {k}" for (layer, kind), k in sorted(allocation.budgets.items()))
+        measure = {
+            "residual": "each sublayer's residual-stream error",
+            "output": "the KL divergence of the model's next-token distribution with only that sublayer lowered",
+        }[error]
         budget_note = (
             "Each layer and sublayer kind has its own k (`per_layer_config`), allocated greedily on the calibration "
-            "text from each sublayer's residual-stream error at every k (TEAL's greedy, arXiv 2408.14690 section "
-            f"4.2), under the per-token parameter budget of k = {allocation.mean_routed_sub_dims:g} everywhere: "
-            f"{shown}."
+            f"text from {measure} at every k (TEAL's greedy, arXiv 2408.14690 section 4.2), under the per-token "
+            f"parameter budget of k = {allocation.mean_routed_sub_dims:g} everywhere: {shown}."
         )
     changes = describe_mohd_conversion(
         model.config,
