@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.accounting import MOHD_SUBLAYERS
-from ..models.modeling_common import topk_lower_index
+from ..models.modeling_common import at_least_fp32, topk_lower_index
 from ..models.modeling_latent_moe import LatentMoEBlock, LatentMoEForCausalLM
 from ..models.modeling_mohd import MoHDForCausalLM, MoHDSubDimensions
 from .carve import every_expert_active, moe_blocks
@@ -228,7 +228,8 @@ def sublayer_output_errors(
 
     Each batch runs once at full activation, keeping every decoder layer's input and keyword arguments (mask,
     position embeddings); then for each u and k < N_r the layers from u's own to the last run again on the kept input
-    of u's layer with u at k, followed by the final norm and the LM head.
+    of u's layer with u at k, followed by the final norm and the LM head. The distributions are computed in float32
+    (float64 for a float64 model) and each token's KL is summed in float64.
 
     Args:
         model: a MoHD model with routers; left at the k it had (each sublayer's).
@@ -252,8 +253,8 @@ def sublayer_output_errors(
         if len(kept) < len(layers):  # the re-runs of later layers must not replace the full-activation inputs
             kept[positions[module]] = (args, kwargs)
 
-    def log_probs(hidden: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(model.lm_head(model.model.norm(hidden)).double(), dim=-1)
+    def log_probs(logits: torch.Tensor) -> torch.Tensor:  # in float32 at least (float64 stays)
+        return torch.log_softmax(logits.to(at_least_fp32(logits.dtype)), dim=-1)
 
     kl = {unit: torch.zeros(full, dtype=torch.float64) for unit in units}
     handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in layers]
@@ -265,7 +266,7 @@ def sublayer_output_errors(
         for start in range(0, calibration_ids.shape[0], batch_size):
             batch = calibration_ids[start : start + batch_size].to(model.device)
             kept.clear()
-            reference = torch.log_softmax(model(input_ids=batch, use_cache=False).logits.double(), dim=-1)
+            reference = log_probs(model(input_ids=batch, use_cache=False).logits)
             probabilities = reference.exp()
             tokens += batch.numel()
             for (layer_idx, kind), sub in units.items():
@@ -277,8 +278,9 @@ def sublayer_output_errors(
                         args, kwargs = kept[idx]
                         kwargs = {key: value for key, value in kwargs.items() if key != "hidden_states"}
                         hidden = layers[idx](hidden, *args[1:], **kwargs)
-                    divergence = (probabilities * (reference - log_probs(hidden))).sum()
-                    kl[(layer_idx, kind)][k - 1] += divergence.cpu()
+                    lowered = log_probs(model.lm_head(model.model.norm(hidden)))
+                    divergence = (probabilities * (reference - lowered)).sum(-1)  # per token
+                    kl[(layer_idx, kind)][k - 1] += divergence.double().sum().cpu()
                 sub.set_top_k(full)
     finally:
         for handle in handles:
