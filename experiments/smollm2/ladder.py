@@ -117,6 +117,8 @@ ARMS = {
     "unit_nested_budgets_256k": Arm("mohd75ub", True, 0.0, 256 * K, 0.0, corpus=True),
     "unit_nested_budgets_schedule_256k": Arm("mohd75ub", True, 0.25, 256 * K, 0.0, corpus=True),
     "unit_nested_budgets_hidden_256k": Arm("mohd75ub", True, 0.0, 256 * K, 1.0, corpus=True),
+    # the best arm so far with its budgets allocated on the output KL instead of the residual-stream error
+    "unit_nested_output_budgets_hidden_256k": Arm("mohd75ubo", True, 0.0, 256 * K, 1.0, corpus=True),
 }
 LADDER_256K = [name for name, arm in ARMS.items() if arm.corpus]
 # curve point -> (activation, budget tokens): the best 256k recipe, on the student of the same kind at that
