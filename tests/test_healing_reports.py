@@ -141,10 +141,10 @@ def test_ladder_curve_starts_from_the_best_256k_recipe(tmp_path):
     with pytest.raises(SystemExit, match="unit_256k"):
         ladder.resolve(work, "curve50_256k")
     full = {"wikipedia": 20.0, "kjv": 40.0}
-    # geometric means of the perplexity: 60, sqrt(30 x 120) = 60, 40 (the best), sqrt(50 x 112.5) = 75, 80
+    # geometric means of the perplexity: 60, sqrt(30 x 120) = 60, 40 (the best), sqrt(50 x 112.5) = 75, 80, 90
     for name, target in zip(
         ladder.LADDER_256K,
-        [(60.0, 60.0), (30.0, 120.0), (40.0, 40.0), (50.0, 112.5), (80.0, 80.0)],
+        [(60.0, 60.0), (30.0, 120.0), (40.0, 40.0), (50.0, 112.5), (80.0, 80.0), (90.0, 90.0)],
         strict=True,
     ):
         healed(work, name, dict(zip(("wikipedia", "kjv"), target, strict=True)), full)
@@ -198,7 +198,7 @@ def test_ladder_curve_recipe_counts_recorded_arms_and_a_chosen_recipe(tmp_path):
     output = tmp_path / "ladder.json"
     full = {"wikipedia": 20.0, "kjv": 40.0}
     targets = dict(zip(ladder.LADDER_256K, [(60.0, 60.0), (30.0, 120.0), (40.0, 40.0), (50.0, 112.5)], strict=False))
-    # four arms recorded by an earlier work folder (geometric means 60, 60, 40, 75), the fifth not healed anywhere
+    # four arms recorded by an earlier work folder (geometric means 60, 60, 40, 75), the last two not healed anywhere
     recorded = {
         name: {
             "perplexity": {"target": {"wikipedia": wikipedia, "kjv": kjv}, "full_activation": full},
@@ -210,8 +210,8 @@ def test_ladder_curve_recipe_counts_recorded_arms_and_a_chosen_recipe(tmp_path):
         for name, (wikipedia, kjv) in targets.items()
     }
     write(output, {"arms": recorded})
-    last = ladder.LADDER_256K[4]
-    with pytest.raises(SystemExit, match=f"heal these first: {last} .*--recipe"):
+    *others, last = ladder.LADDER_256K[4:]
+    with pytest.raises(SystemExit, match=f"heal these first: {', '.join([*others, last])} .*--recipe"):
         ladder.resolve(work, "curve50_256k", output)
     with pytest.raises(SystemExit, match="expected an arm of the 256k ladder"):
         ladder.resolve(work, "curve50_256k", output, "curve75_1m")
@@ -225,13 +225,17 @@ def test_ladder_curve_recipe_counts_recorded_arms_and_a_chosen_recipe(tmp_path):
     assert [p["arm"] for p in result["curve"]["50%"]["points"]] == []
     assert "curve50_256k (healed with unit_nested_budgets_256k; the 256k ladder is unfinished)" in result["missing"]
 
-    # the last arm healed here and better (geometric mean 30): the point's recipe is not the best one
+    # the unhealed arms healed here, the last one better (geometric mean 30): the point's recipe is not the best one
+    for name in others:
+        healed(work, name, {"wikipedia": 80.0, "kjv": 80.0}, full)
     healed(work, last, {"wikipedia": 30.0, "kjv": 30.0}, full)
     assert ladder.best_recipe(work, output) == last
     with pytest.raises(SystemExit, match=f"names {last} as the best recipe"):
         ladder.resolve(work, "curve50_1m", output, recipe)
     result = ladder.report(work, output)
-    assert result["best_256k_recipe"] == last and result["curve"]["50%"]["points"][0]["arm"] == "mohd50ub"
+    # the curve's 50% student is now the best arm's (its 0-token point only where `sources` measured it)
+    assert result["best_256k_recipe"] == last
+    assert result["curve"]["50%"]["student"] == ladder.ARMS[last].student.replace("75", "50", 1)
     assert "curve50_256k" not in [p["arm"] for p in result["curve"]["50%"]["points"]]
     assert f"curve50_256k (healed with {recipe}; the best recipe is {last})" in result["missing"]
 
