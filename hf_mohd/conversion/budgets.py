@@ -39,6 +39,7 @@ measured after the norm that reads the layer's output (`carved_layer_errors`); t
 allocates, and the result is saved as `per_layer_config` {layer: {"num_experts_per_tok": K}}.
 """
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -151,7 +152,6 @@ def sublayer_errors(
     """
     units = _checked_units(model, calibration_ids, "sublayer_errors")
     full = model.config.num_routed_sub_dims
-    saved = {unit: sub.router.top_k for unit, sub in units.items()}
     layers = model.model.layers
     # sublayer module (attention / MLP) -> unit
     owners = {getattr(layers[idx], "self_attn" if kind == "attention" else "mlp"): (idx, kind) for idx, kind in units}
@@ -174,10 +174,7 @@ def sublayer_errors(
             if (layer_idx, kind) in units:
                 handles.append(norm.register_forward_pre_hook(keep_stream((layer_idx, kind)), with_kwargs=True))
     tokens = 0
-    was_training = model.training
-    model.eval()
-    try:
-        model.set_active_sub_dims(full)
+    with _measuring(model, units, handles):
         for start in range(0, calibration_ids.shape[0], batch_size):
             batch = calibration_ids[start : start + batch_size].to(model.device)
             kept.clear()
@@ -193,12 +190,6 @@ def sublayer_errors(
                     squared[unit][k - 1] += (_first(module(*args, **kwargs)).double() - reference).pow(2).sum()
                 sub.set_top_k(full)
                 residual[unit] += streams[unit]
-    finally:
-        for handle in handles:
-            handle.remove()
-        for unit, sub in units.items():
-            sub.set_top_k(saved[unit])
-        model.train(was_training)
     return {unit: (squared[unit] / max(residual[unit], 1e-30)).tolist() for unit in units}, tokens
 
 
@@ -213,6 +204,24 @@ def _checked_units(model: MoHDForCausalLM, calibration_ids: torch.Tensor, caller
             f"{caller}: calibration ids must be a non-empty (rows, tokens) tensor, got {tuple(calibration_ids.shape)}."
         )
     return units
+
+
+@contextlib.contextmanager
+def _measuring(model: MoHDForCausalLM, units: dict, handles: list):
+    """The frame of both error measurements: eval mode and every routed block active inside; afterwards the hooks
+    in `handles` removed, each sublayer of `units` back at the k it had and the training mode restored."""
+    saved = {unit: sub.router.top_k for unit, sub in units.items()}
+    was_training = model.training
+    model.eval()
+    try:
+        model.set_active_sub_dims(model.config.num_routed_sub_dims)
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for unit, sub in units.items():
+            sub.set_top_k(saved[unit])
+        model.train(was_training)
 
 
 def _first(output):
@@ -244,7 +253,6 @@ def sublayer_output_errors(
     """
     units = _checked_units(model, calibration_ids, "sublayer_output_errors")
     full = model.config.num_routed_sub_dims
-    saved = {unit: sub.router.top_k for unit, sub in units.items()}
     layers = model.model.layers
     kept = {}  # per batch: layer index -> the decoder layer's (args, kwargs) in the full-activation forward
     positions = {layer: idx for idx, layer in enumerate(layers)}
@@ -259,10 +267,7 @@ def sublayer_output_errors(
     kl = {unit: torch.zeros(full, dtype=torch.float64) for unit in units}
     handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in layers]
     tokens = 0
-    was_training = model.training
-    model.eval()
-    try:
-        model.set_active_sub_dims(full)
+    with _measuring(model, units, handles):
         for start in range(0, calibration_ids.shape[0], batch_size):
             batch = calibration_ids[start : start + batch_size].to(model.device)
             kept.clear()
@@ -282,12 +287,6 @@ def sublayer_output_errors(
                     divergence = (probabilities * (reference - lowered)).sum(-1)  # per token
                     kl[(layer_idx, kind)][k - 1] += divergence.double().sum().cpu()
                 sub.set_top_k(full)
-    finally:
-        for handle in handles:
-            handle.remove()
-        for unit, sub in units.items():
-            sub.set_top_k(saved[unit])
-        model.train(was_training)
     return {unit: (kl[unit] / tokens).tolist() for unit in units}, tokens
 
 
