@@ -324,3 +324,86 @@ def test_ladder_report_breakdown_share_of_the_gap(tmp_path):
     # log(sqrt(8) / sqrt(2)) / log(sqrt(8)) = log 2 / (1.5 log 2)
     assert ffn["share_of_log_gap_closed"] == pytest.approx(2 / 3)
     assert row["parts"]["attention"]["share_of_log_gap_closed"] == pytest.approx(0.0)
+
+
+def test_ladder_curve_point_heals_anew_when_the_recipe_changes(tmp_path, monkeypatch):
+    """A curve point healed with a recipe that is no longer the best: `train` moves its record, run folder, lm-eval
+    and breakdown files to off_recipe/RECIPE/ (and unevaluated checkpoints of another student to
+    off_recipe/unrecorded_from_STUDENT/) before healing anew; the report tags the point's rows with their recipe
+    and, once the point is healed anew, keeps the superseded rows under "off_recipe" instead of under the name."""
+    from experiments.smollm2 import heal, ladder
+
+    work = ladder_work(tmp_path)
+    output = tmp_path / "ladder.json"
+    full = {"wikipedia": 20.0, "kjv": 40.0}
+    *others, last = ladder.LADDER_256K
+    old = "unit_nested_budgets_256k"
+    for name in others:
+        healed(work, name, {"wikipedia": 40.0, "kjv": 80.0} if name == old else {"wikipedia": 80.0, "kjv": 80.0}, full)
+    healed(work, "curve50_256k", {"wikipedia": 60.0, "kjv": 120.0}, full, recipe=old, student="mohd50ub")
+    (work / "runs" / "ladder_curve50_256k" / "final").mkdir(parents=True)
+    lm_eval = {"arm": "curve50_256k", "limit": 500, "cpu_seconds": 1.0}
+    lm_eval["per_doc"] = {"piqa": {"metric": "acc_norm", "scores": [1, 0, 0, 1]}}
+    write(work / "lm_eval_curve50_256k_500.json", lm_eval)
+    parts = {part: {"wikipedia": 60.0, "kjv": 120.0} for part in ladder.BREAKDOWN}
+    write(work / "ladder_breakdown_curve50_256k.json", {"arm": "curve50_256k", "perplexity": parts})
+    # checkpoints of curve75_1m from the old recipe's student, never evaluated
+    run75 = work / "runs" / "ladder_curve75_1m"
+    (run75 / "checkpoints" / "step_0000016").mkdir(parents=True)
+    old_values = {"output_dir": str(run75), "model": {"init_from": str(work / "mohd75ub")}}
+    write(run75 / "train_config.json", old_values)
+
+    # the last arm not healed: the old recipe is the best, the point's rows carry it
+    healed(work, last, {"wikipedia": 80.0, "kjv": 80.0}, full)
+    result = ladder.report(work, output)
+    assert result["best_256k_recipe"] == old
+    assert result["lm_eval"]["curve50_256k (500 docs)"]["recipe"] == old
+    assert result["breakdown"]["curve50_256k"]["recipe"] == old
+    assert result["off_recipe"] == {}
+
+    # the last arm turns out the best: the point stays under its name, off the curve, until healed anew
+    healed(work, last, {"wikipedia": 30.0, "kjv": 30.0}, full)
+    result = ladder.report(work, output)
+    assert result["best_256k_recipe"] == last and result["arms"]["curve50_256k"]["recipe"] == old
+    assert result["lm_eval"]["curve50_256k (500 docs)"]["recipe"] == old and result["off_recipe"] == {}
+
+    new_student = ladder.ARMS[last].student.replace("75", "50", 1)
+    for student in (new_student, ladder.ARMS[last].student):
+        (work / student).mkdir()
+        write(
+            work / student / "config.json",
+            {"num_routed_sub_dims_per_tok": 2, "num_sub_dims": 12, "num_shared_sub_dims": 2},
+        )
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "healing.jsonl").write_text('{"text": "a"}\n', encoding="utf-8")
+    started = []
+
+    def run_healing(values):
+        started.append(values)
+        raise KeyboardInterrupt  # stop where training would begin
+
+    monkeypatch.setattr(heal, "run_healing", run_healing)
+    with pytest.raises(KeyboardInterrupt):
+        ladder.train_arm(work, "curve50_256k", corpus)
+    retired = work / "off_recipe" / old
+    for relative in ("ladder_curve50_256k.json", "runs/ladder_curve50_256k/final", "lm_eval_curve50_256k_500.json"):
+        assert (retired / relative).exists() and not (work / relative).exists(), relative
+    assert (retired / "ladder_breakdown_curve50_256k.json").exists()
+    assert started[-1]["model"]["init_from"] == str(work / new_student)
+    with pytest.raises(KeyboardInterrupt):
+        ladder.train_arm(work, "curve75_1m", corpus)
+    assert (work / "off_recipe" / "unrecorded_from_mohd75ub" / "runs" / "ladder_curve75_1m" / "checkpoints").is_dir()
+    assert not run75.exists() and started[-1]["model"]["init_from"] == str(work / ladder.ARMS[last].student)
+
+    # healed anew: the old arm row, lm-eval and breakdown rows move under "off_recipe"
+    healed(work, "curve50_256k", {"wikipedia": 40.0, "kjv": 80.0}, full, recipe=last, student=new_student)
+    result = ladder.report(work, output)
+    assert result["arms"]["curve50_256k"]["recipe"] == last
+    assert "curve50_256k (500 docs)" not in result["lm_eval"] and "curve50_256k" not in result["breakdown"]
+    superseded = result["off_recipe"]["curve50_256k"][old]
+    assert superseded["arm"]["ratio_to_dense"]["target"] == {"wikipedia": 3.0, "kjv": 3.0}
+    assert superseded["lm_eval"]["tasks"]["piqa"]["accuracy_points"] == 50.0
+    assert superseded["breakdown"]["at_own_k"] == pytest.approx(3.0)
+    # and they stay there in later reports
+    assert ladder.report(work, output)["off_recipe"] == result["off_recipe"]

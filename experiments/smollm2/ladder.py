@@ -31,7 +31,9 @@ students (`sources`, the curve's 0-token points).
 
 Every stage resumes (finished parts are read back from `--work-dir`, training resumes from its last checkpoint).
 The report keeps what `--output` already records and the work folder lacks (measured in an earlier work folder,
-possibly on another machine), and the curve's recipe counts those recorded arms too:
+possibly on another machine), and the curve's recipe counts those recorded arms too. A curve point healed with a
+recipe that is no longer the best heals anew when trained again: its files move to `--work-dir`/off_recipe/RECIPE/
+(`retire`), and the report keeps its superseded rows under "off_recipe":
 
     python -m experiments.smollm2.ladder ladder                   # the whole 256k ladder: every stage below, in order
     python -m experiments.smollm2.ladder curve                    # the whole curve (after the 256k ladder)
@@ -51,6 +53,7 @@ budget, 4 x 256 tokens per step, KL to the teacher at T = 1, all weights train) 
 """
 
 import argparse
+import copy
 import json
 import logging
 import math
@@ -413,11 +416,17 @@ def train_arm(work: Path, name: str, corpus: Path, output: Path | None = None, c
     report whose recorded arms count; `chosen`: the recipe while the ladder is unfinished)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hf_mohd.training import TrainConfigError, train_config_from_dict
+    from hf_mohd.training.trainer import check_same_run
+
     path = work / f"ladder_{name}.json"
-    if path.exists():
+    arm, recipe = resolve(work, name, output, chosen)
+    recorded = heal.read_json(path, None)
+    if recipe is not None and recorded is not None and recorded.get("recipe") != recipe:
+        retire(work, name, recorded.get("recipe", "unrecorded"))
+    elif path.exists():
         logger.info("%s: done (%s)", name, path)
         return
-    arm, recipe = resolve(work, name, output, chosen)
     if not (work / arm.student / "config.json").exists():
         sys.exit(f"{work / arm.student}: missing; run the prepare and budgets stages first.")
     config = json.loads((work / arm.student / "config.json").read_text())
@@ -451,6 +460,13 @@ def train_arm(work: Path, name: str, corpus: Path, output: Path | None = None, c
         "keep_checkpoints": 1,
         "progress_bar": False,
     }
+    if recipe is not None:
+        try:
+            check_same_run(train_config_from_dict(values))
+        except TrainConfigError as error:  # checkpoints of another recipe, not yet evaluated
+            logger.warning("%s: %s", name, error)
+            started_from = json.loads((out / "train_config.json").read_text(encoding="utf-8"))["model"]["init_from"]
+            retire(work, name, f"unrecorded_from_{Path(started_from).name}")
     training = heal.run_healing(values)
     tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
     windows = source_windows(corpus, tokenizer) if arm.corpus else heal.held_out_windows(tokenizer)
@@ -467,6 +483,33 @@ def train_arm(work: Path, name: str, corpus: Path, output: Path | None = None, c
     }
     write_json_atomically(path, record)
     logger.info("%s: %s", name, record["perplexity"])
+
+
+def retire(work: Path, name: str, label: str) -> None:
+    """Move what the curve point `name` holds from another recipe (`label`: that recipe, or the student its
+    unevaluated checkpoints start from) into `work`/off_recipe/`label`/ under the same relative paths, so that the
+    point heals anew with the current recipe and nothing measured is lost: its record, run folder (checkpoints and
+    final model), lm-eval file and breakdown.
+
+    Raises:
+        SystemExit: one of those paths already exists under `work`/off_recipe/`label`/ (the point was retired from
+            that recipe before); the message names it.
+    """
+    target = work / "off_recipe" / label
+    relatives = [
+        f"ladder_{name}.json",
+        f"runs/ladder_{name}",
+        f"lm_eval_{name}_{LM_EVAL_LIMIT}.json",
+        f"ladder_breakdown_{name}.json",
+    ]
+    present = [relative for relative in relatives if (work / relative).exists()]
+    for relative in present:
+        if (target / relative).exists():
+            sys.exit(f"{target / relative}: already exists; move it away to retire {work / relative} there.")
+    for relative in present:
+        (target / relative).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(work / relative, target / relative)
+    logger.warning("%s: healed with %s, not the current recipe; moved %s to %s", name, label, present, target)
 
 
 def healed_folder(work: Path, name: str) -> Path:
@@ -703,6 +746,7 @@ def report(work: Path, output: Path) -> dict:
     breakdowns = {**earlier.get("breakdown", {}), **breakdown_rows(work, arms, dense_sources)}
     names = ["dense", *ARMS, *CURVE]
     lm_eval = heal.lm_eval_table(work, names, LM_EVAL_LIMIT, earlier.get("lm_eval", {}))
+    off_recipe = superseded(work, earlier, arms, lm_eval, breakdowns)
     # the final model of each activation: its healed curve point with the most tokens (the largest planned one until
     # one is healed)
     finals = ["dense"]
@@ -735,6 +779,7 @@ def report(work: Path, output: Path) -> dict:
         "curve": curve,
         "lm_eval": lm_eval,
         "breakdown": breakdowns,
+        "off_recipe": off_recipe,
         "machine": ep.machine(),
     }
     write_json_atomically(output, result)
@@ -744,6 +789,34 @@ def report(work: Path, output: Path) -> dict:
     if card is not None:
         card.save(output.parent / "smollm2_mohd75_ladder_model_card.md")
     return result
+
+
+def superseded(work: Path, earlier: dict, arms: dict, lm_eval: dict, breakdowns: dict) -> dict:
+    """Tag each curve point's lm-eval and breakdown rows with the recipe of the model they measured, and move the
+    rows of a recipe the point no longer holds (healed anew with another one since, `retire`) out of `lm_eval` and
+    `breakdowns` (in place) into the returned record, point -> recipe -> {"arm", "lm_eval", "breakdown"}, which
+    keeps `earlier`'s ("off_recipe") and adds the recorded arm row that `arms` replaced."""
+    off = copy.deepcopy(earlier.get("off_recipe", {}))
+    for name in CURVE:
+        now = arms.get(name, {}).get("recipe")
+        before = earlier.get("arms", {}).get(name)
+        if before is not None and before.get("recipe") != now:
+            off.setdefault(name, {}).setdefault(before.get("recipe"), {})["arm"] = before
+        # rows measured in `work` belong to its record's recipe (`retire` moves them together); recorded rows carry
+        # their recipe, or (recorded before rows did) that of the recorded arm
+        here = heal.read_json(work / f"ladder_{name}.json", {}).get("recipe")
+        for kind, table, key, path in (
+            ("lm_eval", lm_eval, f"{name} ({LM_EVAL_LIMIT} docs)", work / f"lm_eval_{name}_{LM_EVAL_LIMIT}.json"),
+            ("breakdown", breakdowns, name, work / f"ladder_breakdown_{name}.json"),
+        ):
+            if key not in table:
+                continue
+            recipe = here if path.exists() else table[key].get("recipe", (before or {}).get("recipe"))
+            if recipe == now:
+                table[key]["recipe"] = recipe
+            else:
+                off.setdefault(name, {}).setdefault(recipe, {})[kind] = table.pop(key)
+    return off
 
 
 def final_point(result: dict, activation: str) -> dict | None:
