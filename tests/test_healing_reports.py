@@ -160,6 +160,19 @@ def test_ladder_curve_starts_from_the_best_256k_recipe(tmp_path):
     parts = {part: {"wikipedia": 40.0, "kjv": 40.0} for part in ladder.BREAKDOWN}
     parts["attention"] = {"wikipedia": 80.0, "kjv": 160.0}  # ratios 4 and 4
     write(work / f"ladder_breakdown_{recipe}.json", {"arm": recipe, "perplexity": parts})
+    allocation = {"budgets": {"0.ffn": 2}, "error": "output", "tokens": 4096}
+    write(
+        work / "ladder_budgets.json",
+        {
+            "mohd75ub": {
+                "from": "mohd75u",
+                "allocation": allocation,
+                "perplexity": 140.0,
+                "active_parameters": 10,
+                "uniform_active_parameters": 10,
+            }
+        },
+    )
 
     result = ladder.report(work, tmp_path / "ladder.json")
 
@@ -182,6 +195,8 @@ def test_ladder_curve_starts_from_the_best_256k_recipe(tmp_path):
     assert "| converted, training-free | 80.0 (4.00x) | 80.0 (2.00x) |" in card
     assert "| healed, every block active | 20.0 (1.00x) | 40.0 (1.00x) |" in card
     assert "nested: the loss at the target k plus the loss with every block active" in card
+    # the student's allocation: its calibration tokens and its error measure, in the conversion's words
+    assert "allocated greedily on 4,096 calibration tokens from the KL divergence of the model's next-token" in card
     assert "Partial: " in card and "curve75_1m" in card
     # where the loss remains: per part the geometric mean of the ratios to dense (40 / 20, 40 / 40: sqrt(2))
     assert "is attention 4.00x, FFN 1.41x, first third of the layers 1.41x" in card

@@ -68,6 +68,7 @@ from experiments.smollm2 import RESULTS_DIR, heal
 from experiments.smollm2 import evaluate_perplexity as ep
 from experiments.smollm2.held_out_sources import source_windows
 from hf_mohd.atomic_folder import write_folder_atomically, write_json_atomically
+from hf_mohd.conversion.budgets import BUDGET_ERRORS
 from hf_mohd.evaluation.perplexity import perplexity
 
 
@@ -882,11 +883,13 @@ def model_card(work: Path, result: dict):
             final["ratio_to_dense"]["full_activation"],
         )
     )
+    allocation = result["students"].get(arm["student"], {})
     budgets = (
         " Then every layer and sublayer kind got its own k (`per_layer_config`), allocated greedily on "
-        f"{BUDGET_CALIBRATION_ROWS * 256:,} calibration tokens under the per-token parameter budget of the uniform k "
-        "(`hf_mohd.conversion.budgets`; TEAL's greedy, arXiv 2408.14690)."
-        if arm["student"].endswith("b")
+        f"{allocation['allocation_tokens']:,} calibration tokens from "
+        f"{BUDGET_ERRORS[allocation['allocation_error']]} at every k, under the per-token parameter budget of the "
+        "uniform k (`hf_mohd.conversion.budgets`; TEAL's greedy, arXiv 2408.14690)."
+        if "budgets" in allocation
         else ""
     )
     levers = ["KL to the dense model at T = 1, no LM loss"]

@@ -55,8 +55,12 @@ from .source import ConversionError
 # `convert_mohd(routed_budgets=...)`: every sublayer at the uniform k, or the greedy allocation of this module on the
 # residual-stream error ("greedy") or on the output error ("greedy_output")
 ROUTED_BUDGETS = ("uniform", "greedy", "greedy_output")
-# `allocate_routed_sub_dims(error=...)`: step 1 (`sublayer_errors`) or step 1' (`sublayer_output_errors`)
-BUDGET_ERRORS = ("residual", "output")
+# `allocate_routed_sub_dims(error=...)`: step 1 (`sublayer_errors`) or step 1' (`sublayer_output_errors`), with the
+# words a model card uses for each
+BUDGET_ERRORS = {
+    "residual": "each sublayer's residual-stream error",
+    "output": "the KL divergence of the model's next-token distribution with only that sublayer lowered",
+}
 
 
 @dataclass

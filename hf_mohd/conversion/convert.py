@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .budgets import ROUTED_BUDGETS, allocate_routed_sub_dims, apply_routed_budgets
+from .budgets import BUDGET_ERRORS, ROUTED_BUDGETS, allocate_routed_sub_dims, apply_routed_budgets
 from .carve import (
     carve_llama,
     carved_config_from_llama,
@@ -204,10 +204,7 @@ def convert_mohd(
         )
         apply_routed_budgets(model, allocation)
         shown = ", ".join(f"{layer}.{kind} {k}" for (layer, kind), k in sorted(allocation.budgets.items()))
-        measure = {
-            "residual": "each sublayer's residual-stream error",
-            "output": "the KL divergence of the model's next-token distribution with only that sublayer lowered",
-        }[error]
+        measure = BUDGET_ERRORS[error]
         budget_note = (
             "Each layer and sublayer kind has its own k (`per_layer_config`), allocated greedily on the calibration "
             f"text from {measure} at every k (TEAL's greedy, arXiv 2408.14690 section 4.2), under the per-token "
