@@ -160,7 +160,7 @@ def test_ladder_curve_starts_from_the_best_256k_recipe(tmp_path):
     parts = {part: {"wikipedia": 40.0, "kjv": 40.0} for part in ladder.BREAKDOWN}
     parts["attention"] = {"wikipedia": 80.0, "kjv": 160.0}  # ratios 4 and 4
     write(work / f"ladder_breakdown_{recipe}.json", {"arm": recipe, "perplexity": parts})
-    allocation = {"budgets": {"0.ffn": 2}, "error": "output", "tokens": 4096}
+    allocation = {"budgets": {"0.ffn": 2}, "error": "residual", "tokens": 4096}
     write(
         work / "ladder_budgets.json",
         {
@@ -196,7 +196,7 @@ def test_ladder_curve_starts_from_the_best_256k_recipe(tmp_path):
     assert "| healed, every block active | 20.0 (1.00x) | 40.0 (1.00x) |" in card
     assert "nested: the loss at the target k plus the loss with every block active" in card
     # the student's allocation: its calibration tokens and its error measure, in the conversion's words
-    assert "allocated greedily on 4,096 calibration tokens from the KL divergence of the model's next-token" in card
+    assert "allocated greedily on 4,096 calibration tokens from each sublayer's residual-stream error" in card
     assert "Partial: " in card and "curve75_1m" in card
     # where the loss remains: per part the geometric mean of the ratios to dense (40 / 20, 40 / 40: sqrt(2))
     assert "is attention 4.00x, FFN 1.41x, first third of the layers 1.41x" in card
@@ -343,10 +343,12 @@ def test_ladder_report_breakdown_share_of_the_gap(tmp_path):
 
 def test_ladder_curve_point_heals_anew_when_the_recipe_changes(tmp_path, monkeypatch):
     """A curve point healed with a recipe that is no longer the best: `train` moves its record, run folder, lm-eval
-    and breakdown files to off_recipe/RECIPE/ (and unevaluated checkpoints of another student to
-    off_recipe/unrecorded_from_STUDENT/) before healing anew; the report tags the point's rows with their recipe
-    and, once the point is healed anew, keeps the superseded rows under "off_recipe" instead of under the name."""
+    and breakdown files to off_recipe/RECIPE/ (and unevaluated checkpoints of another recipe to
+    off_recipe/unrecorded_from_STUDENT/, while checkpoints of its own recipe resume) before healing anew; the report
+    tags the point's rows with their recipe and, once the point is healed anew, keeps the superseded rows under
+    "off_recipe", even when the new lm-eval and breakdown are measured before the next report."""
     from experiments.smollm2 import heal, ladder
+    from hf_mohd.training import train_config_from_dict
 
     work = ladder_work(tmp_path)
     output = tmp_path / "ladder.json"
@@ -357,16 +359,20 @@ def test_ladder_curve_point_heals_anew_when_the_recipe_changes(tmp_path, monkeyp
         healed(work, name, {"wikipedia": 40.0, "kjv": 80.0} if name == old else {"wikipedia": 80.0, "kjv": 80.0}, full)
     healed(work, "curve50_256k", {"wikipedia": 60.0, "kjv": 120.0}, full, recipe=old, student="mohd50ub")
     (work / "runs" / "ladder_curve50_256k" / "final").mkdir(parents=True)
-    lm_eval = {"arm": "curve50_256k", "limit": 500, "cpu_seconds": 1.0}
-    lm_eval["per_doc"] = {"piqa": {"metric": "acc_norm", "scores": [1, 0, 0, 1]}}
-    write(work / "lm_eval_curve50_256k_500.json", lm_eval)
-    parts = {part: {"wikipedia": 60.0, "kjv": 120.0} for part in ladder.BREAKDOWN}
-    write(work / "ladder_breakdown_curve50_256k.json", {"arm": "curve50_256k", "perplexity": parts})
-    # checkpoints of curve75_1m from the old recipe's student, never evaluated
-    run75 = work / "runs" / "ladder_curve75_1m"
-    (run75 / "checkpoints" / "step_0000016").mkdir(parents=True)
-    old_values = {"output_dir": str(run75), "model": {"init_from": str(work / "mohd75ub")}}
-    write(run75 / "train_config.json", old_values)
+
+    def lm_eval_file(scores):
+        per_doc = {"piqa": {"metric": "acc_norm", "scores": scores}}
+        write(
+            work / "lm_eval_curve50_256k_500.json",
+            {"arm": "curve50_256k", "limit": 500, "cpu_seconds": 1.0, "per_doc": per_doc},
+        )
+
+    def breakdown_file(ppl):
+        parts = {part: {"wikipedia": ppl, "kjv": 2 * ppl} for part in ladder.BREAKDOWN}
+        write(work / "ladder_breakdown_curve50_256k.json", {"arm": "curve50_256k", "perplexity": parts})
+
+    lm_eval_file([1, 0, 0, 1])
+    breakdown_file(60.0)
 
     # the last arm not healed: the old recipe is the best, the point's rows carry it
     healed(work, last, {"wikipedia": 80.0, "kjv": 80.0}, full)
@@ -383,15 +389,8 @@ def test_ladder_curve_point_heals_anew_when_the_recipe_changes(tmp_path, monkeyp
     assert result["lm_eval"]["curve50_256k (500 docs)"]["recipe"] == old and result["off_recipe"] == {}
 
     new_student = ladder.ARMS[last].student.replace("75", "50", 1)
-    for student in (new_student, ladder.ARMS[last].student):
-        (work / student).mkdir()
-        write(
-            work / student / "config.json",
-            {"num_routed_sub_dims_per_tok": 2, "num_sub_dims": 12, "num_shared_sub_dims": 2},
-        )
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    (corpus / "healing.jsonl").write_text('{"text": "a"}\n', encoding="utf-8")
     started = []
 
     def run_healing(values):
@@ -399,6 +398,18 @@ def test_ladder_curve_point_heals_anew_when_the_recipe_changes(tmp_path, monkeyp
         raise KeyboardInterrupt  # stop where training would begin
 
     monkeypatch.setattr(heal, "run_healing", run_healing)
+    # nothing moves while the new student or the healing text is missing
+    with pytest.raises(SystemExit, match=new_student):
+        ladder.train_arm(work, "curve50_256k", corpus)
+    for student in (new_student, ladder.ARMS[last].student):
+        (work / student).mkdir()
+        config = {"num_routed_sub_dims_per_tok": 2, "num_sub_dims": 12, "num_shared_sub_dims": 2}
+        write(work / student / "config.json", config)
+    with pytest.raises(SystemExit, match="healing.jsonl"):
+        ladder.train_arm(work, "curve50_256k", corpus)
+    assert (work / "ladder_curve50_256k.json").exists() and not (work / "off_recipe").exists()
+    (corpus / "healing.jsonl").write_text('{"text": "a"}\n', encoding="utf-8")
+
     with pytest.raises(KeyboardInterrupt):
         ladder.train_arm(work, "curve50_256k", corpus)
     retired = work / "off_recipe" / old
@@ -406,19 +417,43 @@ def test_ladder_curve_point_heals_anew_when_the_recipe_changes(tmp_path, monkeyp
         assert (retired / relative).exists() and not (work / relative).exists(), relative
     assert (retired / "ladder_breakdown_curve50_256k.json").exists()
     assert started[-1]["model"]["init_from"] == str(work / new_student)
+
+    # checkpoints of curve75_1m: its own recipe (the work folder reached by another path) resumes, another
+    # recipe's (the old student, never evaluated) is retired
+    with pytest.raises(KeyboardInterrupt):
+        ladder.train_arm(work, "curve75_1m", corpus)
+    run75 = work / "runs" / "ladder_curve75_1m"
+    saved = train_config_from_dict(started[-1]).to_dict()
+    saved["model"]["init_from"] = str(work.parent / ".." / work.parent.name / work.name / ladder.ARMS[last].student)
+    (run75 / "checkpoints" / "step_0000016").mkdir(parents=True)
+    write(run75 / "train_config.json", saved)
+    with pytest.raises(KeyboardInterrupt):
+        ladder.train_arm(work, "curve75_1m", corpus)
+    assert run75.is_dir() and not (work / "off_recipe" / f"unrecorded_from_{ladder.ARMS[last].student}").exists()
+    saved["model"]["init_from"] = str(work / "mohd75ub")
+    write(run75 / "train_config.json", saved)
     with pytest.raises(KeyboardInterrupt):
         ladder.train_arm(work, "curve75_1m", corpus)
     assert (work / "off_recipe" / "unrecorded_from_mohd75ub" / "runs" / "ladder_curve75_1m" / "checkpoints").is_dir()
     assert not run75.exists() and started[-1]["model"]["init_from"] == str(work / ladder.ARMS[last].student)
 
-    # healed anew: the old arm row, lm-eval and breakdown rows move under "off_recipe"
+    # healed anew, its lm-eval and a part of its breakdown measured before the next report: the old rows move
+    # under "off_recipe", the new lm-eval row takes the name (the unfinished breakdown not yet)
     healed(work, "curve50_256k", {"wikipedia": 40.0, "kjv": 80.0}, full, recipe=last, student=new_student)
+    lm_eval_file([1, 1, 1, 0])
+    write(work / "ladder_breakdown_curve50_256k.json", {"arm": "curve50_256k", "perplexity": {"ffn": full}})
     result = ladder.report(work, output)
     assert result["arms"]["curve50_256k"]["recipe"] == last
-    assert "curve50_256k (500 docs)" not in result["lm_eval"] and "curve50_256k" not in result["breakdown"]
+    now = result["lm_eval"]["curve50_256k (500 docs)"]
+    assert now["recipe"] == last and now["tasks"]["piqa"]["accuracy_points"] == 75.0
+    assert "curve50_256k" not in result["breakdown"]
     superseded = result["off_recipe"]["curve50_256k"][old]
     assert superseded["arm"]["ratio_to_dense"]["target"] == {"wikipedia": 3.0, "kjv": 3.0}
     assert superseded["lm_eval"]["tasks"]["piqa"]["accuracy_points"] == 50.0
     assert superseded["breakdown"]["at_own_k"] == pytest.approx(3.0)
-    # and they stay there in later reports
-    assert ladder.report(work, output)["off_recipe"] == result["off_recipe"]
+    # and they stay there in later reports, beside the finished new breakdown
+    breakdown_file(40.0)
+    later = ladder.report(work, output)
+    assert later["off_recipe"] == result["off_recipe"]
+    assert later["breakdown"]["curve50_256k"]["recipe"] == last
+    assert later["breakdown"]["curve50_256k"]["at_own_k"] == pytest.approx(2.0)

@@ -414,22 +414,26 @@ def resolve(work: Path, name: str, output: Path | None = None, chosen: str | Non
 def train_arm(work: Path, name: str, corpus: Path, output: Path | None = None, chosen: str | None = None) -> None:
     """Heal one arm (of ARMS or CURVE) to its budget (heal's 64k recipe, its cosine schedule ending at the arm's
     budget, with the arm's levers), then evaluate it. A CURVE point takes its recipe from `resolve` (`output`: the
-    report whose recorded arms count; `chosen`: the recipe while the ladder is unfinished)."""
+    report whose recorded arms count; `chosen`: the recipe while the ladder is unfinished), so even a finished point
+    needs a resolvable recipe; a point healed, or checkpointed, with another recipe is retired (`retire`) and heals
+    anew."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_mohd.training import TrainConfigError, train_config_from_dict
-    from hf_mohd.training.trainer import check_same_run
+    from hf_mohd.training import train_config_from_dict
 
     path = work / f"ladder_{name}.json"
     arm, recipe = resolve(work, name, output, chosen)
     recorded = heal.read_json(path, None)
-    if recipe is not None and recorded is not None and recorded.get("recipe") != recipe:
-        retire(work, name, recorded.get("recipe", "unrecorded"))
-    elif path.exists():
+    if recorded is not None and (recipe is None or recorded.get("recipe") == recipe):
         logger.info("%s: done (%s)", name, path)
         return
     if not (work / arm.student / "config.json").exists():
         sys.exit(f"{work / arm.student}: missing; run the prepare and budgets stages first.")
+    text = corpus / "healing.jsonl" if arm.corpus else work / "healing.jsonl"
+    if not text.exists():
+        sys.exit(f"{text}: missing; run python -m experiments.smollm2.healing_corpus first.")
+    if recorded is not None:
+        retire(work, name, recorded.get("recipe") or "unrecorded")
     config = json.loads((work / arm.student / "config.json").read_text())
     target, full = config["num_routed_sub_dims_per_tok"], config["num_sub_dims"] - config["num_shared_sub_dims"]
     distill = {"teacher": str(work / "teacher"), "kl_weight": 1.0, "temperature": 1.0, "lm_weight": 0.0}
@@ -440,9 +444,6 @@ def train_arm(work: Path, name: str, corpus: Path, output: Path | None = None, c
     if arm.schedule:
         distill.update(schedule_fraction=arm.schedule, schedule_curve="cubic")
         distill.setdefault("active_sub_dims", [target])
-    text = corpus / "healing.jsonl" if arm.corpus else work / "healing.jsonl"
-    if not text.exists():
-        sys.exit(f"{text}: missing; run python -m experiments.smollm2.healing_corpus first.")
     out = work / "runs" / f"ladder_{name}"
     values = {
         "output_dir": str(out),
@@ -461,13 +462,10 @@ def train_arm(work: Path, name: str, corpus: Path, output: Path | None = None, c
         "keep_checkpoints": 1,
         "progress_bar": False,
     }
-    if recipe is not None:
-        try:
-            check_same_run(train_config_from_dict(values))
-        except TrainConfigError as error:  # checkpoints of another recipe, not yet evaluated
-            logger.warning("%s: %s", name, error)
-            started_from = json.loads((out / "train_config.json").read_text(encoding="utf-8"))["model"]["init_from"]
-            retire(work, name, f"unrecorded_from_{Path(started_from).name}")
+    started = checkpointed_recipe(out) if recipe is not None else None
+    if started is not None and started != recipe_of(train_config_from_dict(values).to_dict()):
+        # checkpoints of another recipe, not yet evaluated (no record)
+        retire(work, name, f"unrecorded_from_{started[0]}")
     training = heal.run_healing(values)
     tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
     windows = source_windows(corpus, tokenizer) if arm.corpus else heal.held_out_windows(tokenizer)
@@ -486,6 +484,26 @@ def train_arm(work: Path, name: str, corpus: Path, output: Path | None = None, c
     logger.info("%s: %s", name, record["perplexity"])
 
 
+def recipe_of(values: dict) -> tuple[str, int, dict]:
+    """What makes a healing run's recipe, from its trainer config (`values` as `train_arm` builds them, or a run's
+    saved `train_config.json`): the student's folder name, the steps, and the distillation settings with the
+    teacher's folder name; paths count by name only, so a work folder reached by another path keeps its runs."""
+    distill = dict(values["distill"])
+    distill["teacher"] = Path(distill["teacher"]).name
+    return Path(values["model"]["init_from"]).name, values["max_steps"], distill
+
+
+def checkpointed_recipe(out: Path) -> tuple[str, int, dict] | None:
+    """`recipe_of` the run in `out` when it holds a checkpoint to resume (its `train_config.json`, every field
+    filled in; the new run's values are compared after the trainer fills theirs the same way), else None."""
+    from hf_mohd.training import latest_checkpoint
+
+    saved = out / "train_config.json"
+    if latest_checkpoint(str(out)) is None or not saved.exists():
+        return None
+    return recipe_of(json.loads(saved.read_text(encoding="utf-8")))
+
+
 def retire(work: Path, name: str, label: str) -> None:
     """Move what the curve point `name` holds from another recipe (`label`: that recipe, or the student its
     unevaluated checkpoints start from) into `work`/off_recipe/`label`/ under the same relative paths, so that the
@@ -497,11 +515,12 @@ def retire(work: Path, name: str, label: str) -> None:
             that recipe before); the message names it.
     """
     target = work / "off_recipe" / label
+    # the record last: it marks the point as healed, so a retire cut short is finished by the next one
     relatives = [
-        f"ladder_{name}.json",
         f"runs/ladder_{name}",
         f"lm_eval_{name}_{LM_EVAL_LIMIT}.json",
         f"ladder_breakdown_{name}.json",
+        f"ladder_{name}.json",
     ]
     present = [relative for relative in relatives if (work / relative).exists()]
     for relative in present:
@@ -714,11 +733,11 @@ def report(work: Path, output: Path) -> dict:
     curve = {}
     best = best_arm(arms)
     # a curve point healed with a chosen recipe before the ladder finished counts only once that recipe is the best
-    off_recipe = {name: arms[name]["recipe"] for name in CURVE if name in arms and arms[name]["recipe"] != best}
+    off_best = {name: arms[name]["recipe"] for name in CURVE if name in arms and arms[name]["recipe"] != best}
     missing += [
         f"{name} (healed with {recipe}; "
         + (f"the best recipe is {best})" if best else "the 256k ladder is unfinished)")
-        for name, recipe in off_recipe.items()
+        for name, recipe in off_best.items()
     ]
     for activation in ("75", "50"):
         points = []
@@ -731,7 +750,7 @@ def report(work: Path, output: Path) -> dict:
         if activation == "75" and best is not None:
             arms_here.append((ARMS[best].budget, best))
         for tokens, name in sorted(arms_here):
-            if name in arms and name not in off_recipe:
+            if name in arms and name not in off_best:
                 row = arms[name]
                 points.append(
                     {
@@ -744,10 +763,16 @@ def report(work: Path, output: Path) -> dict:
         for point in points:
             point["geometric_mean_ratio_to_dense"] = {k: geometric_mean(v) for k, v in point["ratio_to_dense"].items()}
         curve[f"{activation}%"] = {"student": student, "points": points}
-    breakdowns = {**earlier.get("breakdown", {}), **breakdown_rows(work, arms, dense_sources)}
+    off_recipe, earlier_lm_eval, earlier_breakdowns = superseded(earlier, arms)
+    breakdowns = {**earlier_breakdowns, **breakdown_rows(work, arms, dense_sources)}
     names = ["dense", *ARMS, *CURVE]
-    lm_eval = heal.lm_eval_table(work, names, LM_EVAL_LIMIT, earlier.get("lm_eval", {}))
-    off_recipe = superseded(work, earlier, arms, lm_eval, breakdowns)
+    lm_eval = heal.lm_eval_table(work, names, LM_EVAL_LIMIT, earlier_lm_eval)
+    for name in CURVE:
+        # rows measured here belong to the record here (`retire` moves them together), else to the recorded arm
+        here = heal.read_json(work / f"ladder_{name}.json", {}).get("recipe") or arms.get(name, {}).get("recipe")
+        for table, key in ((lm_eval, f"{name} ({LM_EVAL_LIMIT} docs)"), (breakdowns, name)):
+            if key in table:
+                table[key].setdefault("recipe", here)
     # the final model of each activation: its healed curve point with the most tokens (the largest planned one until
     # one is healed)
     finals = ["dense"]
@@ -792,32 +817,33 @@ def report(work: Path, output: Path) -> dict:
     return result
 
 
-def superseded(work: Path, earlier: dict, arms: dict, lm_eval: dict, breakdowns: dict) -> dict:
-    """Tag each curve point's lm-eval and breakdown rows with the recipe of the model they measured, and move the
-    rows of a recipe the point no longer holds (healed anew with another one since, `retire`) out of `lm_eval` and
-    `breakdowns` (in place) into the returned record, point -> recipe -> {"arm", "lm_eval", "breakdown"}, which
-    keeps `earlier`'s ("off_recipe") and adds the recorded arm row that `arms` replaced."""
+def superseded(earlier: dict, arms: dict) -> tuple[dict, dict, dict]:
+    """Split `earlier` (the report being replaced) by the recipe each curve point now holds in `arms`: returns the
+    "off_recipe" record (point -> recipe -> {"arm", "lm_eval", "breakdown"}: `earlier`'s, plus the recorded arm row
+    that `arms` replaced and the recorded lm-eval and breakdown rows of another recipe), and `earlier`'s lm-eval and
+    breakdown tables without those rows, each kept curve row tagged with its recipe. A recorded row without a
+    recipe (reported before rows carried one) belongs to the recorded arm's."""
     off = copy.deepcopy(earlier.get("off_recipe", {}))
+    lm_eval, breakdowns = dict(earlier.get("lm_eval", {})), dict(earlier.get("breakdown", {}))
     for name in CURVE:
         now = arms.get(name, {}).get("recipe")
         before = earlier.get("arms", {}).get(name)
+        was = (before or {}).get("recipe") or "unrecorded"
         if before is not None and before.get("recipe") != now:
-            off.setdefault(name, {}).setdefault(before.get("recipe"), {})["arm"] = before
-        # rows measured in `work` belong to its record's recipe (`retire` moves them together); recorded rows carry
-        # their recipe, or (recorded before rows did) that of the recorded arm
-        here = heal.read_json(work / f"ladder_{name}.json", {}).get("recipe")
-        for kind, table, key, path in (
-            ("lm_eval", lm_eval, f"{name} ({LM_EVAL_LIMIT} docs)", work / f"lm_eval_{name}_{LM_EVAL_LIMIT}.json"),
-            ("breakdown", breakdowns, name, work / f"ladder_breakdown_{name}.json"),
+            off.setdefault(name, {}).setdefault(was, {})["arm"] = before
+        for kind, table, key in (
+            ("lm_eval", lm_eval, f"{name} ({LM_EVAL_LIMIT} docs)"),
+            ("breakdown", breakdowns, name),
         ):
             if key not in table:
                 continue
-            recipe = here if path.exists() else table[key].get("recipe", (before or {}).get("recipe"))
-            if recipe == now:
-                table[key]["recipe"] = recipe
+            row = {"recipe": was, **table[key]}
+            if row["recipe"] == now:
+                table[key] = row
             else:
-                off.setdefault(name, {}).setdefault(recipe, {})[kind] = table.pop(key)
-    return off
+                off.setdefault(name, {}).setdefault(row["recipe"], {})[kind] = row
+                del table[key]
+    return off, lm_eval, breakdowns
 
 
 def final_point(result: dict, activation: str) -> dict | None:
@@ -884,6 +910,8 @@ def model_card(work: Path, result: dict):
         )
     )
     allocation = result["students"].get(arm["student"], {})
+    if arm["student"] in BUDGETED and "budgets" not in allocation:
+        sys.exit(f"{arm['student']}: no allocation recorded for this budgeted student; run the budgets stage first.")
     budgets = (
         " Then every layer and sublayer kind got its own k (`per_layer_config`), allocated greedily on "
         f"{allocation['allocation_tokens']:,} calibration tokens from "
