@@ -457,3 +457,15 @@ def test_ladder_curve_point_heals_anew_when_the_recipe_changes(tmp_path, monkeyp
     assert later["off_recipe"] == result["off_recipe"]
     assert later["breakdown"]["curve50_256k"]["recipe"] == last
     assert later["breakdown"]["curve50_256k"]["at_own_k"] == pytest.approx(2.0)
+    # the final 75% model's card (the best arm, from the output-KL student) names its allocation measure
+    MoHDConfig(**MOHD_BASES["mohd_gqa"]).save_pretrained(work / "runs" / f"ladder_{last}" / "final")
+    with pytest.raises(SystemExit, match="no allocation recorded"):
+        ladder.report(work, output)
+    allocation = {"budgets": {"0.ffn": 2}, "error": "output", "tokens": 4096}
+    record = {"from": "mohd75u", "allocation": allocation, "perplexity": 120.0}
+    write(
+        work / "ladder_budgets.json", {"mohd75ubo": {**record, "active_parameters": 1, "uniform_active_parameters": 1}}
+    )
+    ladder.report(work, output)
+    card = (tmp_path / "smollm2_mohd75_ladder_model_card.md").read_text(encoding="utf-8")
+    assert "4,096 calibration tokens from the KL divergence of the model's next-token distribution" in card
