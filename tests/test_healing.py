@@ -5,6 +5,8 @@ Oracle: a model built with that k in its config, holding the same weights (the s
 both execution strategies, for forward, the aux loss and greedy decoding.
 """
 
+import json
+
 import pytest
 import torch
 
@@ -412,6 +414,46 @@ def test_sublayer_output_errors_are_the_output_kl_with_each_sublayer_lowered_alo
         want = (full.exp() * (full - lowered)).sum().item() / ids.numel()
         assert errors[(layer, kind)][k - 1] == pytest.approx(want, rel=1e-9), (layer, kind)
         assert errors[(layer, kind)][k - 1] > 0 and errors[(layer, kind)][-1] == 0.0
+
+
+def test_sublayer_output_errors_resume_from_their_progress_file(tmp_path):
+    """An output measurement stopped inside its second batch (after that batch's first two sublayers) resumes from its
+    progress file to exactly the uninterrupted result, re-running only what the file does not hold (counted in calls
+    of the last decoder layer: per batch one full forward plus N_r - 1 per sublayer); a file of other weights is
+    refused by name, and so is `progress` with the residual measure."""
+    from hf_mohd.conversion.budgets import allocate_routed_sub_dims, sublayer_output_errors
+    from hf_mohd.conversion.source import ConversionError
+
+    model = build(2, routed_gate="unit")
+    ids = torch.randint(3, 61, (5, 6), generator=torch.Generator().manual_seed(3))
+    want = sublayer_output_errors(model, ids, batch_size=2)
+    per_batch = 1 + len(BUDGETS) * (model.config.num_routed_sub_dims - 1)
+    calls, stop_at = [0], per_batch + 1 + 2 * (model.config.num_routed_sub_dims - 1) + 1
+
+    def count(module, args):
+        calls[0] += 1
+        if calls[0] == stop_at:
+            raise KeyboardInterrupt
+
+    handle = model.model.layers[1].register_forward_pre_hook(count)
+    progress = tmp_path / "progress.json"
+    with pytest.raises(KeyboardInterrupt):
+        sublayer_output_errors(model, ids, batch_size=2, progress=progress)
+    state = json.loads(progress.read_text())
+    assert (state["batches_done"], state["units_done"], state["tokens"]) == (1, 2, 12)
+    assert {key: sub.router.top_k for key, sub in sub_dims_of(model).items()} == dict.fromkeys(BUDGETS, 2)
+    calls[0] = 0
+    assert sublayer_output_errors(model, ids, batch_size=2, progress=progress) == want
+    assert calls[0] == (1 + 2 * (model.config.num_routed_sub_dims - 1)) + per_batch
+    handle.remove()
+    assert json.loads(progress.read_text())["batches_done"] == 3
+
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.01)
+    with pytest.raises(ConversionError, match=r"progress\.json: progress of another measurement \(differs in weights"):
+        sublayer_output_errors(model, ids, batch_size=2, progress=progress)
+    with pytest.raises(ConversionError, match="`progress` resumes the output measure only"):
+        allocate_routed_sub_dims(model, ids, 3, progress=progress)
 
 
 def test_allocation_on_the_output_error_follows_its_table():

@@ -205,7 +205,8 @@ def prepare(work: Path) -> None:
 
 def budgets(work: Path) -> None:
     """The budgeted students (`BUDGETED`): allocation on the first `BUDGET_CALIBRATION_ROWS` rows of the calibration
-    text, saved with the allocation, and their held-out perplexity next to the uniform student's."""
+    text, saved with the allocation, and their held-out perplexity next to the uniform student's. An output-KL
+    allocation resumes from `WORK/NAME.allocation_progress.json` after an interruption."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_mohd  # noqa: F401
@@ -223,7 +224,9 @@ def budgets(work: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(str(work / base), dtype=torch.float32).eval()
         uniform_active = model.config.num_active_parameters()
         k = model.config.num_routed_sub_dims_per_tok
-        allocation = allocate_routed_sub_dims(model, calibration, k, error=error)
+        # the output measure takes hours here: its running sums survive an interrupted run (removed once recorded)
+        progress = work / f"{name}.allocation_progress.json" if error == "output" else None
+        allocation = allocate_routed_sub_dims(model, calibration, k, error=error, progress=progress)
         apply_routed_budgets(model, allocation)
         with write_folder_atomically(work / name) as staging:
             model.save_pretrained(staging)
@@ -240,6 +243,8 @@ def budgets(work: Path) -> None:
         }
         logger.info("%s: held-out perplexity %.3f", name, info[name]["perplexity"])
         write_json_atomically(path, info)
+        if progress is not None:
+            progress.unlink(missing_ok=True)
         del model
 
 

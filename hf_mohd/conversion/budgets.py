@@ -40,10 +40,15 @@ allocates, and the result is saved as `per_layer_config` {layer: {"num_experts_p
 """
 
 import contextlib
+import hashlib
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from ..atomic_folder import write_json_atomically
 from ..models.accounting import MOHD_SUBLAYERS
 from ..models.modeling_common import at_least_fp32, topk_lower_index
 from ..models.modeling_latent_moe import LatentMoEBlock, LatentMoEForCausalLM
@@ -232,9 +237,39 @@ def _first(output):
     return output[0] if isinstance(output, tuple) else output
 
 
+def _weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 over every parameter's and buffer's name, dtype, shape and bytes (in `state_dict` order)."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _read_progress(path: Path, identity: dict) -> dict | None:
+    """The saved state of an interrupted `sublayer_output_errors` at `path`, or None when there is no file; raises
+    ConversionError when the file is unreadable or was written for another model, text or batch size."""
+    if not path.is_file():
+        return None
+    try:
+        state = json.loads(path.read_text())
+        mismatched = [key for key, value in identity.items() if state["identity"].get(key) != value]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ConversionError(f"{path}: not a progress file of `sublayer_output_errors` ({error}).") from error
+    if mismatched:
+        raise ConversionError(
+            f"{path}: progress of another measurement (differs in {', '.join(mismatched)}); remove the file to "
+            "measure anew or pass another `progress` path."
+        )
+    return state
+
+
 @torch.no_grad()
 def sublayer_output_errors(
-    model: MoHDForCausalLM, calibration_ids: torch.Tensor, batch_size: int = 4
+    model: MoHDForCausalLM,
+    calibration_ids: torch.Tensor,
+    batch_size: int = 4,
+    progress: str | os.PathLike | None = None,
 ) -> tuple[dict[tuple[int, str], list[float]], int]:
     """e_u(k) for every routed sublayer u and k in [1, N_r]: the mean over tokens of KL(p || p_u(k)) in nats (module
     docstring, step 1'), p the next-token distribution at full activation, p_u(k) with only u at k.
@@ -244,22 +279,30 @@ def sublayer_output_errors(
     of u's layer with u at k, followed by the final norm and the LM head. The distributions are computed in float32
     (float64 for a float64 model) and each token's KL is summed in float64.
 
+    With `progress`, the running sums are written there (atomically, as JSON) after every sublayer of every batch,
+    with the identity of the measurement (a SHA-256 of the weights and of the ids, the batch size, the sublayers);
+    a later call with the same file skips what it holds and returns exactly what one uninterrupted call returns. The
+    file is left in place (the caller removes it once the result is saved).
+
     Args:
         model: a MoHD model with routers; left at the k it had (each sublayer's).
         calibration_ids: (R, T) token ids of calibration text.
         batch_size: rows per forward.
+        progress: a JSON file for the running sums, or None to keep them in memory only.
 
     Returns:
         ({(layer_idx, sublayer): [e(1), ..., e(N_r)]}, tokens measured), e(N_r) = 0.
 
     Raises:
-        ConversionError: the model has no routed sublayer, or `calibration_ids` is not a non-empty (R, T) tensor.
+        ConversionError: the model has no routed sublayer, `calibration_ids` is not a non-empty (R, T) tensor, or
+            `progress` holds another measurement or is not a progress file.
     """
     units = _checked_units(model, calibration_ids, "sublayer_output_errors")
     full = model.config.num_routed_sub_dims
     layers = model.model.layers
     kept = {}  # per batch: layer index -> the decoder layer's (args, kwargs) in the full-activation forward
     positions = {layer: idx for idx, layer in enumerate(layers)}
+    key = "{}.{}".format
 
     def keep(module, args, kwargs):
         if len(kept) < len(layers):  # the re-runs of later layers must not replace the full-activation inputs
@@ -269,28 +312,57 @@ def sublayer_output_errors(
         return torch.log_softmax(logits.to(at_least_fp32(logits.dtype)), dim=-1)
 
     kl = {unit: torch.zeros(full, dtype=torch.float64) for unit in units}
+    tokens, done_batches, done_units = 0, 0, 0  # tokens of the finished batches; where the last call stopped
+    path = identity = None
+    if progress is not None:
+        path = Path(progress)
+        ids = calibration_ids.detach().cpu().contiguous()
+        identity = {
+            "weights_sha256": _weights_digest(model),
+            "calibration_sha256": hashlib.sha256(ids.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest(),
+            "calibration_shape": list(ids.shape),
+            "batch_size": batch_size,
+            "units": [key(*unit) for unit in units],
+        }
+        state = _read_progress(path, identity)
+        if state is not None:
+            tokens, done_batches, done_units = state["tokens"], state["batches_done"], state["units_done"]
+            for unit in units:
+                kl[unit] = torch.tensor(state["kl"][key(*unit)], dtype=torch.float64)
+
+    def save(batches_done: int, units_done: int) -> None:
+        if path is not None:
+            sums = {key(*unit): kl[unit].tolist() for unit in units}  # float64 round-trips through JSON exactly
+            state = {"identity": identity, "batches_done": batches_done, "units_done": units_done}
+            write_json_atomically(path, {**state, "tokens": tokens, "kl": sums}, indent=None)
+
     handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in layers]
-    tokens = 0
     with _measuring(model, units, handles):
-        for start in range(0, calibration_ids.shape[0], batch_size):
+        for batch_idx, start in enumerate(range(0, calibration_ids.shape[0], batch_size)):
+            if batch_idx < done_batches:
+                continue
             batch = calibration_ids[start : start + batch_size].to(model.device)
             kept.clear()
             reference = log_probs(model(input_ids=batch, use_cache=False).logits)
             probabilities = reference.exp()
-            tokens += batch.numel()
-            for (layer_idx, kind), sub in units.items():
+            for unit_idx, ((layer_idx, kind), sub) in enumerate(units.items()):
+                if batch_idx == done_batches and unit_idx < done_units:
+                    continue
                 for k in range(1, full):
                     sub.set_top_k(k)
                     args, kwargs = kept[layer_idx]
                     hidden = args[0] if args else kwargs["hidden_states"]
                     for idx in range(layer_idx, len(layers)):
                         args, kwargs = kept[idx]
-                        kwargs = {key: value for key, value in kwargs.items() if key != "hidden_states"}
+                        kwargs = {name: value for name, value in kwargs.items() if name != "hidden_states"}
                         hidden = layers[idx](hidden, *args[1:], **kwargs)
                     lowered = log_probs(model.lm_head(model.model.norm(hidden)))
                     divergence = (probabilities * (reference - lowered)).sum(-1)  # per token
                     kl[(layer_idx, kind)][k - 1] += divergence.double().sum().cpu()
                 sub.set_top_k(full)
+                save(batch_idx, unit_idx + 1)
+            tokens += batch.numel()
+            save(batch_idx + 1, 0)
     return {unit: (kl[unit] / tokens).tolist() for unit in units}, tokens
 
 
@@ -300,6 +372,7 @@ def allocate_routed_sub_dims(
     mean_routed_sub_dims: float,
     batch_size: int = 4,
     error: str = "residual",
+    progress: str | os.PathLike | None = None,
 ) -> BudgetAllocation:
     """Each routed sublayer's k for the per-token parameter budget of a uniform k = `mean_routed_sub_dims`, by the
     greedy of the module docstring (steps 1-3, or 1' and 2-3). Apply it with `apply_routed_budgets`.
@@ -311,10 +384,12 @@ def allocate_routed_sub_dims(
         batch_size: rows per forward.
         error: "residual" (each sublayer's local residual-stream error, `sublayer_errors`) or "output" (the model's
             output KL with only that sublayer lowered, `sublayer_output_errors`).
+        progress: with `error="output"`, the file that makes the measurement resumable (`sublayer_output_errors`);
+            the residual-stream measure, a forward of one sublayer per k, takes no file.
 
     Raises:
-        ConversionError: `mean_routed_sub_dims` outside [1, N_r], an unknown `error`, or the errors cannot be
-            measured.
+        ConversionError: `mean_routed_sub_dims` outside [1, N_r], an unknown `error`, `progress` with the residual
+            measure, or the errors cannot be measured.
     """
     full = model.config.num_routed_sub_dims
     if isinstance(mean_routed_sub_dims, bool) or not 1 <= float(mean_routed_sub_dims) <= full:
@@ -324,8 +399,12 @@ def allocate_routed_sub_dims(
         )
     if error not in BUDGET_ERRORS:
         raise ConversionError(f"`error` must be one of {list(BUDGET_ERRORS)}, got {error!r}.")
-    measure = sublayer_output_errors if error == "output" else sublayer_errors
-    errors, tokens = measure(model, calibration_ids, batch_size)
+    if error == "output":
+        errors, tokens = sublayer_output_errors(model, calibration_ids, batch_size, progress=progress)
+    elif progress is not None:
+        raise ConversionError('`progress` resumes the output measure only; pass it with `error="output"`.')
+    else:
+        errors, tokens = sublayer_errors(model, calibration_ids, batch_size)
     per_kind = block_params(model.config)
     weights = {unit: per_kind[unit[1]] for unit in errors}
     budget = sum(weights.values()) * float(mean_routed_sub_dims)
