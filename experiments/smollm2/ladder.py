@@ -773,8 +773,9 @@ def report(work: Path, output: Path) -> dict:
     names = ["dense", *ARMS, *CURVE]
     lm_eval = heal.lm_eval_table(work, names, LM_EVAL_LIMIT, earlier_lm_eval)
     for name in CURVE:
-        # rows measured here belong to the record here (`retire` moves them together), else to the recorded arm
-        here = heal.read_json(work / f"ladder_{name}.json", {}).get("recipe") or arms.get(name, {}).get("recipe")
+        # rows measured here belong to the record here (`retire` moves them together), else to the recorded arm: the
+        # arms loop above took this folder's record first
+        here = arms.get(name, {}).get("recipe")
         for table, key in ((lm_eval, f"{name} ({LM_EVAL_LIMIT} docs)"), (breakdowns, name)):
             if key in table:
                 table[key].setdefault("recipe", here)
