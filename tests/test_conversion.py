@@ -554,6 +554,47 @@ def test_cli_allocates_per_layer_budgets(tmp_path, input_ids, budgets, error, sa
     )  # needs calibration text
 
 
+def test_cli_output_budgets_resume_from_the_progress_file(tmp_path):
+    """`--routed-budgets greedy_output` reads the running sums of an interrupted conversion from
+    `.OUTPUT.allocation_progress.json` beside the output folder and measures only what the file lacks: a file that
+    holds every batch with one sublayer's sums made prohibitive gives the greedy of that table, not of the measured
+    one; the file is gone once the folder is written."""
+    from hf_mohd.conversion import calibration_token_ids, greedy_budgets, load_dense_llama
+    from hf_mohd.conversion.budgets import block_params, sublayer_output_errors
+    from hf_mohd.conversion.convert import allocation_progress_file
+
+    save_tiny_llama(tmp_path / "llama", tied=True, sharded=False)
+    text = tmp_path / "calibration.txt"
+    words = torch.randint(3, VOCAB, (400,), generator=torch.Generator().manual_seed(3)).tolist()
+    text.write_text(" ".join(f"w{i}" for i in words))
+    src, out, uniform = str(tmp_path / "llama"), tmp_path / "budgeted", tmp_path / "uniform"
+    args = ["--preset", "compression_75", "--routers", "fitted", "--calibration-text", str(text), "--routed-gate"]
+    args += ["unit", "--calibration-window", "50", "-q"]
+    assert cli_main(["convert", "mohd", src, str(uniform), *args]) == 0
+    flat = AutoModelForCausalLM.from_pretrained(uniform).eval()
+    calibration = calibration_token_ids(load_dense_llama(src), text, 50, 16384)
+    progress = allocation_progress_file(out)
+    assert progress == tmp_path / ".budgeted.allocation_progress.json"
+    errors, tokens = sublayer_output_errors(flat, calibration, progress=progress)
+    per_kind = block_params(flat.config)
+    weights = {unit: per_kind[unit[1]] for unit in errors}
+    budget = sum(weights.values()) * 3
+    measured, _ = greedy_budgets(errors, weights, budget)
+    lowered = min(measured, key=measured.get)  # the sublayer the measured table lowers most
+    full = flat.config.num_routed_sub_dims
+    poisoned = {**errors, lowered: [1e6 * (full - k) for k in range(1, full + 1)]}  # the file holds sums over tokens
+    state = json.loads(progress.read_text())
+    state["kl"]["{}.{}".format(*lowered)] = [error * tokens for error in poisoned[lowered]]
+    progress.write_text(json.dumps(state))
+    want, _ = greedy_budgets(poisoned, weights, budget)
+    assert want != measured and want[lowered] == full
+
+    assert cli_main(["convert", "mohd", src, str(out), *args, "--routed-budgets", "greedy_output"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    ks = {(m.layer_idx, m.sublayer): m.router.top_k for m in model.modules() if hasattr(m, "sublayer")}
+    assert ks == want and not progress.exists()
+
+
 @pytest.mark.parametrize("expert_init", ["slices", "random"])
 def test_latent_moe_upcycling_equals_llama(tiny_llama, input_ids, expert_init):
     folder, oracle = tiny_llama

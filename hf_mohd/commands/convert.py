@@ -141,8 +141,9 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         default="uniform",
         help="uniform: every sublayer at k; greedy: each layer and sublayer kind its own k, allocated on "
         "the calibration text under the parameter budget of k everywhere from each sublayer's residual-stream "
-        "error; greedy_output: the same from the model's output KL with only that sublayer lowered (slower); "
-        "both need --calibration-text.",
+        "error; greedy_output: the same from the model's output KL with only that sublayer lowered (slower; "
+        "the same command run again after an interruption resumes it from .OUTPUT.allocation_progress.json "
+        "beside the output folder); both need --calibration-text.",
     )
     parser.set_defaults(func=run_mohd)
     return parser

@@ -81,6 +81,13 @@ def _load_checked(
     return load_dense_llama(source, gguf_file=gguf_file, dtype=dtype), save_options
 
 
+def allocation_progress_file(output_dir: str | Path) -> Path:
+    """Where `convert_mohd(routed_budgets="greedy_output")` keeps the output measurement's running sums
+    (`budgets.sublayer_output_errors`): the hidden file `.NAME.allocation_progress.json` beside `output_dir`."""
+    output_dir = Path(output_dir)
+    return output_dir.parent / f".{output_dir.name}.allocation_progress.json"
+
+
 def convert_mohd(
     source: str | Path | DenseLlamaSource,
     output_dir: str | Path,
@@ -124,7 +131,9 @@ def convert_mohd(
             gets its own k, allocated on the calibration text under the per-token parameter budget of the uniform k
             (`budgets.allocate_routed_sub_dims`, after the routers; saved in `per_layer_config`), from each
             sublayer's residual-stream error ("greedy") or from the model's output KL with only that sublayer
-            lowered ("greedy_output": about N_r / 2 model forwards per sublayer and calibration batch).
+            lowered ("greedy_output": about N_r / 2 model forwards per sublayer and calibration batch; its running
+            sums are kept in `allocation_progress_file(output_dir)` until the folder is written, so the same
+            conversion run again after an interruption resumes the measurement).
         verify: before writing, check the exact model (every sub-dimension shared, same channel order and basis)
             against the source's logits; with a rotation the check runs in float64 (the same Q applied to a float64
             copy of the source), since fp32 rounding of the rotated weights alone moves real logits by ~1e-4.
@@ -145,8 +154,9 @@ def convert_mohd(
         ConversionError: options that do not go together (`check_mohd_options`: unknown rotation or routers, a
             rotation with channel_order other than "original", no calibration text where needed), a perplexity JSON
             that cannot be read, an existing destination without `overwrite`, a source that cannot be loaded, a
-            calibration file that is unreadable or too short, settings that do not fit the source, or a failed
-            `verify`. Each message names the file or field and what was expected.
+            calibration file that is unreadable or too short, settings that do not fit the source, a progress file
+            of another conversion ("greedy_output"), or a failed `verify`. Each message names the file or field and
+            what was expected.
     """
     check_mohd_options(
         rotation, routers, channel_order, calibration_text, "`calibration_text` (a UTF-8 file, --calibration-text)"
@@ -199,8 +209,9 @@ def convert_mohd(
                 f"routed_budgets={routed_budgets!r} needs routed sub-dimensions (k >= 1); this preset has none."
             )
         error = "output" if routed_budgets == "greedy_output" else "residual"
+        progress = allocation_progress_file(output_dir) if error == "output" else None
         allocation = allocate_routed_sub_dims(
-            model, calibration_ids, model.config.num_routed_sub_dims_per_tok, error=error
+            model, calibration_ids, model.config.num_routed_sub_dims_per_tok, error=error, progress=progress
         )
         apply_routed_budgets(model, allocation)
         shown = ", ".join(f"{layer}.{kind} {k}" for (layer, kind), k in sorted(allocation.budgets.items()))
@@ -222,6 +233,8 @@ def convert_mohd(
     if budget_note:
         changes = f"{changes}\n\n{budget_note}"
     path = save_converted(model, output_dir, converted, changes, **save_options)
+    if routed_budgets == "greedy_output":
+        allocation_progress_file(output_dir).unlink(missing_ok=True)  # the allocation is in the saved config now
     tokens = None if calibration_ids is None else calibration_ids.numel()
     return ConversionResult(path, model, difference, tokens)
 
@@ -361,4 +374,10 @@ def convert_carved_latent_moe(
     return ConversionResult(path, model, difference, report.calibration_tokens)
 
 
-__all__ = ["ConversionResult", "convert_carved_latent_moe", "convert_latent_moe", "convert_mohd"]
+__all__ = [
+    "ConversionResult",
+    "allocation_progress_file",
+    "convert_carved_latent_moe",
+    "convert_latent_moe",
+    "convert_mohd",
+]
