@@ -515,6 +515,20 @@ def test_cli_rotates_and_fits_routers(tmp_path, input_ids):
     assert cli_main(["convert", "mohd", src, str(tmp_path / "x"), "--rotate", "pca"]) == 2  # needs calibration text
 
 
+def uniform_budget_conversion(tmp_path):
+    """The 75% unit-gate conversion with fitted routers of the tiny LLaMA at `tmp_path / "llama"` on random-word
+    calibration text, written to `tmp_path / "uniform"`: (source, the budgeted output folder to write, the uniform
+    folder, the text file, the CLI options)."""
+    text = tmp_path / "calibration.txt"
+    words = torch.randint(3, VOCAB, (400,), generator=torch.Generator().manual_seed(3)).tolist()
+    text.write_text(" ".join(f"w{i}" for i in words))
+    src, out, uniform = str(tmp_path / "llama"), tmp_path / "budgeted", tmp_path / "uniform"
+    args = ["--preset", "compression_75", "--routers", "fitted", "--calibration-text", str(text), "--routed-gate"]
+    args += ["unit", "--calibration-window", "50", "-q"]
+    assert cli_main(["convert", "mohd", src, str(uniform), *args]) == 0
+    return src, out, uniform, text, args
+
+
 @pytest.mark.parametrize(
     ("budgets", "error", "said"),
     [("greedy", "residual", "residual-stream error"), ("greedy_output", "output", "with only that sublayer lowered")],
@@ -526,13 +540,7 @@ def test_cli_allocates_per_layer_budgets(tmp_path, input_ids, budgets, error, sa
     from hf_mohd.conversion import allocate_routed_sub_dims, calibration_token_ids, load_dense_llama
 
     oracle = save_tiny_llama(tmp_path / "llama", tied=True, sharded=False)
-    text = tmp_path / "calibration.txt"
-    words = torch.randint(3, VOCAB, (400,), generator=torch.Generator().manual_seed(3)).tolist()
-    text.write_text(" ".join(f"w{i}" for i in words))
-    src, out, uniform = str(tmp_path / "llama"), tmp_path / "budgeted", tmp_path / "uniform"
-    args = ["--preset", "compression_75", "--routers", "fitted", "--calibration-text", str(text), "--routed-gate"]
-    args += ["unit", "--calibration-window", "50", "-q"]
-    assert cli_main(["convert", "mohd", src, str(uniform), *args]) == 0
+    src, out, uniform, text, args = uniform_budget_conversion(tmp_path)
     assert cli_main(["convert", "mohd", src, str(out), *args, "--routed-budgets", budgets]) == 0
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     flat = AutoModelForCausalLM.from_pretrained(uniform).eval()
@@ -564,13 +572,7 @@ def test_cli_output_budgets_resume_from_the_progress_file(tmp_path):
     from hf_mohd.conversion.convert import allocation_progress_file
 
     save_tiny_llama(tmp_path / "llama", tied=True, sharded=False)
-    text = tmp_path / "calibration.txt"
-    words = torch.randint(3, VOCAB, (400,), generator=torch.Generator().manual_seed(3)).tolist()
-    text.write_text(" ".join(f"w{i}" for i in words))
-    src, out, uniform = str(tmp_path / "llama"), tmp_path / "budgeted", tmp_path / "uniform"
-    args = ["--preset", "compression_75", "--routers", "fitted", "--calibration-text", str(text), "--routed-gate"]
-    args += ["unit", "--calibration-window", "50", "-q"]
-    assert cli_main(["convert", "mohd", src, str(uniform), *args]) == 0
+    src, out, uniform, text, args = uniform_budget_conversion(tmp_path)
     flat = AutoModelForCausalLM.from_pretrained(uniform).eval()
     calibration = calibration_token_ids(load_dense_llama(src), text, 50, 16384)
     progress = allocation_progress_file(out)
