@@ -237,12 +237,17 @@ def _first(output):
     return output[0] if isinstance(output, tuple) else output
 
 
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The tensor's elements as raw bytes, row-major, on the CPU."""
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def _weights_digest(model: torch.nn.Module) -> str:
     """SHA-256 over every parameter's and buffer's name, dtype, shape and bytes (in `state_dict` order)."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(_tensor_bytes(tensor))
     return digest.hexdigest()
 
 
@@ -316,11 +321,10 @@ def sublayer_output_errors(
     path = identity = None
     if progress is not None:
         path = Path(progress)
-        ids = calibration_ids.detach().cpu().contiguous()
         identity = {
             "weights_sha256": _weights_digest(model),
-            "calibration_sha256": hashlib.sha256(ids.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest(),
-            "calibration_shape": list(ids.shape),
+            "calibration_sha256": hashlib.sha256(_tensor_bytes(calibration_ids)).hexdigest(),
+            "calibration_shape": list(calibration_ids.shape),
             "batch_size": batch_size,
             "units": [key(*unit) for unit in units],
         }

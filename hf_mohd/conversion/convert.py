@@ -202,7 +202,7 @@ def convert_mohd(
         calibration_ids=calibration_ids,
         **sparsity,
     )
-    budget_note = None
+    budget_note = progress = None
     if routed_budgets != "uniform":
         if model.config.num_routed_sub_dims_per_tok == 0 or model.config.num_routed_sub_dims == 0:
             raise ConversionError(
@@ -233,8 +233,8 @@ def convert_mohd(
     if budget_note:
         changes = f"{changes}\n\n{budget_note}"
     path = save_converted(model, output_dir, converted, changes, **save_options)
-    if routed_budgets == "greedy_output":
-        allocation_progress_file(output_dir).unlink(missing_ok=True)  # the allocation is in the saved config now
+    if progress is not None:
+        progress.unlink(missing_ok=True)  # the allocation is in the saved config now
     tokens = None if calibration_ids is None else calibration_ids.numel()
     return ConversionResult(path, model, difference, tokens)
 
