@@ -505,6 +505,39 @@ def test_allocation_keeps_the_parameter_budget_and_is_saved(tmp_path):
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=1e-10, atol=1e-10)
 
 
+def test_recorded_allocation_rebuilds_the_same_model():
+    """An allocation written with `as_dict` and read back with `BudgetAllocation.from_budgets` on a fresh copy of the
+    student gives the same k in every sublayer, the same parameter count and budget, and the same logits as the
+    allocation it was recorded from; a record that does not fit the model is refused by name."""
+    from hf_mohd.conversion.budgets import BudgetAllocation, allocate_routed_sub_dims, apply_routed_budgets
+    from hf_mohd.conversion.source import ConversionError
+
+    ids = torch.randint(3, 61, (4, 8), generator=torch.Generator().manual_seed(4))
+    allocation = allocate_routed_sub_dims(build(3, routed_gate="unit"), ids, 3, batch_size=2)
+    measured = apply_routed_budgets(build(3, routed_gate="unit"), allocation)
+    record = json.loads(json.dumps(allocation.as_dict()))
+    fresh = build(3, routed_gate="unit")
+    recorded = BudgetAllocation.from_budgets(fresh, record["budgets"], error=record["error"], tokens=record["tokens"])
+    assert recorded.budgets == allocation.budgets and len(set(recorded.budgets.values())) > 1
+    assert recorded.active_block_params == allocation.active_block_params
+    assert recorded.budget_block_params == allocation.budget_block_params and recorded.tokens == 32
+    apply_routed_budgets(fresh, recorded)
+    assert fresh.config.to_dict()["per_layer_config"] == measured.config.to_dict()["per_layer_config"]
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids).logits, measured(ids).logits, rtol=0, atol=0)
+    budgets = record["budgets"]
+    for bad, message in (
+        ({**budgets, "2.ffn": 3}, r"unknown: \['2.ffn'\]"),
+        ({key: k for key, k in budgets.items() if key != "1.attention"}, r"missing: \['1.attention'\]"),
+        ({**budgets, "0.ffn": 7}, r"integers in \[1, 6\].*'0.ffn': 7"),
+        ({**budgets, "0.ffn": 2.0}, r"integers in \[1, 6\]"),
+    ):
+        with pytest.raises(ConversionError, match=message):
+            BudgetAllocation.from_budgets(build(3), bad)
+    with pytest.raises(ConversionError, match="`error` must be one of"):
+        BudgetAllocation.from_budgets(build(3), budgets, error="logits")
+
+
 def test_nested_backward_runs_the_own_k_at_the_per_layer_budgets():
     """In nested healing the model's own k (its config's default, 2) stands for its per-layer budgets: the forward at
     k = 2 sees every sublayer at its budget, the forward at k = 6 every sublayer at 6, and the model is left at

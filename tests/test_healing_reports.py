@@ -469,3 +469,66 @@ def test_ladder_curve_point_heals_anew_when_the_recipe_changes(tmp_path, monkeyp
     ladder.report(work, output)
     card = (tmp_path / "smollm2_mohd75_ladder_model_card.md").read_text(encoding="utf-8")
     assert "4,096 calibration tokens from the KL divergence of the model's next-token distribution" in card
+
+
+def test_ladder_budgets_reuse_the_allocation_the_report_records(tmp_path, monkeypatch):
+    """`ladder.budgets` with a report that records a budgeted student's allocation (same base student and error
+    measure) applies it without measuring: the saved student has exactly the recorded k per sublayer; a student the
+    report does not record is allocated as before; a recorded allocation whose active parameters differ from the
+    student's stops the stage."""
+    import torch
+    import transformers
+
+    from experiments.smollm2 import heal, ladder
+    from hf_mohd import MoHDForCausalLM
+    from hf_mohd.conversion import budgets as budgets_module
+
+    class Tokenizer:
+        def save_pretrained(self, folder):
+            pass
+
+    base = dict(MOHD_BASES["mohd_gqa"], routed_gate="unit")  # N_r = 5 routed blocks, k = 2
+    work = tmp_path / "work"
+    torch.manual_seed(0)
+    for student in ("mohd75u", "mohd50u"):
+        MoHDForCausalLM(MoHDConfig(**base)).save_pretrained(work / student)
+    vocab = base["vocab_size"]
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *args, **kwargs: Tokenizer())
+    monkeypatch.setattr(heal, "held_out_windows", lambda tokenizer: torch.randint(vocab, (4, 16)))
+    monkeypatch.setattr(ladder, "calibration_ids", lambda work, tokenizer: torch.randint(vocab, (4, 16)))
+    recorded = {"0.attention": 1, "0.ffn": 4, "1.attention": 3, "1.ffn": 1}
+    # the active parameters of that allocation, from the config it gives
+    per_layer = {0: {"attention_routed_sub_dims_per_tok": 1, "ffn_routed_sub_dims_per_tok": 4}}
+    per_layer[1] = {"attention_routed_sub_dims_per_tok": 3, "ffn_routed_sub_dims_per_tok": 1}
+    active = MoHDConfig(**base, per_layer_config=per_layer).num_active_parameters()
+    students = {
+        name: {"from": ladder.BUDGETED[name][0], "budgets": recorded, "allocation_error": "output"}
+        | {"allocation_tokens": 4096, "active_parameters": active}
+        for name in ("mohd75ubo", "mohd50ubo")
+    }
+    output = tmp_path / "report.json"
+    write(output, {"students": students})
+    measured = []
+    allocate = budgets_module.allocate_routed_sub_dims
+
+    def counting(model, calibration, k, error="residual", progress=None):
+        measured.append(error)
+        return allocate(model, calibration, k, error=error, progress=progress)
+
+    monkeypatch.setattr(budgets_module, "allocate_routed_sub_dims", counting)
+
+    ladder.budgets(work, output)
+
+    assert measured == ["residual", "residual"]  # mohd75ub and mohd50ub; the two output-KL ones are reused
+    found = json.loads((work / "ladder_budgets.json").read_text(encoding="utf-8"))
+    for name in ("mohd75ubo", "mohd50ubo"):
+        assert found[name]["allocation"]["budgets"] == recorded and found[name]["active_parameters"] == active
+        assert found[name]["allocation_recorded_in"] == "report.json"
+        saved = MoHDForCausalLM.from_pretrained(work / name).config.to_dict()["per_layer_config"]
+        assert saved == {str(i): entries for i, entries in per_layer.items()}
+    assert "allocation_recorded_in" not in found["mohd75ub"]
+    # a record that does not fit the student (another parameter count) stops the stage instead of saving it
+    (work / "ladder_budgets.json").unlink()
+    write(output, {"students": {"mohd75ubo": {**students["mohd75ubo"], "active_parameters": active + 1}}})
+    with pytest.raises(SystemExit, match="active parameters here against"):
+        ladder.budgets(work, output)

@@ -38,7 +38,8 @@ recipe that is no longer the best heals anew when trained again: its files move 
     python -m experiments.smollm2.ladder ladder                   # the whole 256k ladder: every stage below, in order
     python -m experiments.smollm2.ladder curve                    # the whole curve (after the 256k ladder)
     python -m experiments.smollm2.ladder prepare                  # heal's prepare, then the unit and compensated students
-    python -m experiments.smollm2.ladder budgets                  # the budgeted students (after prepare)
+    python -m experiments.smollm2.ladder budgets                  # the budgeted students (after prepare; an
+                                                                  # allocation the report records is reused)
     python -m experiments.smollm2.ladder sides                    # one sparse side, training-free
     python -m experiments.smollm2.ladder oracle                   # unit-gate students with oracle routing
     python -m experiments.smollm2.ladder sources                  # dense and students on the five held-out sources
@@ -203,17 +204,21 @@ def prepare(work: Path) -> None:
             write_json_atomically(work / "ladder_prepare.json", info)
 
 
-def budgets(work: Path) -> None:
+def budgets(work: Path, output: Path | None = None) -> None:
     """The budgeted students (`BUDGETED`): allocation on the first `BUDGET_CALIBRATION_ROWS` rows of the calibration
     text, saved with the allocation, and their held-out perplexity next to the uniform student's. An output-KL
-    allocation resumes from `WORK/NAME.allocation_progress.json` after an interruption."""
+    allocation resumes from `WORK/NAME.allocation_progress.json` after an interruption. An allocation that `output`
+    (the report) already records for the same student and error measure, measured in an earlier work folder, is
+    applied as recorded instead of measured again (the output-KL allocations take 2-3 CPU-hours here), and the
+    student's active parameters must then equal the recorded count."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_mohd  # noqa: F401
-    from hf_mohd.conversion.budgets import allocate_routed_sub_dims, apply_routed_budgets
+    from hf_mohd.conversion.budgets import BudgetAllocation, allocate_routed_sub_dims, apply_routed_budgets
 
     path = work / "ladder_budgets.json"
     info = heal.read_json(path, {})
+    earlier = heal.read_json(output, {}).get("students", {}) if output is not None else {}
     tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
     windows = heal.held_out_windows(tokenizer)
     calibration = calibration_ids(work, tokenizer)[:BUDGET_CALIBRATION_ROWS]
@@ -224,27 +229,40 @@ def budgets(work: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(str(work / base), dtype=torch.float32).eval()
         uniform_active = model.config.num_active_parameters()
         k = model.config.num_routed_sub_dims_per_tok
-        # the output measure takes hours here: its running sums survive an interrupted run (removed once recorded)
-        progress = work / f"{name}.allocation_progress.json" if error == "output" else None
-        allocation = allocate_routed_sub_dims(model, calibration, k, error=error, progress=progress)
+        record = earlier.get(name, {})
+        reused = (
+            record.get("from") == base and record.get("allocation_error", "residual") == error and "budgets" in record
+        )
+        if reused:
+            allocation = BudgetAllocation.from_budgets(model, record["budgets"], error, record["allocation_tokens"])
+            logger.info("%s: the allocation %s records", name, output)
+        else:
+            # the output measure takes hours here: its running sums survive an interrupted run (removed once recorded)
+            progress = work / f"{name}.allocation_progress.json" if error == "output" else None
+            allocation = allocate_routed_sub_dims(model, calibration, k, error=error, progress=progress)
         apply_routed_budgets(model, allocation)
+        if reused and model.config.num_active_parameters() != record["active_parameters"]:
+            sys.exit(
+                f"{name}: the recorded allocation in {output} gives {model.config.num_active_parameters():,} active "
+                f"parameters here against {record['active_parameters']:,} recorded; is {work / base} the same student?"
+            )
         with write_folder_atomically(work / name) as staging:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
-        allocation_seconds = round(heal.cpu_seconds() - started, 1)
         info[name] = {
             "from": base,
             "allocation": allocation.as_dict(),
+            **({"allocation_recorded_in": output.name} if reused else {}),
             "active_parameters": model.config.num_active_parameters(),
             "uniform_active_parameters": uniform_active,
-            "allocation_cpu_seconds": allocation_seconds,
+            "allocation_cpu_seconds": round(heal.cpu_seconds() - started, 1),
             "perplexity": perplexity(model, windows, 4, desc=name),
             "machine": ep.machine(),
         }
         logger.info("%s: held-out perplexity %.3f", name, info[name]["perplexity"])
         write_json_atomically(path, info)
-        if progress is not None:
-            progress.unlink(missing_ok=True)
+        if not reused and error == "output":
+            (work / f"{name}.allocation_progress.json").unlink(missing_ok=True)
         del model
 
 
@@ -1022,7 +1040,7 @@ def main(argv=None) -> int:
     work, corpus = args.work_dir, args.corpus_dir
     if args.stage == "ladder":
         prepare(work)
-        budgets(work)
+        budgets(work, args.output)
         sides(work)
         oracle(work)
         sources(work, corpus)
@@ -1037,7 +1055,7 @@ def main(argv=None) -> int:
     elif args.stage == "prepare":
         prepare(work)
     elif args.stage == "budgets":
-        budgets(work)
+        budgets(work, args.output)
     elif args.stage == "sides":
         sides(work)
     elif args.stage == "oracle":

@@ -103,6 +103,50 @@ class BudgetAllocation:
                 entries.setdefault(layer_idx, {})[f"{sublayer}_routed_sub_dims_per_tok"] = k
         return entries
 
+    @classmethod
+    def from_budgets(
+        cls, model: MoHDForCausalLM, budgets: dict[str, int], error: str = "residual", tokens: int = 0
+    ) -> "BudgetAllocation":
+        """An allocation recorded earlier (the "budgets" of `as_dict`, keyed "layer.sublayer"), for `model`, without
+        measuring anything: `errors` and `steps` stay empty, the costs and the budget are `model`'s. Apply it with
+        `apply_routed_budgets`; the greedy of an identical model on the same text gives the same model.
+
+        Raises:
+            ConversionError: a key that is not one of `model`'s routed sublayers, a routed sublayer left out, a k
+                that is not an integer in [1, N_r], or an unknown `error`.
+        """
+        if error not in BUDGET_ERRORS:
+            raise ConversionError(f"`error` must be one of {list(BUDGET_ERRORS)}, got {error!r}.")
+        units = {f"{layer_idx}.{sublayer}": (layer_idx, sublayer) for layer_idx, sublayer in routed_sublayers(model)}
+        unknown, missing = sorted(set(budgets) - set(units)), sorted(set(units) - set(budgets))
+        if unknown or missing:
+            raise ConversionError(
+                f"recorded budgets must name each routed sublayer of the model once ('layer.sublayer'); "
+                f"unknown: {unknown}, missing: {missing}."
+            )
+        full = model.config.num_routed_sub_dims
+        bad = {
+            key: k for key, k in budgets.items() if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= full
+        }
+        if bad:
+            raise ConversionError(
+                f"recorded budgets must be integers in [1, {full}] (the routed sub-dimensions), got {bad}."
+            )
+        per_kind = block_params(model.config)
+        ks = {units[key]: k for key, k in budgets.items()}
+        weights = {unit: per_kind[unit[1]] for unit in ks}
+        mean = model.config.num_routed_sub_dims_per_tok
+        return cls(
+            budgets=ks,
+            errors={},
+            block_params=weights,
+            mean_routed_sub_dims=float(mean),
+            active_block_params=sum(weights[u] * ks[u] for u in ks),
+            budget_block_params=sum(weights.values()) * float(mean),
+            tokens=tokens,
+            error=error,
+        )
+
     def as_dict(self) -> dict:
         """JSON-ready: budgets and errors keyed "layer.sublayer"."""
         key = "{}.{}".format
