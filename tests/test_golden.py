@@ -191,9 +191,12 @@ def golden() -> dict:
 @pytest.mark.parametrize("family, name, strategy", CASES)
 def test_matches_golden(golden, request, family, name, strategy):
     """Every recorded value of the case is reproduced: float64 values to 1e-9 relative (float32 ones to 1e-4), tokens
-    exactly."""
+    exactly. The loss and the gradients are float32-exact only: transformers' `ForCausalLMLoss` casts the logits to
+    float32, and how a float32 reduction rounds depends on the CPU's vector width (AVX2 against AVX-512), so they are
+    compared at float32's tolerance whatever the model's dtype."""
     case_id = request.node.callspec.id
     rtol, atol = (1e-9, 1e-12) if dtype_of(family, strategy) == torch.float64 else (1e-4, 1e-5)
+    loss_rtol, loss_atol = max(rtol, 1e-4), max(atol, 1e-6)
     assert case_id in golden, f"{case_id} has no golden values; regenerate with HF_MOHD_WRITE_GOLDEN=1"
     expected, actual = golden[case_id], run_case(family, name, strategy)
     assert expected.keys() == actual.keys()
@@ -202,9 +205,11 @@ def test_matches_golden(golden, request, family, name, strategy):
             assert actual[key] == expected[key], "the set of parameters with gradients changed"
         elif key == "gradients":
             for name, got, want in zip(expected["gradient_names"], actual[key], expected[key], strict=True):
-                torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=name)
+                torch.testing.assert_close(got, want, rtol=loss_rtol, atol=loss_atol, msg=name)
         elif key.startswith("greedy"):
             assert torch.equal(actual[key], expected[key]), key
+        elif key == "loss":
+            torch.testing.assert_close(actual[key], expected[key], rtol=loss_rtol, atol=loss_atol, msg=key)
         else:
             torch.testing.assert_close(actual[key], expected[key], rtol=rtol, atol=atol, msg=key)
 
