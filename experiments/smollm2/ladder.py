@@ -233,6 +233,7 @@ def budgets(work: Path, output: Path | None = None) -> None:
         reused = (
             record.get("from") == base and record.get("allocation_error", "residual") == error and "budgets" in record
         )
+        progress = None
         if reused:
             allocation = BudgetAllocation.from_budgets(model, record["budgets"], error, record["allocation_tokens"])
             logger.info("%s: the allocation %s records", name, output)
@@ -261,8 +262,8 @@ def budgets(work: Path, output: Path | None = None) -> None:
         }
         logger.info("%s: held-out perplexity %.3f", name, info[name]["perplexity"])
         write_json_atomically(path, info)
-        if not reused and error == "output":
-            (work / f"{name}.allocation_progress.json").unlink(missing_ok=True)
+        if progress is not None:
+            progress.unlink(missing_ok=True)
         del model
 
 
