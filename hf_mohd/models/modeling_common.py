@@ -160,7 +160,8 @@ def eager_attention_forward(
 
 
 class Attention(nn.Module):
-    """LLaMA multi-head attention with GQA and RoPE; the core (`attend`) is shared with the sparse variants.
+    """LLaMA multi-head attention with GQA and RoPE (`LlamaAttention`); the head split, RoPE and cache update
+    (`prepare_attention_inputs`) are shared with the sparse variant, whose forward dispatches the same way.
 
     `q_proj` reads `hidden_size` columns and `o_proj` writes `hidden_size` rows; heads x head_dim is independent
     of `hidden_size` (MoHD expansion keeps the base heads while widening the residual stream).
@@ -188,23 +189,22 @@ class Attention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
 
-    def attend(
+    def prepare_attention_inputs(
         self,
         query_states: torch.Tensor,
         key_states: torch.Tensor,
         value_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
-        attention_mask: torch.Tensor | None,
         cache=None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, T, heads * head_dim) projections -> (B, T, heads * head_dim) attention output and weights.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, heads * head_dim) projections -> (B, heads, T, head_dim) query and (B, kv_heads, S, head_dim) key and
+        value, as the attention interface takes them.
 
-        Applies RoPE when `position_embeddings` is given (None means no positional embedding, as in Nemotron-H),
-        updates the key/value cache, then dispatches through `ALL_ATTENTION_FUNCTIONS`.
+        Splits the heads, applies RoPE when `position_embeddings` is given (None means no positional embedding, as in
+        Nemotron-H) and updates the key/value cache, as `LlamaAttention.forward` does before its dispatch.
         """
-        input_shape = query_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
+        hidden_shape = (*query_states.shape[:-1], -1, self.head_dim)
         query_states = query_states.view(hidden_shape).transpose(1, 2)
         key_states = key_states.view(hidden_shape).transpose(1, 2)
         value_states = value_states.view(hidden_shape).transpose(1, 2)
@@ -213,6 +213,28 @@ class Attention(nn.Module):
             query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+        return query_states, key_states, value_states
+
+    @deprecate_past_key_values
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        query_states, key_states, value_states = self.prepare_attention_inputs(
+            self.q_proj(hidden_states),
+            self.k_proj(hidden_states),
+            self.v_proj(hidden_states),
+            position_embeddings,
+            cache=cache,
+            **kwargs,
+        )
+        # the dispatch stays in `forward`, as in `LlamaAttention`: serving engines that run transformers modeling code
+        # (vLLM's Transformers backend) find the attention modules by this call in their forward's source
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -226,26 +248,7 @@ class Attention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        return attn_output.reshape(*input_shape, -1).contiguous(), attn_weights
-
-    @deprecate_past_key_values
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache=None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attn_output, attn_weights = self.attend(
-            self.q_proj(hidden_states),
-            self.k_proj(hidden_states),
-            self.v_proj(hidden_states),
-            position_embeddings,
-            attention_mask,
-            cache=cache,
-            **kwargs,
-        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
 

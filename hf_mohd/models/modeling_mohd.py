@@ -24,11 +24,13 @@ Shapes: see the legend in `modeling_common.py`; here N = num_sub_dims, N_s share
 `RoutedCausalLMMixin`).
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
-from transformers.modeling_utils import PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring
 from transformers.utils.output_capturing import OutputRecorder
@@ -45,6 +47,7 @@ from .modeling_common import (
     TopKRouter,
     autocast_off,
     cast_to,
+    eager_attention_forward,
     load_balancing_loss,
     replayed_routes,
 )
@@ -369,14 +372,30 @@ class MoHDAttention(Attention):
         cache=None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
         projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         plan = self.sub_dims.route(hidden_states, projections, cache=cache, **kwargs)
         query, key, value = self.sub_dims.project_in(hidden_states, plan, (self.q_proj, self.k_proj, self.v_proj))
-        attn_output, attn_weights = self.attend(
-            query, key, value, position_embeddings, attention_mask, cache=cache, **kwargs
+        query, key, value = self.prepare_attention_inputs(
+            query, key, value, position_embeddings, cache=cache, **kwargs
+        )
+        # dispatched here, as `Attention.forward` does (engines find attention modules by this call)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
         )
         # freed before the output side, as LLaMA's temporaries are: (tokens, heads * head_dim) each
         del query, key, value
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.sub_dims.project_out(attn_output, plan, self.o_proj), attn_weights
 
 
@@ -589,7 +608,10 @@ class MoHDPreTrainedModel(PreTrainedModel):
         if isinstance(module, MoHDRouter):
             init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
         elif isinstance(module, MoHDGroupFusion):
-            init.eye_(module.weight)
+            # `copy_` of an identity made on the weight's device: `init.eye_` writes through `torch.eye(out=...)`,
+            # which refuses a meta tensor (serving engines build the model on the meta device before loading)
+            weight = module.weight
+            init.copy_(weight, torch.eye(*weight.shape, dtype=weight.dtype, device=weight.device))
         elif isinstance(module, MoHDSubDimensions) and module.output_compensation is not None:
             init.zeros_(module.output_compensation)
             for table in module.input_compensation.values():

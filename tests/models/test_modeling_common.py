@@ -768,3 +768,56 @@ def test_tensor_parallel_on_two_processes_equals_one(family, tmp_path):
             assert result["grads"].keys() == expected_grads.keys()
             for name, grad in result["grads"].items():
                 torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-5, msg=f"{run} {name}")
+
+
+def test_model_builds_on_the_meta_device_and_initialises_there(family):
+    """Serving engines (vLLM's Transformers backend) build the model with its parameters on the meta device and load
+    the weights afterwards, under the target device as torch's default device; every `_init_weights` rule must run
+    there (MoHD's identity fusion once wrote through `torch.eye(out=...)`, which then refuses a meta tensor). Oracle: the same initialisation on the CPU, where the group
+    fusion weight is the identity."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = family.config(**family.saved_fields)
+    # parameters on meta, buffers and new tensors on the target device, as vLLM's model loader builds it
+    with torch.device("cpu"), init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    parameters = dict(model.named_parameters())
+    assert parameters and all(p.device.type == "meta" for p in parameters.values())
+    torch.manual_seed(0)
+    reference = family.model_class(config)
+    assert {name: p.shape for name, p in model.state_dict().items()} == {
+        name: p.shape for name, p in reference.state_dict().items()
+    }
+    for name, weight in reference.named_parameters():
+        if name.endswith("group_fusion.weight"):
+            torch.testing.assert_close(weight, torch.eye(*weight.shape), rtol=0, atol=0)
+
+
+def test_every_attention_dispatches_through_the_attention_interface(family):
+    """The attention of every layer, sparse or dense, calls the function registered in `ALL_ATTENTION_FUNCTIONS` under
+    the config's `_attn_implementation` from its own `forward`, as `LlamaAttention` does: that is how serving engines
+    (vLLM's Transformers backend, which reads the call from the forward's source) and user kernels take over attention.
+    Oracle: a registered function that records its callers and returns SDPA's result (a registered function gets
+    SDPA's mask) gives the SDPA logits, and is called once per layer from a module whose `forward` source holds the
+    dispatch."""
+    import inspect
+
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    callers = []
+
+    def recording_attention(module, *args, **kwargs):
+        callers.append(module)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, *args, **kwargs)
+
+    AttentionInterface.register("hf_mohd_recording", recording_attention)
+    sdpa = family.model(attn_implementation="sdpa")
+    recording = family.model(attn_implementation="hf_mohd_recording")
+    ids = input_ids()
+    torch.testing.assert_close(recording(ids).logits, sdpa(ids).logits, rtol=0, atol=0)
+    assert [module.layer_idx for module in callers] == list(range(recording.config.num_hidden_layers))
+    for module in callers:
+        source = inspect.getsource(type(module).forward)
+        assert "ALL_ATTENTION_FUNCTIONS.get_interface(" in source and "attention_interface(" in source
