@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 import hf_mohd  # noqa: F401  (registers the Auto classes)
 from hf_mohd import LatentMoEForCausalLM
 from hf_mohd.cli import main as cli_main
-from hf_mohd.interop import LlamaCppExportError, NemotronHInteropError, export_to_gguf, export_to_nemotron_h
+from hf_mohd.interop import LlamaCppExportError, export_to_gguf, export_to_nemotron_h
 from hf_mohd.interop.gguf_export import default_converter_dir, to_nemotron_h_with_mamba_prefix
 from tests.test_nemotron_h_interop import input_ids, latent_moe_model
 
@@ -58,8 +58,9 @@ def test_mamba_prefix_block_keeps_logits_bit_for_bit():
         ({"per_layer_config": {0: {"mixer_type": "mlp"}}}, LlamaCppExportError, "mixer_type"),
         ({"hidden_act": "gelu"}, LlamaCppExportError, "hidden_act"),
         ({"vocab_size": 97}, LlamaCppExportError, "vocab_size"),
-        ({"position_embedding_type": "rope"}, NemotronHInteropError, "position_embedding_type"),
-        ({"router_score_func": "softmax"}, NemotronHInteropError, "router_score_func"),
+        # the Nemotron-H requirements too, in the one message that lists every unmet requirement
+        ({"position_embedding_type": "rope"}, LlamaCppExportError, "position_embedding_type"),
+        ({"router_score_func": "softmax"}, LlamaCppExportError, "router_score_func"),
     ],
 )
 def test_gguf_export_rejects_what_llama_cpp_cannot_load(tmp_path, overrides, error, field):
@@ -69,6 +70,33 @@ def test_gguf_export_rejects_what_llama_cpp_cannot_load(tmp_path, overrides, err
     model.save_pretrained(tmp_path / "model")
     assert cli_main(["export", "gguf", str(tmp_path / "model"), str(tmp_path / "out.gguf")]) == 6  # a config field
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_gguf_export_lists_every_unmet_requirement_and_says_a_carved_model_has_no_gguf_form(tmp_path, capsys):
+    """A carved model (unit gates over gated experts, RoPE, softmax routing: the carving's config) is refused in one
+    line that says it is carved and why no GGUF form exists, and lists all five unmet requirements at once (exit
+    status 6, docs/bad-input.md); a non-carved model's refusal lists every unmet requirement without that note."""
+    carved = dict(
+        ALL_MOE,
+        position_embedding_type="rope",
+        mlp_gated=True,
+        hidden_act="silu",
+        router_score_func="softmax",
+        router_gate="unit",
+    )
+    model = latent_moe_model(**carved)
+    model.save_pretrained(tmp_path / "carved")
+    capsys.readouterr()  # the save's progress bars
+    assert cli_main(["export", "gguf", str(tmp_path / "carved"), str(tmp_path / "out.gguf")]) == 6
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "carved model" in lines[0]
+    assert "no GGUF form" in lines[0] and "Unmet (5)" in lines[0]
+    fields = ["position_embedding_type", "mlp_gated", "router_score_func", "router_gate", "hidden_act"]
+    assert all(f"`{field}`" in lines[0] for field in fields)
+    plain = latent_moe_model(**{**ALL_MOE, "position_embedding_type": "rope", "hidden_act": "gelu"})
+    with pytest.raises(LlamaCppExportError, match=r"\(2 unmet\).*`position_embedding_type`.*`hidden_act`") as caught:
+        export_to_gguf(plain, tmp_path / "out.gguf", converter_dir=tmp_path / "no-converter")
+    assert "carved" not in str(caught.value)
 
 
 def test_gguf_export_names_a_missing_converter_outtype_and_existing_file(tmp_path):

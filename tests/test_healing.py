@@ -42,7 +42,8 @@ def build(k: int, **overrides) -> MoHDForCausalLM:
 
 def outputs(model, input_ids):
     with torch.no_grad():
-        out = model(input_ids=input_ids, output_router_logits=True)
+        # labels: the aux loss is computed where a loss is asked for (labels given, or training)
+        out = model(input_ids=input_ids, labels=input_ids, output_router_logits=True)
         tokens = model.generate(input_ids[:1, :3], max_new_tokens=4, do_sample=False, pad_token_id=0)
     return out.logits, out.aux_loss, tokens
 
@@ -292,7 +293,7 @@ def test_per_layer_budgets_aux_loss_counts_each_router_at_its_k():
     model = build(2, **UNEVEN)
     input_ids = torch.randint(3, 61, (2, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        out = model(input_ids=input_ids, output_router_logits=True)
+        out = model(input_ids=input_ids, labels=input_ids, output_router_logits=True)
     losses = []
     for logits, k in zip(out.router_logits, BUDGETS.values(), strict=True):
         probs = torch.softmax(logits, dim=-1)

@@ -62,6 +62,7 @@ from .nemotron_h import (
     _copy_side_files,
     latent_moe_to_nemotron_h_state_dict,
     nemotron_h_config_from_latent_moe,
+    nemotron_h_unmet,
 )
 
 
@@ -88,31 +89,42 @@ def check_llama_cpp_compatible(config: LatentMoEConfig) -> NemotronHConfig:
     """The Nemotron-H config of a LatentMoE config that llama.cpp's `nemotron_h_moe` loads and computes exactly.
 
     Raises:
-        NemotronHInteropError: not expressible as Nemotron-H (see `nemotron_h_config_from_latent_moe`).
-        LlamaCppExportError: dense `mlp` layers, an activation other than relu2, or a `vocab_size` that is not a
-            multiple of 8; the message names the field.
+        LlamaCppExportError: one message listing every unmet requirement, each naming its field: those of the
+            Nemotron-H form (`nemotron_h_unmet`), dense `mlp` layers, an activation other than relu2, a `vocab_size`
+            that is not a multiple of 8; for a carved model (unit gates over gated experts) it says so first and why
+            no GGUF form exists.
     """
-    nemotron = nemotron_h_config_from_latent_moe(config)
-    mixers = [layer.mixer_type for layer in config.per_layer_config]
-    dense = [i for i, mixer in enumerate(mixers) if mixer != "moe"]
+    unmet = nemotron_h_unmet(config)
+    dense = [i for i, layer in enumerate(config.per_layer_config) if layer.mixer_type != "moe"]
     if dense:
-        raise LlamaCppExportError(
+        unmet.append(
             f"`mixer_type` is 'mlp' at layers {dense}: llama.cpp's nemotron_h_moe counts only 'moe' blocks as "
-            "feed-forward blocks (conversion/nemotron.py `_MLP_LAYER_TYPES`), so dense layers cannot be exported to "
-            "GGUF; use mixer_type='moe' in every layer."
+            "feed-forward blocks (conversion/nemotron.py `_MLP_LAYER_TYPES`); use mixer_type='moe' in every layer"
         )
     if config.hidden_act != "relu2":
-        raise LlamaCppExportError(
-            f"`hidden_act` must be 'relu2' for llama.cpp (nemotron_h_moe computes relu^2, LLM_FFN_RELU_SQR, in every "
-            f"expert and the shared expert); got {config.hidden_act!r}."
+        unmet.append(
+            f"`hidden_act` must be 'relu2' (nemotron_h_moe computes relu^2, LLM_FFN_RELU_SQR, in every expert and the "
+            f"shared expert); got {config.hidden_act!r}"
         )
     if config.vocab_size % 8:
-        raise LlamaCppExportError(
-            f"`vocab_size` must be a multiple of 8 for llama.cpp; got {config.vocab_size}. The converter pads the "
-            "vocabulary of hybrid Nemotron-H models to a multiple of 8 (NemotronHModel.set_vocab) but not the "
-            "embedding and output matrices, so llama.cpp refuses the file; resize the embeddings "
-            "(model.resize_token_embeddings(n, pad_to_multiple_of=8)) and fine-tune briefly."
+        unmet.append(
+            f"`vocab_size` must be a multiple of 8; got {config.vocab_size} (the converter pads the vocabulary of "
+            "hybrid Nemotron-H models to a multiple of 8 but not the embedding and output matrices, so llama.cpp "
+            "refuses the file; resize the embeddings with model.resize_token_embeddings(n, pad_to_multiple_of=8) and "
+            "fine-tune briefly)"
         )
+    if unmet and config.router_gate == "unit" and config.mlp_gated:
+        raise LlamaCppExportError(
+            "This is a carved model (`router_gate` 'unit' over gated experts, as `hf-mohd convert latent-moe --carve` "
+            "writes): it has no GGUF form, since llama.cpp weighs every routed expert by a function of its router "
+            "logit (build_moe_ffn) and has no selection-only gate of weight 1 over SwiGLU experts (docs/serving.md, "
+            f"'Carved models and llama.cpp'). Unmet ({len(unmet)}): " + "; ".join(unmet) + "."
+        )
+    if unmet:
+        raise LlamaCppExportError(
+            f"Not exportable to GGUF for llama.cpp ({len(unmet)} unmet): " + "; ".join(unmet) + "."
+        )
+    nemotron = nemotron_h_config_from_latent_moe(config)
     return nemotron
 
 

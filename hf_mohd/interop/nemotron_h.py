@@ -85,13 +85,11 @@ class NemotronHInteropError(ValueError):
 # --- LatentMoE -> Nemotron-H --------------------------------------------------------------------------------------
 
 
-def nemotron_h_config_from_latent_moe(config: LatentMoEConfig) -> NemotronHConfig:
-    """The `NemotronHConfig` whose model computes the same function as a LatentMoE model of `config`.
-
-    Raises:
-        NemotronHInteropError: a choice Nemotron-H cannot express (RoPE, gated MLPs, softmax routing, unit gates,
-            attention biases, no shared expert, or MoE shapes that differ between layers); the message names the field.
-    """
+def nemotron_h_unmet(config: LatentMoEConfig) -> list[str]:
+    """Every requirement of the Nemotron-H form that `config` does not meet, one message each naming the field, the
+    value expected and why (an empty list: exportable). The rules are Nemotron-H's modeling (transformers'
+    `modeling_nemotron_h.py`): no positional embedding, non-gated MLPs and experts, sigmoid routing with weighted
+    gates, no attention bias, one MoE shape and one dense width for all layers, a shared expert."""
     requirements = (
         ("position_embedding_type", "none", "Nemotron-H attention has no positional embedding"),
         ("mlp_gated", False, "Nemotron-H MLPs and experts are non-gated (act(up), relu2 in Nemotron 3)"),
@@ -99,11 +97,11 @@ def nemotron_h_config_from_latent_moe(config: LatentMoEConfig) -> NemotronHConfi
         ("router_gate", "weighted", "Nemotron-H weights each selected expert by its router score"),
         ("attention_bias", False, "Nemotron-H attention projections have no bias"),
     )
-    for field, value, reason in requirements:
-        if getattr(config, field) != value:
-            raise NemotronHInteropError(
-                f"`{field}` must be {value!r} to export to Nemotron-H ({reason}); got {getattr(config, field)!r}."
-            )
+    unmet = [
+        f"`{field}` must be {value!r} ({reason}); got {getattr(config, field)!r}"
+        for field, value, reason in requirements
+        if getattr(config, field) != value
+    ]
     layers = list(config.per_layer_config)  # layer views answer per-layer fields without ambiguity errors
     moe_layers = [i for i, layer in enumerate(layers) if layer.mixer_type == "moe"]
     mlp_layers = [i for i, layer in enumerate(layers) if layer.mixer_type == "mlp"]
@@ -112,16 +110,32 @@ def nemotron_h_config_from_latent_moe(config: LatentMoEConfig) -> NemotronHConfi
         values = {i: getattr(layers[i], field) for i in indices}
         if len(set(values.values())) > 1:
             kind = "mlp" if field == "intermediate_size" else "moe"
-            raise NemotronHInteropError(
-                f"`{field}` differs between layers ({values}); Nemotron-H has one value for all its {kind} blocks."
+            unmet.append(
+                f"`{field}` differs between layers ({values}); Nemotron-H has one value for all its {kind} blocks"
             )
+    if moe_layers and not layers[moe_layers[0]].moe_shared_expert_intermediate_size:
+        unmet.append(
+            "`moe_shared_expert_intermediate_size` must be > 0 (Nemotron-H MoE blocks always have a shared expert); got 0"
+        )
+    return unmet
+
+
+def nemotron_h_config_from_latent_moe(config: LatentMoEConfig) -> NemotronHConfig:
+    """The `NemotronHConfig` whose model computes the same function as a LatentMoE model of `config`.
+
+    Raises:
+        NemotronHInteropError: a choice Nemotron-H cannot express (RoPE, gated MLPs, softmax routing, unit gates,
+            attention biases, no shared expert, or MoE shapes that differ between layers); one message listing every
+            unmet requirement (`nemotron_h_unmet`), each naming its field.
+    """
+    unmet = nemotron_h_unmet(config)
+    if unmet:
+        raise NemotronHInteropError(f"Not exportable to Nemotron-H ({len(unmet)} unmet): " + "; ".join(unmet))
+    layers = list(config.per_layer_config)  # layer views answer per-layer fields without ambiguity errors
+    moe_layers = [i for i, layer in enumerate(layers) if layer.mixer_type == "moe"]
+    mlp_layers = [i for i, layer in enumerate(layers) if layer.mixer_type == "mlp"]
     moe_reference = layers[moe_layers[0]] if moe_layers else layers[0]
     mlp_reference = layers[mlp_layers[0]] if mlp_layers else layers[0]
-    if moe_layers and not moe_reference.moe_shared_expert_intermediate_size:
-        raise NemotronHInteropError(
-            "`moe_shared_expert_intermediate_size` must be > 0 to export to Nemotron-H (its MoE blocks always have "
-            "a shared expert); got 0."
-        )
     fields = {}
     for name in _SAME_FIELDS:
         source = moe_reference if name in MOE_SHAPE_FIELDS else mlp_reference

@@ -106,6 +106,17 @@ class LatentMoEConfig(AccountingMixin, PreTrainedConfig):
         the K chosen experts, as in MoEfication (arXiv 2110.01786, section 3) and CMoE (arXiv 2502.04416): a dense
         FFN carved into experts (`hf_mohd.conversion.carve`) is then the source FFN at K = N. The gradient reaches the
         router through a straight-through estimator (gate = s - stop_gradient(s) + 1 for the selected score s).
+    initializer_range (`float`, *optional*, defaults to 0.02):
+        The std of every random initialisation, per projection: the token embedding, the attention projections
+        (q/k/v/o), the dense MLP and shared-expert projections, the latent projections (`fc1_latent_proj`,
+        `fc2_latent_proj`) and the LM head are N(0, std) with zero biases (transformers' `_init_weights` for
+        `nn.Linear` / `nn.Embedding`, the embedding's padding row zero); the routers' weights and the fused 3-D
+        expert weights (`gate_up_proj` / `up_proj`, `down_proj`, every expert) are N(0, std) too, and sigmoid
+        routing's `e_score_correction_bias` starts at zero; RMSNorm weights start at one. This matches NemotronH's
+        `_init_weights` (transformers' `modeling_nemotron_h.py`: `NemotronHTopkRouter` weight N(0, std) and zero
+        correction bias, `NemotronHExperts` `up_proj` / `down_proj` N(0, std), linears and embedding N(0, std));
+        its `rescale_prenorm_residual` rescales only the Mamba-2 mixers' `out_proj`, and its Mamba-2 initialisation
+        has no LatentMoE counterpart. A model from `from_pretrained` or `hf-mohd convert` is not re-initialised.
     router_aux_loss_coef (`float`, *optional*, defaults to 0.01):
         Weight of the load-balance loss added to the LM loss when `output_router_logits` (softmax routing only).
     output_router_logits (`bool`, *optional*, defaults to `False`):

@@ -601,6 +601,50 @@ def replayed_routes(routers, routing_replay, attention_mask: torch.Tensor | None
     return routes
 
 
+def counted_tokens(attention_mask: torch.Tensor | None, batch: int, tokens: int) -> torch.Tensor | None:
+    """Which tokens of a forward's (B, T) inputs are real, from the forward's `attention_mask` in any of the forms
+    transformers passes: (B, S) with 1 for real tokens (its last T columns); a 4-D (B, 1 or H, T, S) mask, boolean
+    (True: attend) or additive float (0: attend, the dtype's minimum: masked) as `generate_batch` (continuous batching)
+    and packed training pass it, where a token is real when it attends to itself (the diagonal of the last T key
+    columns: a padding row of a 4-D mask attends to nothing); None (no mask) for all tokens.
+
+    Packed sequences marked by `position_ids` only (no mask, or a 2-D mask of ones) count every token: packing changes
+    which tokens attend to which, not which tokens are real.
+
+    Returns:
+        (B, T) tensor of 1.0 / 0.0 (the mask's device), or None when every token counts.
+
+    Raises:
+        ValueError: when `attention_mask` is neither 2-D nor 4-D, or its batch or length does not cover (B, T).
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.ndim == 2:
+        if attention_mask.shape[0] != batch or attention_mask.shape[1] < tokens:
+            raise ValueError(
+                f"attention_mask: a 2-D mask of shape {tuple(attention_mask.shape)} does not cover the forward's "
+                f"{batch} x {tokens} tokens; expected (batch, past + current length) = ({batch}, >= {tokens})."
+            )
+        return attention_mask[:, -tokens:].float()
+    if attention_mask.ndim == 4:
+        if attention_mask.shape[0] != batch or attention_mask.shape[2] != tokens or attention_mask.shape[3] < tokens:
+            raise ValueError(
+                f"attention_mask: a 4-D mask of shape {tuple(attention_mask.shape)} does not match the forward's "
+                f"{batch} x {tokens} tokens; expected (batch, heads, queries, keys) = ({batch}, *, {tokens}, >= "
+                f"{tokens})."
+            )
+        own = torch.diagonal(attention_mask[:, 0, :, -tokens:], dim1=-2, dim2=-1)  # (B, T): each query's own key
+        if own.dtype == torch.bool:
+            return own.float()
+        if own.is_floating_point():
+            return (own == 0).float()  # additive: 0 where attended
+        return (own != 0).float()
+    raise ValueError(
+        f"attention_mask: expected a 2-D (batch, length) or 4-D (batch, heads, queries, keys) mask, got "
+        f"{attention_mask.ndim} dimensions (shape {tuple(attention_mask.shape)})."
+    )
+
+
 def load_balancing_loss(
     router_logits: tuple[torch.Tensor, ...] | None,
     top_k: int | Sequence[int],
@@ -618,12 +662,18 @@ def load_balancing_loss(
     Args:
         router_logits: one (B*T, E) tensor per router, as recorded by `OutputRecorder`.
         top_k: routed picks per token (k), one for every router or one per router (sublayers with their own k).
-        attention_mask: (B, S) with 1 for real tokens; its last T columns select the counted tokens.
+        attention_mask: which tokens count, in any form `counted_tokens` reads: (B, S) with 1 for real tokens (its
+            last T columns), a 4-D (B, H, T, S) mask (a token counts when it attends to itself), or None (all count).
+            B is the mask's batch; T = rows / B.
         routes: one (B, T, k) tensor of choice ids 0 .. E-1 per router (`replayed_routes`), or None for the top-k of
             the logits.
 
     Returns:
         A scalar tensor (fp32 or wider), or None when no router was recorded.
+
+    Raises:
+        ValueError: when `top_k` gives a different number of values than routers, or the mask does not cover the
+            rows (see `counted_tokens`).
     """
     if not router_logits:
         return None
@@ -634,11 +684,12 @@ def load_balancing_loss(
     for number, (logits, top_k) in enumerate(zip(router_logits, ks, strict=True)):
         probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         num_choices = probs.shape[-1]
-        if attention_mask is None:
+        batch = 1 if attention_mask is None else attention_mask.shape[0]
+        counted = counted_tokens(attention_mask, batch, probs.shape[0] // batch)
+        if counted is None:
             token_weight = torch.ones(probs.shape[0], dtype=probs.dtype, device=probs.device)
         else:
-            tokens = probs.shape[0] // attention_mask.shape[0]
-            token_weight = attention_mask[:, -tokens:].reshape(-1).to(device=probs.device, dtype=probs.dtype)
+            token_weight = counted.reshape(-1).to(device=probs.device, dtype=probs.dtype)
         if routes is None:
             selected = topk_lower_index(probs, top_k)
         else:
@@ -756,14 +807,26 @@ class RoutedDecoderMixin:
 
 class RoutedCausalLMMixin(RoutingGenerationMixin):
     """`forward` of both families' causal LMs (the `MixtralForCausalLM` flow): LM head on the kept positions, LM
-    loss, and `router_aux_loss_coef` times the family's `load_balancing_loss(router_logits, attention_mask,
-    routing_replay)` when `output_router_logits` (the family returns None where routing is balanced otherwise).
+    loss, and `router_aux_loss_coef` times the family's `load_balancing_loss(router_logits, token mask,
+    routing_replay)` when `output_router_logits` and a loss is asked for (labels given, or the model is training; the
+    family returns None where routing is balanced otherwise). Inference never computes it, so no attention-mask form
+    of a serving path (a 4-D mask of continuous batching) reaches it.
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # both tied weights sharded on the vocabulary, as in `LlamaForCausalLM.tp_plan`
     _tp_plan = {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def post_init(self):
+        """`PreTrainedModel.post_init`, then a note of the config's `output_router_logits` and `router_aux_loss_coef`
+        as the model was built (loaded config plus the caller's keyword arguments): clients that rewrite them on the
+        shared config for their own bookkeeping (TRL's `SFTTrainer`) can be undone from it
+        (`hf_mohd.training.trl.prepare_trl_trainer`), so a saved fine-tune keeps the settings its user chose."""
+        super().post_init()
+        self.built_router_settings = {
+            name: getattr(self.config, name, None) for name in ("output_router_logits", "router_aux_loss_coef")
+        }
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, with `auto_map.AutoModel` naming the base model class too.
@@ -805,11 +868,14 @@ class RoutedCausalLMMixin(RoutingGenerationMixin):
         cache (`RoutingCache`, *optional*):
             Keys, values and the routing record (indices and gates per token and router).
         output_router_logits (`bool`, *optional*):
-            Whether to return the router logits, one (B*T, choices) fp32 tensor per router, and to add
-            `router_aux_loss_coef` times the family's load-balance loss to the loss.
+            Whether to return the router logits, one (B*T, choices) fp32 tensor per router, and, when a loss is
+            asked for (`labels` given or the model in training mode), the family's load-balance loss (`aux_loss`),
+            added to the loss times `router_aux_loss_coef` when `labels` are given. The tokens it counts follow
+            `attention_mask` (2-D padding mask, 4-D mask or none; `counted_tokens`).
 
         Returns:
-            `MoeCausalLMOutputWithPast`: logits (B, T', vocab), loss = LM loss + coef * aux loss, aux_loss, cache.
+            `MoeCausalLMOutputWithPast`: logits (B, T', vocab), loss = LM loss + coef * aux loss, aux_loss (None in
+            inference), cache.
 
         Example:
 
@@ -836,8 +902,11 @@ class RoutedCausalLMMixin(RoutingGenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
         aux_loss = None
-        if output_router_logits:
-            aux_loss = self.load_balancing_loss(outputs.router_logits, attention_mask, kwargs.get("routing_replay"))
+        # CODEPATH: the aux loss only where a loss is asked for; inference (generate, serving) returns the logits only
+        if output_router_logits and (labels is not None or self.training):
+            batch, tokens = outputs.last_hidden_state.shape[:2]
+            token_mask = counted_tokens(attention_mask, batch, tokens)
+            aux_loss = self.load_balancing_loss(outputs.router_logits, token_mask, kwargs.get("routing_replay"))
             if labels is not None and aux_loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device, loss.dtype)
         return MoeCausalLMOutputWithPast(

@@ -590,7 +590,7 @@ class LatentMoEForCausalLM(RoutedCausalLMMixin, LatentMoEPreTrainedModel, Genera
 
         Args:
             router_logits: one (B*T, E_t) tensor per MoE layer, in layer order (as recorded).
-            attention_mask: (B, S), 1 for the tokens that count.
+            attention_mask: which tokens count: (B, S) with 1 for real tokens, a 4-D mask or None (`counted_tokens`).
             routing_replay: the forward's `routing_replay`, if any: f_j then counts the replayed routes (the ones the
                 forward used), not the top-k of the logits.
 

@@ -657,7 +657,7 @@ class MoHDForCausalLM(RoutedCausalLMMixin, MoHDPreTrainedModel, GenerationMixin)
 
         Args:
             router_logits: one (B*T, N_r) tensor per router ("attn" then "mlp" of each layer), as recorded.
-            attention_mask: (B, S), 1 for the tokens that count.
+            attention_mask: which tokens count: (B, S) with 1 for real tokens, a 4-D mask or None (`counted_tokens`).
             routing_replay: the forward's `routing_replay`, if any: f_j then counts the replayed routes (the ones the
                 forward used), not the top-k of the logits.
         """

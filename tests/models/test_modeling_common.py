@@ -348,11 +348,21 @@ def test_padding_matches_padding_free_with_position_ids(family, attention):
     mask = (torch.arange(5) < torch.tensor([[5], [3]])).long()
     packed, positions = torch.cat([first, second])[None], torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])
     with torch.no_grad():
-        padded_out = model(input_ids=padded, attention_mask=mask, use_cache=False, output_router_logits=True)
-        packed_out = model(input_ids=packed, position_ids=positions, use_cache=False, output_router_logits=True)
+        # labels: the aux loss is computed where a loss is asked for
+        padded_out = model(
+            input_ids=padded,
+            attention_mask=mask,
+            labels=padded.masked_fill(mask == 0, -100),
+            use_cache=False,
+            output_router_logits=True,
+        )
+        packed_out = model(
+            input_ids=packed, position_ids=positions, labels=packed, use_cache=False, output_router_logits=True
+        )
     torch.testing.assert_close(padded_out.logits[0], packed_out.logits[0, :5], **tolerance)
     torch.testing.assert_close(padded_out.logits[1, :3], packed_out.logits[0, 5:], **tolerance)
     aux_tolerance = {"rtol": 1e-10, "atol": 1e-12} if attention == "sdpa" else tolerance
+    assert padded_out.aux_loss is not None
     torch.testing.assert_close(padded_out.aux_loss, packed_out.aux_loss, **aux_tolerance)
     with torch.no_grad():  # the check is not vacuous: without the restart the second sequence sees the first
         unpacked = model(input_ids=packed, use_cache=False).logits

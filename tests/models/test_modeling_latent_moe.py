@@ -499,7 +499,7 @@ def test_replay_loss_and_loads_count_the_replayed_routes():
     probs = torch.softmax(out.router_logits[0][4:], dim=-1)  # (5, 8) of the real tokens
     fraction = torch.bincount(routes.view(-1), minlength=8).double() / (5 * 2)
     torch.testing.assert_close(out.aux_loss, 8 * (fraction * probs.mean(0)).sum(), atol=1e-12, rtol=0)
-    live = softmax(ids, attention_mask=mask, output_router_logits=True).aux_loss
+    live = softmax(ids, attention_mask=mask, labels=ids, output_router_logits=True).aux_loss
     assert (live - out.aux_loss).abs() > 1e-3, "the replayed routes must give another loss than the live top-k"
 
     sigmoid = make_model(router_score_func="sigmoid", num_hidden_layers=1, per_layer_config={}).train()
