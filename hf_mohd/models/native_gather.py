@@ -387,7 +387,9 @@ _state: dict = {}
 
 
 def _build_name() -> str:
-    """Extension name: one build per kernel source and CPU (the build targets the build machine's instruction set)."""
+    """Extension name: one build per kernel source, CPU (the build targets the build machine's instruction set) and
+    torch installation (the build compiles against its headers and links its libraries: two environments with the same
+    torch version, such as a project's and a serving engine's, would otherwise rebuild one shared folder in turn)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:  # the first core's model name and instruction flags
@@ -399,7 +401,8 @@ def _build_name() -> str:
             cpu += "".join(seen.values())
     except OSError:
         pass
-    digest = hashlib.sha256((SOURCE + cpu + torch.__version__).encode()).hexdigest()[:12]
+    installation = torch.__version__ + os.path.dirname(torch.__file__)
+    digest = hashlib.sha256((SOURCE + cpu + installation).encode()).hexdigest()[:12]
     return f"hf_mohd_native_gather_{digest}"
 
 
