@@ -3,18 +3,19 @@
 Tiny models of each family are saved with `save_pretrained` and loaded by vLLM from the folder as a user would
 (`trust_remote_code=True`, the default `model_impl`, so hf-mohd's plugin picks the model class). Eight prompts of
 different lengths that share a first cache block go to the engine in one call (continuous batching), with prefix
-caching and chunked prefill on. Oracle: transformers' `generate` of each prompt alone, greedy. In float32 the tokens
-are equal and each step's log-probability of the chosen token agrees within 1e-4 (so a wrong cached block or chunk
-boundary would show). In bfloat16 the comparison is teacher-forced (each prompt with transformers' float32
-continuation): the error of vLLM's bf16 log-probability of each next token against transformers' float32 one is, in
-median and at the 90th percentile over all positions, at most `BF16_ERROR_RATIO` times the error of transformers' own
-bf16 forward (a model loaded or computed wrong in bf16 would be far off; rounding alone is of the same size in both
-engines). Greedy bf16 tokens are not compared: a routed model in bf16 has near-ties in its routers, not only in its LM
-head, and the two engines' rounding flips different ones. On these models transformers' own bf16 log-probabilities
-differ from its float32 ones by at most 0.11-0.36 on most prompts and by 1-4.4 on a few (teacher-forced, last 8
-positions), and in three runs vLLM's bf16 greedy tokens left transformers' at a different step each time, once to
-transformers' own float32 token, once to a token outside its 5 most likely. The module types after load say which path
-each family runs.
+caching and chunked prefill on; one model of each family runs under vLLM's default `torch.compile` (the others with
+`enforce_eager`), and one of each with `tensor_parallel_size=2` (two CPU workers). Oracle: transformers' `generate` of
+each prompt alone, greedy. In float32 the tokens are equal and each step's log-probability of the chosen token agrees
+within 1e-4 (so a wrong cached block or chunk boundary would show). In bfloat16 the comparison is teacher-forced (each
+prompt with transformers' float32 continuation): the error of vLLM's bf16 log-probability of each next token against
+transformers' float32 one is, in median and at the 90th percentile over all positions, at most `BF16_ERROR_RATIO` times
+the error of transformers' own bf16 forward (a model loaded or computed wrong in bf16 would be far off; rounding alone
+is of the same size in both engines). Greedy bf16 tokens are not compared: a routed model in bf16 has near-ties in its
+routers, not only in its LM head, and the two engines' rounding flips different ones. On these models transformers' own
+bf16 log-probabilities differ from its float32 ones by at most 0.11-0.36 on most prompts and by 1-4.4 on a few
+(teacher-forced, last 8 positions), and in three runs vLLM's bf16 greedy tokens left transformers' at a different step
+each time, once to transformers' own float32 token, once to a token outside its 5 most likely. The module types after
+load say which path each family runs.
 
 vLLM runs in its own environment (`tests/vllm_runner.py` with `.venv-vllm`'s Python); all runs share one runner
 process, since each engine start costs about 20 s.
@@ -45,7 +46,8 @@ pytestmark = pytest.mark.slow
 
 VOCAB = 256
 # vLLM's CPU attention takes head sizes 32, 64, 80, 96, 112, 128, 256 (not the other tests' 16)
-SHAPE = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+# (head size 32: 4 query heads sharing 2 key/value heads, 2 and 1 per worker at tensor_parallel_size=2)
+SHAPE = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 PROMPT_LENGTHS = (1, 3, 6, 10, 17, 25, 38, 50)  # 8 prompts of different lengths after
 SHARED_PREFIX = list(range(100, 132))  # the shared first 32 tokens: one cache block
 NEW_TOKENS = 8
@@ -177,7 +179,7 @@ def run_vllm(runs: list[dict], workdir: Path) -> dict:
         timeout=900,
     )
     log = process.stdout + process.stderr
-    if not result.exists():
+    if process.returncode or not result.exists():
         sys.stderr.write(log[-20000:])
         raise RuntimeError(f"vLLM runner failed (exit {process.returncode}); its output is above.")
     results = json.loads(result.read_text())
@@ -214,16 +216,30 @@ def served(tmp_path_factory):
         folder = workdir / name
         model.save_pretrained(folder)
         references[name] = reference(model, torch.float32, prompts())
+        # vLLM's default torch.compile for one model of each family, eager (faster to start) for the others
+        engine = {**ENGINE, "enforce_eager": name not in COMPILED}
         runs.append(
             {
                 "name": name,
                 "model": str(folder),
-                "engine": ENGINE,
+                "engine": engine,
                 "prompts": prompts(),
                 "sampling": SAMPLING,
                 "modules": True,
             }
         )
+        if name in TENSOR_PARALLEL:  # two CPU workers, one core each (vLLM's CPU build binds them only when told)
+            runs.append(
+                {
+                    "name": f"{name}_tp2",
+                    "model": str(folder),
+                    "engine": {**ENGINE, "tensor_parallel_size": 2},
+                    "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                    "prompts": prompts(),
+                    "sampling": SAMPLING,
+                    "modules": True,
+                }
+            )
         if name in MODELS:  # teacher-forced: each prompt and transformers' float32 continuation of it
             runs.append(
                 {
@@ -252,13 +268,17 @@ def served(tmp_path_factory):
     }
     served = {name: (references[name], results[name], bf16.get(name), results.get(f"{name}_bf16")) for name in models}
     served["nemotron_h"] = (None, results["nemotron_h"], None, None)
+    for name in TENSOR_PARALLEL:
+        served[f"{name}_tp2"] = (references[name], results[f"{name}_tp2"], None, None)
     return served
 
 
 MODELS = ["mohd_uniform", "mohd_per_layer", "latent", "latent_full_width"]  # also run in bfloat16
+COMPILED = ["mohd_uniform", "latent_full_width"]  # served with vLLM's torch.compile (the others with enforce_eager)
+TENSOR_PARALLEL = ["mohd_per_layer", "latent"]  # also served with tensor_parallel_size=2
 
 
-@pytest.mark.parametrize("name", [*MODELS, "latent_nemotron_form"])
+@pytest.mark.parametrize("name", [*MODELS, "latent_nemotron_form", *(f"{name}_tp2" for name in TENSOR_PARALLEL)])
 def test_vllm_float32_with_prefix_caching_and_chunked_prefill_equals_transformers(served, name):
     expected, result, _, _ = served[name]
     assert "error" not in result, result.get("error")
@@ -300,6 +320,10 @@ def test_each_family_runs_its_vllm_path(served):
             assert modules["model.layers.0.mlp.gate"] == "LatentMoERouter", name
     latent = served["latent"][1]["modules"]
     assert latent["model.layers.0.mlp.fc1_latent_proj"] == "ReplicatedLinear"
+    # tensor parallelism: MoHD's projections are vLLM's parallel linears (its sublayers then run the masked strategy)
+    tensor_parallel = served["mohd_per_layer_tp2"][1]["modules"]
+    assert tensor_parallel["model.layers.0.self_attn.q_proj"] == "ColumnParallelLinear"
+    assert tensor_parallel["model.layers.0.mlp.down_proj"] == "RowParallelLinear"
     # non-gated experts: vLLM's CPU fused MoE has no kernel, the model's own experts module runs
     nemotron_form = served["latent_nemotron_form"][1]["modules"]
     assert nemotron_form["model.layers.0.mlp.experts"] == "LatentMoEUngatedExperts"

@@ -8,7 +8,7 @@ only vLLM and the standard library, and loads the models as any vLLM user does, 
 
 and reads the result. The spec is a list of runs, each {"name", "model", "engine": LLM keyword arguments,
 "prompts": [[token ids], ...], "sampling": SamplingParams keyword arguments, "modules": true to list the module
-types of layer 0 after load}. All prompts of a run are submitted in one `generate` call, so the engine batches them
+types of layer 0 after load, "env": environment variables for the engine's processes}. All prompts of a run are submitted in one `generate` call, so the engine batches them
 continuously. The result maps each run's name to {"outputs": [{"token_ids", "logprobs": the logprob of each
 generated token, "prompt_logprobs": the log-probability of each prompt token given the ones before it (None first;
 empty unless asked)}], "modules": {qualified name: class name}, "seconds": wall time of `generate`}, or to {"error":
@@ -37,17 +37,22 @@ def run(spec: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     engine = {"dtype": "float32", "skip_tokenizer_init": True, "trust_remote_code": True, **spec["engine"]}
+    saved = dict(os.environ)
+    os.environ.update(spec.get("env", {}))  # read by the engine's processes as they start
     try:
         llm = LLM(model=spec["model"], **engine)
     except Exception as error:  # the engine core reports its own error text; keep the last line
         return {"error": f"{type(error).__name__}: {error}"}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     try:
         result = {}
         if spec.get("modules"):
             # by reference to this file as a module (on the workers' sys.path), not as `__main__`
             from vllm_runner import layer_zero_modules as by_reference
 
-            (result["modules"],) = llm.apply_model(by_reference)
+            result["modules"] = llm.apply_model(by_reference)[0]  # one answer per worker: rank 0's
         sampling = SamplingParams(**{"temperature": 0.0, "logprobs": 1, "detokenize": False, **spec["sampling"]})
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
         start = time.perf_counter()
