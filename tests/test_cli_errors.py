@@ -158,6 +158,11 @@ CASES = [
     ("eval-garbage", ["eval", "{mohd_garbage}"], DAMAGED, "{mohd_garbage}/model.safetensors"),
     ("eval-bad-field", ["eval", "{mohd_badfield}"], CONFIG, "{mohd_badfield}/config.json"),
     ("eval-unknown-task", ["eval", "{mohd}", "--tasks", "arc_e"], USAGE, "--tasks"),
+    # hf-mohd serve checks a local folder before transformers' server starts (it loads models on the first request)
+    ("serve-missing", ["serve", "{root}/no-such-model", "--port", "1"], MISSING, "{root}/no-such-model"),
+    ("serve-file", ["serve", "{text}"], WRONG_TYPE, "{text}"),
+    ("serve-truncated", ["serve", "{mohd_trunc}"], DAMAGED, "{mohd_trunc}/model.safetensors"),
+    ("serve-bad-field", ["serve", "{mohd_badfield}"], CONFIG, "{mohd_badfield}/config.json"),
 ]
 # accounting, and its deprecated alias latent-accounting: one function, the same statuses
 for command in ("accounting", "latent-accounting"):

@@ -10,7 +10,7 @@ registers them again before loading). The folder stays a standard remote-code ch
 
 import argparse
 
-from . import add_command
+from . import add_command, check_model_folder, looks_local
 
 
 ARCHITECTURES = ("MoHDForCausalLM", "LatentMoEForCausalLM")
@@ -75,7 +75,17 @@ def run(args) -> int:
     --continuous-batching`) and serves chat completions, completions and responses as it does for Llama, with the
     hf-mohd classes registered where transformers' server looks for them (it ignores `auto_map`). When to use it and
     when vLLM: docs/serving.md ("transformers serve").
+
+    Raises:
+        CommandError: a local model folder among the arguments that is missing, not a folder, without config.json,
+            with a config field its class refuses, or with damaged weights (`check_model_folder`).
     """
+    # a local model folder is checked before the server starts (it loads models lazily, on the first request): a
+    # missing, damaged or misconfigured folder is refused now, by name, with the exit status of docs/bad-input.md
+    for argument in args.serve_args:
+        if not argument.startswith("-") and looks_local(argument):
+            check_model_folder(argument)
+
     from transformers.cli import serve as serve_module
     from transformers.cli.serving import model_manager
     from transformers.cli.transformers import app
