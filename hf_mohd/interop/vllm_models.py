@@ -166,7 +166,5 @@ class MoHDForCausalLM(TransformersForCausalLM):
             for name, linear in linears.items():
                 setattr(module, name, linear)
         if kept:
-            logger.info_once("MoHD: sparse sublayers keep nn.Linear projections (strategy %r)", self._strategy())
-
-    def _strategy(self) -> str:
-        return getattr(self.text_config, "sparse_implementation", "gather")
+            strategy = getattr(self.text_config, "sparse_implementation", "gather")
+            logger.info_once("MoHD: sparse sublayers keep nn.Linear projections (strategy %r)", strategy)
