@@ -9,7 +9,8 @@
 # hold at an older version) from those wheels into a private folder put first on PYTHONPATH, with hf-mohd from this
 # checkout, records the versions, then runs bench/gpu_check.py (`python3 -m bench.gpu_check`): CUDA correctness
 # (gather == masked, bf16-autocast training with fp32 router logits, generate) and the benchmark ratios at a GPU-sized
-# shape. Any failure, including CUDA missing, exits non-zero: nothing is skipped.
+# shape; then, where vLLM is installed, bench/gpu_vllm_check.py (vLLM's native Nemotron-H, hf-mohd's vLLM plugin on
+# CUDA), and says so where it is not. Any failure, including CUDA missing, exits non-zero.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=bench/gpu_wheels
@@ -32,3 +33,13 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'CUDA not available'
 OUTPUT=${OUT:-bench/results}/gpu_check.json
 python3 -m bench.gpu_check --output "$OUTPUT" "$@"
 echo "wrote $OUTPUT"
+# vLLM's GPU paths (native Nemotron-H, the plugin on CUDA), where the machine's Python has vLLM: hf-mohd's metadata goes
+# into the private folder too, so that vLLM finds the plugin's entry point (`vllm.general_plugins`)
+if python3 -c "import vllm" 2> /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" --upgrade .
+    VLLM_OUTPUT=${OUT:-bench/results}/gpu_vllm_check.json
+    python3 -m bench.gpu_vllm_check --output "$VLLM_OUTPUT"
+    echo "wrote $VLLM_OUTPUT"
+else
+    echo "gpu_check: this machine's Python has no vLLM: the vLLM checks (bench/gpu_vllm_check.py) did not run"
+fi

@@ -17,22 +17,17 @@ bf16 log-probabilities differ from its float32 ones by at most 0.11-0.36 on most
 each time, once to transformers' own float32 token, once to a token outside its 5 most likely. The module types after
 load say which path each family runs.
 
-vLLM runs in its own environment (`tests/vllm_runner.py` with `.venv-vllm`'s Python); all runs share one runner
+vLLM runs in its own environment (`bench/vllm_runner.py` with `.venv-vllm`'s Python); all runs share one runner
 process, since each engine start costs about 20 s.
 """
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench.vllm_runner import run_vllm
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
 from hf_mohd.interop import export_to_nemotron_h
-from tests.utils import ROOT, VLLM_PYTHON, require_vllm_environment, spread_weights
+from tests.utils import require_vllm_environment, spread_weights
 
 
 require_vllm_environment()
@@ -141,31 +136,6 @@ def teacher_forced(model, sequences: list[list[int]], dtype: torch.dtype) -> tor
             out.append(logprobs.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0])
     model.float()
     return torch.cat(out)
-
-
-def run_vllm(runs: list[dict], workdir: Path) -> dict:
-    spec, result = workdir / "spec.json", workdir / "result.json"
-    spec.write_text(json.dumps(runs))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    process = subprocess.run(
-        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_runner.py"), str(spec), str(result)],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    log = process.stdout + process.stderr
-    if process.returncode or not result.exists():
-        sys.stderr.write(log[-20000:])
-        raise RuntimeError(f"vLLM runner failed (exit {process.returncode}); its output is above.")
-    results = json.loads(result.read_text())
-    # an engine that refused to start reports "see root cause above": the root cause is in the workers' log
-    causes = [line for line in log.splitlines() if "Error:" in line and "ERROR" in line]
-    for run in results.values():
-        if "error" in run:
-            run["error"] += "\n" + "\n".join(dict.fromkeys(causes))
-    return results
 
 
 # vLLM's prefix cache (32-token blocks, the CPU attention's smallest: the prompts share their first 32 tokens) and
@@ -312,3 +282,57 @@ def test_vllm_cpu_refuses_the_nemotron_h_export(served):
     error message; the same model in hf-mohd's form serves (`test_vllm_float32_...[latent_nemotron_form]`)."""
     error = served["nemotron_h"][1].get("error", "")
     assert "is_act_and_mul=False is supported only for CUDA, XPU and ROCm" in error, error
+
+
+# a real checkpoint: 8 prompts of different lengths after a shared first sentence of more than one cache block
+SMOLLM2_PREFIX = (
+    "The following questions are about rivers, mountains and the weather of northern Europe, and each answer "
+    "should be short, factual and written in plain English for a general reader. "
+)
+SMOLLM2_QUESTIONS = (
+    "Why?",
+    "Name a river.",
+    "Which river flows through Vienna?",
+    "How high is the tallest mountain in Norway, in metres?",
+    "Explain why the west coast of Norway receives more rain than the east of Sweden does.",
+    "Describe the climate of Iceland in winter and in summer, and say how the ocean current shapes it.",
+    "List three rivers of Germany that flow into the North Sea, and give the city at the mouth of each of them.",
+    "Compare the glaciers of the Alps with those of Scandinavia: their size, how fast they are shrinking, and what "
+    "the meltwater means for the rivers that they feed during the dry months of late summer.",
+)
+NEAR_TIE = 1e-4  # a float32 step whose two best log-probabilities are closer than this may go either way
+
+
+def test_vllm_serves_a_carved_smollm2_as_transformers(carved_smollm2, tmp_path):
+    """The real SmolLM2-135M-Instruct carved by `hf-mohd convert latent-moe --carve` (64 routed experts, 16 active,
+    a shared expert, unit gates, full width), from its folder with its tokenizer: 8 prompts submitted together,
+    prefix caching and chunked prefill on, float32. Oracle: transformers' greedy tokens of each prompt alone, up to
+    the first step transformers itself finds a near-tie (`NEAR_TIE`; none is expected in 8 steps, and at most one
+    prompt may stop early), and each compared step's log-probability within 1e-4. The routed experts run in vLLM's
+    fused MoE layer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(carved_smollm2)
+    model = AutoModelForCausalLM.from_pretrained(carved_smollm2, dtype=torch.float32).eval()
+    prompt_list = [tokenizer(SMOLLM2_PREFIX + question).input_ids for question in SMOLLM2_QUESTIONS]
+    assert len(tokenizer(SMOLLM2_PREFIX).input_ids) > 32  # the prompts share their first cache block
+    expected = reference(model, torch.float32, prompt_list)
+    run = {
+        "name": "carved_smollm2",
+        "model": str(carved_smollm2),
+        "engine": {**ENGINE, "max_model_len": 160, "max_num_batched_tokens": 64},
+        "prompts": prompt_list,
+        "sampling": SAMPLING,
+        "modules": True,
+    }
+    result = run_vllm([run], tmp_path)["carved_smollm2"]
+    assert "error" not in result, result.get("error")
+    assert result["modules"]["model.layers.0.mlp.experts"] == "TransformersMoERunner"
+    shortened = 0
+    for prompt, (want, got) in enumerate(zip(expected, result["outputs"], strict=True)):
+        steps = next((i + 1 for i, margin in enumerate(want["margins"]) if margin < NEAR_TIE), NEW_TOKENS)
+        shortened += steps < NEW_TOKENS
+        assert got["token_ids"][:steps] == want["token_ids"][:steps], f"prompt {prompt}"
+        differences = [abs(a - b) for a, b in zip(got["logprobs"][:steps], want["logprobs"][:steps], strict=True)]
+        assert max(differences) < LOGPROB_TOLERANCE, (prompt, differences)
+    assert shortened <= 1

@@ -36,10 +36,18 @@ MAX_TOKENS = 6
 MAX_MODEL_LEN = 96
 
 
-@pytest.fixture(scope="module", params=["mohd", "latent_moe"])
+@pytest.fixture(scope="module", params=["mohd", "latent_moe", "carved_smollm2"])
 def folder(request, tmp_path_factory):
     """A saved tiny model (head size 64, which vLLM's CPU attention takes) with a tokenizer and a chat template;
-    weights spread so that greedy choices are clear and routing matters."""
+    weights spread so that greedy choices are clear and routing matters. "carved_smollm2": the real SmolLM2-135M-
+    Instruct carved into experts (the `carved_smollm2` fixture), with SmolLM2's own tokenizer and chat template."""
+    if request.param == "carved_smollm2":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = request.getfixturevalue("carved_smollm2")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        assert "<|im_start|>" in tokenizer.chat_template  # SmolLM2's ChatML template travels with the conversion
+        return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), tokenizer
     tokenizer = train_bpe_tokenizer(TEXT * 4, vocab_size=300)
     tokenizer.chat_template = CHAT_TEMPLATE
     shape = dict(
@@ -96,7 +104,7 @@ def start(folder: Path, port: int) -> subprocess.Popen:
         "--max-model-len",
         str(MAX_MODEL_LEN),
         "--kv-cache-memory-bytes",
-        str(64 << 20),
+        str(128 << 20),
         "--enforce-eager",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
