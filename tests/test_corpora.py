@@ -1,9 +1,9 @@
 """The real-text corpora: the Wikipedia cleaning function of `hf_mohd.corpora` on hand-written markup, in both
 layouts, and the sizes of the gensim Wikipedia sample; the cleaners of the registry sources of
-`experiments.smollm2.corpora` (HTML, reStructuredText,
-the tagged Brown Corpus, the `bible` program's output) on hand-written samples, their readers on small folders written
-by the tests, the error when a source is missing, and the split rule of `experiments.smollm2.healing_corpus` on a
-synthetic multi-source input (no package of the registry sources is needed).
+`experiments.smollm2.corpora` (HTML, reStructuredText, the tagged Brown Corpus, the `bible` program's output) on
+hand-written samples, their readers on small folders written by the tests, the error when a source is missing, and the
+split rule of `experiments.smollm2.healing_corpus` on a synthetic multi-source input (no package of the registry
+sources is needed).
 
 The "lines" layout is frozen: it is the text every committed SmolLM2 result (`experiments/smollm2/results/*.json`) was
 measured on, so a change here (or in gensim's sample or `filter_wiki`) means those results no longer reproduce."""
