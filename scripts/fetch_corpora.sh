@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the real-text sources of `hf_mohd.corpora` beyond the gensim Wikipedia sample (which setup.sh installs):
+# Installs the real-text sources of `experiments/smollm2/corpora.py` beyond the gensim Wikipedia sample
+# (`hf_mohd.corpora`, which setup.sh installs):
 #
 #   anarchist_faq  Debian package anarchism       (An Anarchist FAQ, HTML; GPL-2)
 #   python_docs    Debian package python3.11-doc  (the Python 3.11 documentation, reST sources; PSF License)

@@ -15,16 +15,15 @@ from test_conversion import VOCAB, save_tiny_llama, smollm2_gguf
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import hf_mohd  # noqa: F401  (registers the model types)
+from experiments.smollm2.routing_analysis import carved_routing_recall, oracle_routing
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM
 from hf_mohd.cli import main as cli_main
 from hf_mohd.conversion import (
     calibration_token_ids,
     carve_llama,
-    carved_routing_recall,
     convert_carved_latent_moe,
     every_expert_active,
     load_dense_llama,
-    oracle_routing,
 )
 from hf_mohd.conversion.carve import (
     HELD_OUT_ARTICLES,
@@ -190,7 +189,7 @@ def test_expert_budget_errors_equal_the_model_run_with_one_layer_at_k(tiny_folde
     writes and n the norm that reads it, equals the model's own forward with only layer l at K (the output of that
     norm, hooked), to float64 rounding; the greedy keeps the uniform K's parameters, and the allocation saves
     (`per_layer_config`) and reloads to the same routers and logits."""
-    from hf_mohd.conversion.budgets import allocate_experts_per_tok, apply_expert_budgets, carved_layer_errors
+    from experiments.smollm2.expert_budgets import allocate_experts_per_tok, apply_expert_budgets, carved_layer_errors
     from hf_mohd.conversion.source import ConversionError
 
     source = load_dense_llama(tiny_folder, dtype=torch.float64)

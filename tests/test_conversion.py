@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import hf_mohd  # noqa: F401  (registers the model types)
+from experiments.smollm2.routing_analysis import oracle_routing_record, routing_recall, zero_routers
 from hf_mohd.cli import main as cli_main
 from hf_mohd.conversion import (
     ConversionError,
@@ -35,12 +36,9 @@ from hf_mohd.conversion import (
     llama_to_latent_moe,
     llama_to_mohd,
     load_dense_llama,
-    oracle_routing_record,
     rotate_hidden_basis,
     rotate_llama,
-    routing_recall,
     save_converted,
-    zero_routers,
 )
 from hf_mohd.models.configuration_mohd import MOHD_PRESETS
 from hf_mohd.models.modeling_mohd import MoHDGroupFusion, MoHDRouter

@@ -1,8 +1,9 @@
-"""The real-text corpora (`hf_mohd.corpora`): the Wikipedia cleaning function on hand-written markup, in both
-layouts, and the sizes of the gensim Wikipedia sample; the cleaners of the registry sources (HTML, reStructuredText,
-the tagged Brown Corpus, the `bible` program's output) on hand-written samples, their readers on small folders written
-by the tests, the error when a source is missing, and the split rule of `experiments.smollm2.healing_corpus` on a
-synthetic multi-source input (no package of the registry sources is needed).
+"""The real-text corpora: the Wikipedia cleaning function of `hf_mohd.corpora` on hand-written markup, in both
+layouts, and the sizes of the gensim Wikipedia sample; the cleaners of the registry sources of
+`experiments.smollm2.corpora` (HTML, reStructuredText, the tagged Brown Corpus, the `bible` program's output) on
+hand-written samples, their readers on small folders written by the tests, the error when a source is missing, and the
+split rule of `experiments.smollm2.healing_corpus` on a synthetic multi-source input (no package of the registry
+sources is needed).
 
 The "lines" layout is frozen: it is the text every committed SmolLM2 result (`experiments/smollm2/results/*.json`) was
 measured on, so a change here (or in gensim's sample or `filter_wiki`) means those results no longer reproduce."""
@@ -14,23 +15,26 @@ import re
 
 import pytest
 
+from experiments.smollm2 import corpora
 from experiments.smollm2 import healing_corpus as hc
-from hf_mohd import corpora
-from hf_mohd.corpora import (
-    LAYOUTS,
+from experiments.smollm2.corpora import (
     CorpusNotInstalled,
-    Document,
     anarchist_faq_documents,
     brown_documents,
     clean_kjv,
     clean_rest,
-    clean_wiki_markup,
     detokenize_brown,
     files_digest,
     html_text,
-    is_redirect,
     python_docs_documents,
     rest_labels,
+    source_documents,
+)
+from hf_mohd.corpora import (
+    LAYOUTS,
+    Document,
+    clean_wiki_markup,
+    is_redirect,
     wikipedia_articles,
     wikipedia_corpus,
     wikipedia_provenance,
@@ -130,10 +134,20 @@ def test_wikipedia_sample_sizes(layout):
     characters, last, first = SIZES[layout]
     assert len(articles) == 106 and sum(len(a.text) for a in articles) == characters
     assert [a.title for a in articles[:8]] == FIRST and [a.title for a in articles[-8:]] == LAST
+    assert all(a.id == a.title for a in articles)
     assert (_digest(articles[-8:]), _digest(articles[:8])) == (last, first)
     provenance = wikipedia_provenance(layout)
     assert (provenance["pages"], provenance["articles"], provenance["characters"]) == (206, 106, characters)
     assert "CC BY-SA" in provenance["licence"]
+
+
+@needs_gensim
+def test_the_wikipedia_source_is_the_lines_layout():
+    """One record type: the experiments' "wikipedia" source is `wikipedia_articles("lines")` itself, ids the titles."""
+    documents = source_documents("wikipedia")
+    assert documents == wikipedia_articles("lines") and len(documents) == 106
+    assert documents[0] == Document("Anarchism", "Anarchism", documents[0].text)
+    assert sum(len(d.text) for d in documents) == SIZES["lines"][0]
 
 
 @needs_gensim

@@ -1,4 +1,4 @@
-"""The main job's pretrained stage (`hf_mohd.demo_pretrained`) on a tiny LLaMA: every number against an oracle."""
+"""The main job's pretrained stage (`hf_mohd.demo.pretrained`) on a tiny LLaMA: every number against an oracle."""
 
 import math
 
@@ -7,8 +7,8 @@ from test_conversion import save_tiny_llama
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 import hf_mohd  # noqa: F401  (registers the model types)
-from hf_mohd import demo_pretrained
-from hf_mohd.demo_pretrained import (
+from hf_mohd.demo import pretrained as demo_pretrained
+from hf_mohd.demo.pretrained import (
     PretrainedStageConfig,
     held_out_ids,
     plot_pretrained,

@@ -398,7 +398,7 @@ def test_demo_threads_apply_to_the_whole_job(tmp_path, monkeypatch):
     torch's setting alone."""
     import torch
 
-    import hf_mohd.demo as demo_module
+    import hf_mohd.demo.job as demo_module
     from hf_mohd.cli import main
 
     seen = []
@@ -425,7 +425,7 @@ def test_demo_threads_apply_to_the_whole_job(tmp_path, monkeypatch):
 def test_demo_warns_when_it_starts_on_a_busy_machine_with_one_thread_per_core(tmp_path, monkeypatch, capsys):
     """With torch's default threads (`--threads 0`) and a load average of at least half the cores, the main job prints
     one warning naming the load and `--threads 1` before it starts; with `--threads N` or a quiet machine, none."""
-    import hf_mohd.demo as demo_module
+    import hf_mohd.demo.job as demo_module
     from hf_mohd.cli import main
 
     class Stop(Exception):

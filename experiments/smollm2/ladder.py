@@ -303,7 +303,8 @@ def oracle(work: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     import hf_mohd  # noqa: F401
-    from hf_mohd.conversion import load_dense_llama, oracle_routing_record, rotate_llama
+    from experiments.smollm2.routing_analysis import oracle_routing_record
+    from hf_mohd.conversion import load_dense_llama, rotate_llama
     from hf_mohd.conversion.rotation import calibration_token_ids
 
     path = work / "ladder_oracle.json"

@@ -16,11 +16,9 @@ from .budgets import (
 from .carve import (
     CarveReport,
     carve_llama,
-    carved_routing_recall,
     describe_carving,
     every_expert_active,
     fit_carved_routers,
-    oracle_routing,
     partition_neurons,
 )
 from .convert import ConversionResult, convert_carved_latent_moe, convert_latent_moe, convert_mohd
@@ -51,7 +49,7 @@ from .rotation import (
     rotate_hidden_basis,
     rotate_llama,
 )
-from .routers import ROUTER_INITS, fit_routers, oracle_routing_record, routing_recall, zero_routers
+from .routers import ROUTER_INITS, fit_routers
 from .source import ConversionError, DenseLlamaSource, load_dense_llama
 from .verify import max_logit_difference, verify_logits
 
@@ -65,12 +63,10 @@ __all__ = [
     "sublayer_errors",
     "CarveReport",
     "carve_llama",
-    "carved_routing_recall",
     "convert_carved_latent_moe",
     "describe_carving",
     "every_expert_active",
     "fit_carved_routers",
-    "oracle_routing",
     "partition_neurons",
     "ROTATIONS",
     "ROUTER_INITS",
@@ -78,12 +74,9 @@ __all__ = [
     "fit_routers",
     "fold_rmsnorm_weights",
     "hidden_state_second_moment",
-    "oracle_routing_record",
     "pca_rotation",
     "rotate_hidden_basis",
     "rotate_llama",
-    "routing_recall",
-    "zero_routers",
     "CHANNEL_ORDERS",
     "CONVERSION_PRESETS",
     "ConversionError",

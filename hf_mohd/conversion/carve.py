@@ -65,9 +65,10 @@ included), h = act(W_gate x) * (W_up x) (I,) the FFN's intermediate activation, 
    W_r^T = (X^T X + lambda I)^{-1} X^T Y, lambda = `ridge` * trace(X^T X) / D, eps = 1e-6 * mean mass. The top-K
    of W_r x then predicts the K experts of largest mass (MoEfication's "MLP selection" trains a small network to
    predict each expert's activation sum; this is a linear, closed-form version). Softmax (or sigmoid) scores keep the order of the logits.
-6. Oracle arm (`oracle_routing`): per token, the top-K experts by their true mass sum_{i in S_e} |h_i(x)| at the
-   block's own input, gate 1, no router: the upper bound of any router over this partition.
-   `carved_routing_recall` measures |router top-K ∩ oracle top-K| / K on held-out tokens (a random router: K / N).
+6. `every_expert_active` runs a carved model at K = N (the dense source's function, `hf-mohd convert --carve`'s
+   check). The oracle arm (the top-K experts by true mass `expert_mass`, the upper bound of any router over this
+   partition) and the routers' recall of it are analyses of the SmolLM2 experiments
+   (`experiments/smollm2/routing_analysis.py`).
 
 Default calibration text (`carving_calibration_ids`): the first `CALIBRATION_ARTICLES` articles of the English
 Wikipedia sample that `hf_mohd.corpora.wikipedia_corpus` reads from the PyPI `gensim` wheel (CC BY-SA); the held-out
@@ -89,7 +90,6 @@ from transformers.activations import ACT2FN
 from transformers.initialization import no_init_weights
 
 from ..models.configuration_latent_moe import LatentMoEConfig
-from ..models.modeling_common import topk_lower_index
 from ..models.modeling_latent_moe import LatentMoEBlock, LatentMoEForCausalLM, LatentMoERouter
 from .latent_moe import COPIED_FIELDS
 from .rotation import calibration_token_ids, pca_rotation
@@ -605,75 +605,6 @@ def every_expert_active(model: LatentMoEForCausalLM) -> Iterator[LatentMoEForCau
             router.top_k = top_k
 
 
-@contextlib.contextmanager
-def oracle_routing(model: LatentMoEForCausalLM) -> Iterator[LatentMoEForCausalLM]:
-    """Within the block, the oracle arm: every MoE layer routes each token to the top-K experts by their true mass
-    (`expert_mass` at the block's input; ties to the lower index) with gate exactly 1, whatever the routers say.
-
-    The routers still run (their logits are returned unchanged), and a `RoutingCache` records *their* choice, not
-    the oracle's: call the model with `use_cache=False`. The hooks are removed on exit.
-    """
-    handles = []
-    for block in moe_blocks(model).values():
-
-        def hook(router, args, output, block=block):
-            logits, weights, _ = output
-            hidden_states = args[0]
-            chosen = topk_lower_index(expert_mass(block, hidden_states), router.top_k)
-            chosen = chosen.view(*hidden_states.shape[:-1], router.top_k)
-            return logits, torch.ones(chosen.shape, dtype=weights.dtype, device=weights.device), chosen
-
-        handles.append(block.gate.register_forward_hook(hook))
-    try:
-        yield model
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@torch.no_grad()
-def carved_routing_recall(model: LatentMoEForCausalLM, input_ids: torch.Tensor, *, batch_size: int = 4) -> dict:
-    """Recall of the oracle's top-K by the routers, on (B, T) held-out `input_ids`.
-
-    The model runs with every expert active (`every_expert_active`: the dense source's function, so each layer sees
-    the dense model's FFN input; with a latent width l < D, the source with projected routed experts); at each MoE
-    layer and token the routers' own top-K (of their selection scores) is compared with the top-K by true expert
-    mass (of the latent experts, `expert_mass`): |router ∩ oracle| / K.
-
-    Returns:
-        {"mean": over layers and tokens, "layers": [per layer], "chance": K / N, "tokens": B * T}.
-    """
-    hits: dict[int, list[torch.Tensor]] = {}
-    handles = []
-    blocks = moe_blocks(model)
-    for idx, block in blocks.items():
-        top_k = block.gate.top_k
-
-        def hook(router, args, output, block=block, idx=idx, top_k=top_k):
-            logits = output[0]
-            chosen = topk_lower_index(router.selection_scores(router.score(logits)), top_k)
-            oracle = topk_lower_index(expert_mass(block, args[0]), top_k)
-            overlap = (oracle[:, :, None] == chosen[:, None, :]).any(-1).sum(-1).double() / top_k
-            hits.setdefault(idx, []).append(overlap)
-
-        handles.append(block.gate.register_forward_hook(hook))
-    try:
-        with every_expert_active(model):
-            for start in range(0, input_ids.shape[0], batch_size):
-                model(input_ids=input_ids[start : start + batch_size], use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    layers = [torch.cat(hits[idx]).mean().item() for idx in sorted(hits)]
-    router = next(iter(blocks.values())).gate
-    return {
-        "mean": sum(layers) / len(layers),
-        "layers": layers,
-        "chance": router.top_k / router.num_experts,
-        "tokens": int(input_ids.numel()),
-    }
-
-
 # ------------------------------------------------------------------------------------------------- carving
 
 
@@ -874,7 +805,6 @@ __all__ = [
     "carve_llama",
     "carve_sizes",
     "carved_config_from_llama",
-    "carved_routing_recall",
     "carving_calibration_ids",
     "check_carve_options",
     "check_latent_size",
@@ -886,6 +816,5 @@ __all__ = [
     "fit_carved_routers",
     "intermediate_activation",
     "latent_basis",
-    "oracle_routing",
     "partition_neurons",
 ]

@@ -25,13 +25,9 @@ onto x, over the calibration tokens of the dense (rotated) model:
     W_r^T = (X^T X + lambda I)^{-1} X^T Y,  lambda = `ridge` * trace(X^T X) / D.
 Then logits W_r x predict log e_j up to a per-token constant, so softmax(W_r x) predicts each routed block's share of
 the routed energy and its top-k predicts the highest-energy blocks. The regression is linear in x while e_j is
-quadratic, so it can only use what the rest of the token's input says about block j's energy; the recall of the
-oracle's top-k (`routing_recall`) measures how much that is (a random router gets k / N_r).
-
-The oracle (`oracle_routing_record`) is a routing record in `RoutingCache.routing_record`'s format, built from the true
-importances of the dense (rotated) model on the same tokens; passed as `routing_replay=` it makes every router use
-those blocks. With zero router weights and `routed_gate="normalized"` the recomputed gates are exactly
-k (1 / N_r) / (k / N_r) = 1, so the oracle applies gate 1 to the selected blocks (`zero_routers`).
+quadratic, so it can only use what the rest of the token's input says about block j's energy. The SmolLM2
+experiments measure how much: the routers' recall of the oracle's top-k, and the oracle itself replayed as a routing
+record (`experiments/smollm2/routing_analysis.py`).
 """
 
 from __future__ import annotations
@@ -40,9 +36,7 @@ import logging
 
 import torch
 
-from ..models.modeling_common import topk_lower_index
 from ..models.modeling_mohd import MoHDForCausalLM, MoHDRouter
-from ..models.routing_cache import RoutingRecord
 from .rotation import for_each_sublayer_input
 from .source import ConversionError, DenseLlamaSource
 
@@ -53,7 +47,9 @@ ROUTER_INITS = ("random", "fitted")
 ENERGY_FLOOR = 1e-8  # per channel of a block: log(e + 1e-8 s) stays finite for an all-zero block
 
 
-def _routers(model: MoHDForCausalLM) -> dict[tuple[int, str], MoHDRouter]:
+def mohd_routers(model: MoHDForCausalLM) -> dict[tuple[int, str], MoHDRouter]:
+    """{(layer_idx, "attn" / "mlp"): router} of every sparsified sublayer of a MoHD model (a dense sublayer has
+    none)."""
     return {(m.layer_idx, m.router_name): m for m in model.modules() if isinstance(m, MoHDRouter)}
 
 
@@ -95,7 +91,7 @@ def fit_routers(
     Raises:
         ConversionError: the model has no routers, `ridge` <= 0, or too little calibration text.
     """
-    routers = _routers(model)
+    routers = mohd_routers(model)
     if not routers:
         raise ConversionError("The model has no routers to fit (every sub-dimension is shared).")
     if not ridge > 0:
@@ -135,96 +131,10 @@ def fit_routers(
     return {"tokens": int(tokens), "r2": sum(r2) / len(r2)}
 
 
-@torch.no_grad()
-def oracle_routing_record(
-    source: DenseLlamaSource, input_ids: torch.Tensor, config, *, batch_size: int | None = None
-) -> dict[tuple[int, str], RoutingRecord]:
-    """Routing record of the oracle: per token and sparsified sublayer, the top-k routed blocks by the energy of the
-    dense (rotated) `source`'s normalised input (ties to the lower index).
-
-    Args:
-        source: the dense LLaMA in the basis of the MoHD model that will replay the record.
-        input_ids: (B, T) the tokens the record is for (the same batch is then given to the MoHD model).
-        config: the MoHD model's `MoHDConfig` (N, N_s, k, sparse_modules).
-        batch_size: rows per forward (default: all B at once).
-
-    Returns:
-        {(layer, "attn" / "mlp"): RoutingRecord(indices (B, T, k) int64 absolute block ids, weights (B, T, k) ones)}
-        for the sublayers in `config.sparse_modules`; pass it as `routing_replay=` with the same `input_ids`.
-    """
-    n, n_s, k = config.num_sub_dims, config.num_shared_sub_dims, config.num_routed_sub_dims_per_tok
-    wanted = {"attn"} if "attention" in config.sparse_modules else set()
-    wanted |= {"mlp"} if "ffn" in config.sparse_modules else set()
-    picks: dict[tuple[int, str], list[torch.Tensor]] = {}
-
-    def pick(layer, router, x):
-        if router in wanted:
-            top = topk_lower_index(block_energies(x, n)[:, n_s:], k) + n_s
-            picks.setdefault((layer, router), []).append(top)
-
-    for_each_sublayer_input(source.build_llama(), input_ids, pick, batch_size or input_ids.shape[0])
-    shape = (*input_ids.shape, k)
-    record = {}
-    for key, tops in picks.items():
-        indices = torch.cat(tops).view(shape)
-        record[key] = RoutingRecord(indices, torch.ones(shape, dtype=source.dtype))
-    return record
-
-
-def zero_routers(model: MoHDForCausalLM) -> MoHDForCausalLM:
-    """Set every router weight to 0 (uniform p = 1 / N_r), in place; with `routed_gate="normalized"` (or "unit", whose
-    gates are 1 anyway) a replayed record then gets gate exactly 1 on each selected block. Raises ConversionError for
-    another `routed_gate`."""
-    if model.config.routed_gate not in ("normalized", "unit"):
-        raise ConversionError(
-            "Oracle replay needs routed_gate='normalized' or 'unit' (gate 1 with zero routers), got "
-            f"{model.config.routed_gate!r}."
-        )
-    with torch.no_grad():
-        for router in _routers(model).values():
-            router.weight.zero_()
-    return model
-
-
-@torch.no_grad()
-def routing_recall(
-    model: MoHDForCausalLM, source: DenseLlamaSource, input_ids: torch.Tensor, *, batch_size: int = 4
-) -> dict[str, float]:
-    """Recall of the oracle's top-k by the model's routers, on the dense (rotated) `source`'s sublayer inputs.
-
-    For every token and router: |router top-k ∩ oracle top-k| / k, averaged over tokens; a router that ignores its
-    input scores k / N_r in expectation.
-
-    Returns:
-        {"mean": over all routers, "attn": over attention routers, "mlp": over FFN routers} (absent kinds omitted),
-        plus "chance": k / N_r.
-    """
-    routers = _routers(model)
-    n, n_s, k = model.config.num_sub_dims, model.config.num_shared_sub_dims, model.config.num_routed_sub_dims_per_tok
-    hits: dict[str, list[float]] = {}
-
-    def score(layer, name, x):
-        router = routers.get((layer, name))
-        if router is None:
-            return
-        oracle = topk_lower_index(block_energies(x, n)[:, n_s:], k)
-        chosen = topk_lower_index(torch.softmax(x @ router.weight.double().T, -1), k)
-        overlap = (oracle[:, :, None] == chosen[:, None, :]).any(-1).sum(-1).double() / k
-        hits.setdefault(name, []).append(overlap)
-
-    for_each_sublayer_input(source.build_llama(), input_ids, score, batch_size)
-    result = {name: torch.cat(values).mean().item() for name, values in hits.items()}
-    result["mean"] = torch.cat([torch.cat(v) for v in hits.values()]).mean().item()
-    result["chance"] = k / (n - n_s)
-    return result
-
-
 __all__ = [
     "ROUTER_INITS",
     "block_energies",
     "fit_routers",
     "log_energy_targets",
-    "oracle_routing_record",
-    "routing_recall",
-    "zero_routers",
+    "mohd_routers",
 ]

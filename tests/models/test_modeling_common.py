@@ -243,10 +243,10 @@ def test_gradient_checkpointing_same_gradients(family):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_demo_parameter_counts_of_both_families_and_llama(family, tied):
-    """`hf_mohd.demo.parameter_counts` (one accounting for every model): the decoder is what the model holds besides
-    the embedding and an untied LM head, and the activated decoder is `num_active_parameters()` less the LM head;
-    for Llama (dense) the two are equal."""
-    from hf_mohd.demo import parameter_counts
+    """`hf_mohd.models.accounting.parameter_counts`, the demo's (one accounting for every model): the decoder is what
+    the model holds besides the embedding and an untied LM head, and the activated decoder is
+    `num_active_parameters()` less the LM head; for Llama (dense) the two are equal."""
+    from hf_mohd.models.accounting import parameter_counts
 
     for model in (family.model(tie_word_embeddings=tied), llama(tie_word_embeddings=tied)):
         counts = parameter_counts(model)

@@ -11,7 +11,7 @@ Steps, each a small function below:
 4. Each is trained with `hf_mohd.training.train` (same data order, steps and schedule), saved, reloaded through
    `AutoModelForCausalLM` (logits checked against the trained model), evaluated (held-out perplexity and a limited
    lm-eval run on the offline suite) and asked for a greedy sample.
-5. A pretrained checkpoint made sparse without training (`hf_mohd.demo_pretrained`, skipped with `pretrained=False`,
+5. A pretrained checkpoint made sparse without training (`hf_mohd.demo.pretrained`, skipped with `pretrained=False`,
    `--no-pretrained`): SmolLM2-135M dense vs carved into experts (75% of each FFN active) vs converted to MoHD (75%
    active), held-out perplexity on two sources, a short lm-eval and decoding speed.
 6. Report folder: `report.md` (tables, provenance, timings, machine load), `results.json`, `loss_curves.png`,
@@ -31,19 +31,19 @@ from pathlib import Path
 
 import torch
 
-from .atomic_folder import write_folder_atomically
-from .corpora import wikipedia_corpus
-from .demo_pretrained import (
+from ..atomic_folder import write_folder_atomically
+from ..corpora import wikipedia_corpus
+from ..models.accounting import parameter_counts
+from ..training import TrainConfig, train, train_config_from_dict
+from ..training.data import load_documents, pack, split_documents, train_bpe_tokenizer
+from ..versions import cpu_model, library_versions
+from .pretrained import (
     PretrainedStageConfig,
     plot_pretrained,
     pretrained_report_lines,
     run_pretrained_stage,
     task_score,
 )
-from .models.accounting import parameter_counts
-from .training import TrainConfig, train, train_config_from_dict
-from .training.data import load_documents, pack, split_documents, train_bpe_tokenizer
-from .versions import cpu_model, library_versions
 
 
 PROMPT = "The history of the city"
@@ -108,7 +108,7 @@ class DemoConfig:
             ValueError: an unknown model name (``--models``) or lm-eval task (``--eval-tasks``), or a negative
                 thread count (``--threads``).
         """
-        from .evaluation.harness import resolve_tasks
+        from ..evaluation.harness import resolve_tasks
 
         if not isinstance(self.threads, int) or self.threads < 0:
             raise ValueError(
@@ -168,7 +168,7 @@ def architectures(demo: DemoConfig) -> dict[str, dict]:
       d/2, 4 active per token, plus a full-width shared expert of size 7d/8; sigmoid routing balanced by the
       aux-loss-free bias update (DeepSeek-V3; the trainer calls `update_router_biases` after each step).
     """
-    from .models.configuration_mohd import MoHDConfig
+    from ..models.configuration_mohd import MoHDConfig
 
     d, heads = demo.hidden_size, demo.num_attention_heads
     base = {
@@ -439,7 +439,7 @@ def busy_machine_warning(threads: int, load_average: float, cores: int) -> str |
 
 def run_demo(demo: DemoConfig) -> str:
     """Run the main job; returns the path of `report.md`."""
-    from .evaluation import evaluate, summarize
+    from ..evaluation import evaluate, summarize
 
     if demo.threads:
         torch.set_num_threads(demo.threads)

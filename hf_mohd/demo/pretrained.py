@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .models.accounting import parameter_counts
+from ..models.accounting import parameter_counts
 
 
 HELD_OUT_WINDOW = 256
@@ -96,8 +96,8 @@ def held_out_ids(tokenizer, tokens: int) -> dict[str, torch.Tensor]:
     """
     import pydoc_data.topics
 
-    from .conversion.carve import HELD_OUT_ARTICLES
-    from .corpora import wikipedia_articles
+    from ..conversion.carve import HELD_OUT_ARTICLES
+    from ..corpora import wikipedia_articles
 
     texts = {
         "wikipedia": [article.text for article in wikipedia_articles("lines")[-HELD_OUT_ARTICLES:]],
@@ -151,10 +151,10 @@ def run_pretrained_stage(folder: str | os.PathLike, stage: PretrainedStageConfig
     """
     from transformers import AutoModelForCausalLM
 
-    from .conversion import convert_carved_latent_moe, convert_mohd, load_dense_llama
-    from .conversion.carve import default_calibration_text
-    from .evaluation import evaluate, summarize
-    from .evaluation.perplexity import perplexity
+    from ..conversion import convert_carved_latent_moe, convert_mohd, load_dense_llama
+    from ..conversion.carve import default_calibration_text
+    from ..evaluation import evaluate, summarize
+    from ..evaluation.perplexity import perplexity
 
     stage = stage or PretrainedStageConfig()
     folder = Path(folder)
