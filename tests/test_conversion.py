@@ -889,6 +889,18 @@ def test_smollm2_to_mohd_is_exact_and_sparsifies(smollm2, tmp_path):
 
 
 @pytest.mark.slow
+def test_smollm2_dense_oracle_saves_as_an_unquantised_folder(smollm2, tmp_path):
+    """The GGUF tensors are dequantised: a folder saved from the source's `LlamaForCausalLM` claims no GGUF
+    quantisation (engines such as vLLM refuse "quant_method gguf" on a safetensors folder) and loads back as a source
+    with the same logits."""
+    source, oracle, prompt = smollm2
+    assert getattr(source.config, "quantization_config", None) is None
+    oracle.save_pretrained(tmp_path / "dense")
+    assert "quantization_config" not in json.loads((tmp_path / "dense" / "config.json").read_text())
+    assert_same_as_source(load_dense_llama(tmp_path / "dense").build_llama(), oracle, prompt)
+
+
+@pytest.mark.slow
 def test_smollm2_to_latent_moe_is_exact(smollm2):
     source, oracle, prompt = smollm2
     model = llama_to_latent_moe(source, num_experts=8, num_experts_per_tok=2)

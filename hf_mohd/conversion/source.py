@@ -373,6 +373,9 @@ def _load_gguf(path: Path, dtype: torch.dtype | None) -> DenseLlamaSource:
     with gguf_progress_bar_follows_transformers():
         model = LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype or torch.float32)
     config = model.config
+    # the tensors are dequantised: the GGUF loader's `quantization_config` (quant_method "gguf") would make a folder
+    # saved from this config claim a GGUF quantisation it does not hold, which engines then refuse to load
+    config.__dict__.pop("quantization_config", None)
     expected = _expected_shapes(config)
     state_dict = _complete(dict(model.state_dict()), expected, config, path.name)
     state_dict = _to_dtype(state_dict, dtype or torch.float32)
