@@ -108,9 +108,7 @@ def prepare(work: Path) -> None:
     if not (teacher / "config.json").exists():
         started = cpu_seconds()
         source = load_dense_llama(ep.default_source(), dtype=torch.float32)
-        llama = source.build_llama()
-        if hasattr(llama.config, "quantization_config"):  # the GGUF loader's record; the weights are fp32 now
-            del llama.config.quantization_config
+        llama = source.build_llama()  # `load_dense_llama` drops the GGUF loader's quantization_config
         with write_folder_atomically(teacher) as staging:
             llama.save_pretrained(staging)
             source.tokenizer.save_pretrained(staging)
