@@ -193,6 +193,7 @@ def main():
     print(f"machine: {machine}", flush=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as folder:
         folders = build_models(Path(folder), shape, args.calibration_tokens)
+        print(f"{time.strftime('%H:%M:%S')} built {', '.join(folders)}; timing transformers", flush=True)
         configs = {name: AutoConfig.from_pretrained(path) for name, path in folders.items()}
         generator = torch.Generator().manual_seed(1)
         vocab = min(config.vocab_size for config in configs.values())
@@ -212,6 +213,7 @@ def main():
         )
         del models
         common.release_free_memory()
+        print(f"{time.strftime('%H:%M:%S')} timing vLLM", flush=True)
         served = run_vllm(vllm_runs(folders, prompts, args), Path(folder), timeout=3600)
     failed = {name: run["error"] for name, run in served.items() if "error" in run}
     if failed:
