@@ -26,16 +26,13 @@ the work is `hf_mohd.interop.export_to_nemotron_h`. The written folder is loaded
 The way back is `convert_nemotron_h_to_latent_moe.py`.
 """
 
-import argparse
-
-from hf_mohd.commands import DefaultsHelpFormatter
 from hf_mohd.commands.export import add_nemotron_h_arguments
-from hf_mohd.conversion.scripts import add_script_arguments, finish
+from hf_mohd.conversion.scripts import add_script_arguments, finish, script_parser
 from hf_mohd.interop import export_to_nemotron_h
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
+    parser = script_parser(__doc__)
     add_script_arguments(add_nemotron_h_arguments(parser))
     args = parser.parse_args(argv)
 

@@ -28,15 +28,12 @@ source's logits. The written folder is then loaded with `AutoModelForCausalLM` f
 uploaded with `--push_to_hub REPO_ID`.
 """
 
-import argparse
-
-from hf_mohd.commands import DefaultsHelpFormatter
 from hf_mohd.commands.convert import add_latent_moe_arguments, configure_logging, latent_moe_options
-from hf_mohd.conversion.scripts import add_script_arguments, finish
+from hf_mohd.conversion.scripts import add_script_arguments, finish, script_parser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
+    parser = script_parser(__doc__)
     add_script_arguments(add_latent_moe_arguments(parser))
     args = parser.parse_args(argv)
     configure_logging(args.quiet)

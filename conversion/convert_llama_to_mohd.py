@@ -23,16 +23,13 @@ The written folder (safetensors, config.json with auto_map and code, the source 
 with `AutoModelForCausalLM` for a greedy sanity generation, and uploaded with `--push_to_hub REPO_ID`.
 """
 
-import argparse
-
-from hf_mohd.commands import DefaultsHelpFormatter
 from hf_mohd.commands.convert import add_mohd_arguments, configure_logging, mohd_options
 from hf_mohd.conversion import convert_mohd
-from hf_mohd.conversion.scripts import add_script_arguments, finish
+from hf_mohd.conversion.scripts import add_script_arguments, finish, script_parser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
+    parser = script_parser(__doc__)
     add_script_arguments(add_mohd_arguments(parser))
     args = parser.parse_args(argv)
     configure_logging(args.quiet)

@@ -24,18 +24,15 @@ counterpart and are refused (checked on config.json before any weight is read). 
 sanity generation, and uploaded with `--push_to_hub REPO_ID`. The way there is `convert_latent_moe_to_nemotron_h.py`.
 """
 
-import argparse
-
 import torch
 
-from hf_mohd.commands import DefaultsHelpFormatter
 from hf_mohd.commands.nemotron_h import add_import_arguments
-from hf_mohd.conversion.scripts import add_script_arguments, finish
+from hf_mohd.conversion.scripts import add_script_arguments, finish, script_parser
 from hf_mohd.interop import import_from_nemotron_h
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
+    parser = script_parser(__doc__)
     add_script_arguments(add_import_arguments(parser))
     args = parser.parse_args(argv)
 

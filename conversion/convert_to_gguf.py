@@ -25,16 +25,13 @@ has none either (llama.cpp has no sub-dimension routing). The options are those 
 runs the GGUF in llama.cpp when llama-cpp-python is installed; `--push_to_hub REPO_ID` uploads the file.
 """
 
-import argparse
-
-from hf_mohd.commands import DefaultsHelpFormatter
 from hf_mohd.commands.export import add_gguf_arguments
-from hf_mohd.conversion.scripts import add_script_arguments, finish
+from hf_mohd.conversion.scripts import add_script_arguments, finish, script_parser
 from hf_mohd.interop import export_to_gguf
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
+    parser = script_parser(__doc__)
     add_script_arguments(add_gguf_arguments(parser))
     args = parser.parse_args(argv)
 

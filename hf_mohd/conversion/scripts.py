@@ -15,7 +15,9 @@
 conversion has written its output: a greedy sanity generation by the written model, loaded the way a user loads it,
 and the upload (`--push_to_hub REPO_ID`).
 
-`add_script_arguments(parser)` adds `--push_to_hub`, `--prompt` and `--max_new_tokens`; `finish(path, args)` prints
+`script_parser(__doc__)` is a script's parser (its docstring as the description, kept as written, and each option's
+default in its help); `add_script_arguments(parser)` adds `--push_to_hub`, `--prompt` and `--max_new_tokens`;
+`finish(path, args)` prints
 the greedy continuation and uploads. The upload of a MoHD or LatentMoE folder is `hf_mohd.hub.publish` (code files,
 `auto_map`, model card); a folder of another family (a Nemotron-H export) or a single file (a GGUF) is uploaded as it
 is, with `huggingface_hub.HfApi`.
@@ -23,6 +25,7 @@ is, with `huggingface_hub.HfApi`.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 from pathlib import Path
@@ -33,6 +36,17 @@ import torch
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROMPT = "The capital of France is"
+
+
+def script_parser(description: str) -> argparse.ArgumentParser:
+    """An `ArgumentParser` whose help prints `description` (a script's docstring) as written, example commands
+    included, and each option's default (`hf_mohd.commands.DefaultsHelpFormatter`, as `hf-mohd --help` does)."""
+    from ..commands import DefaultsHelpFormatter
+
+    class Formatter(argparse.RawDescriptionHelpFormatter, DefaultsHelpFormatter):
+        pass
+
+    return argparse.ArgumentParser(description=description, formatter_class=Formatter)
 
 
 def add_script_arguments(parser):
@@ -144,4 +158,11 @@ def finish(path: str | Path, args) -> None:
         print(f"pushed to {push_to_hub(path, args.push_to_hub)}")
 
 
-__all__ = ["add_script_arguments", "finish", "greedy_generation", "gguf_greedy_generation", "push_to_hub"]
+__all__ = [
+    "add_script_arguments",
+    "finish",
+    "greedy_generation",
+    "gguf_greedy_generation",
+    "push_to_hub",
+    "script_parser",
+]
