@@ -177,18 +177,25 @@ def test_nemotron_h_export_refuses_a_llama_conversion_naming_the_fields(llama, t
     assert not (tmp_path / "nemotron").exists()
 
 
+def gguf_source(tmp_path: Path) -> tuple[Path, LatentMoEForCausalLM]:
+    """(folder, model): an all-MoE Nemotron-style LatentMoE saved with SmolLM2's tokenizer (the full tier's engine
+    and converter required, as in tests/test_engines.py)."""
+    from tests.test_engines import ALL_MOE, require_engine, smollm2_tokenizer
+
+    require_engine()
+    source = smollm2_tokenizer(tmp_path / "latent")
+    model = latent_moe_model(**{**ALL_MOE, "vocab_size": 49152})
+    model.save_pretrained(source)
+    return source, model
+
+
 @pytest.mark.slow
 def test_latent_moe_to_gguf_reads_back_with_the_models_weights(tmp_path, capsys):
     """The GGUF of an all-MoE Nemotron-style LatentMoE with SmolLM2's tokenizer (llama.cpp knows its pre-tokenizer):
     read back with the `gguf` package, its architecture is nemotron_h_moe, its f32 embedding, attention and output
     weights are the model's, and llama.cpp (`llama_cpp.Llama`) decodes the sanity tokens."""
-    from tests.test_engines import ALL_MOE, require_engine, smollm2_tokenizer
-
-    require_engine()
     gguf = pytest.importorskip("gguf")
-    source = smollm2_tokenizer(tmp_path / "latent")  # the model folder, with SmolLM2's tokenizer files
-    model = latent_moe_model(**{**ALL_MOE, "vocab_size": 49152})
-    model.save_pretrained(source)
+    source, model = gguf_source(tmp_path)
     out = tmp_path / "model.gguf"
     argv = [str(source), str(out), "--prompt", "The river", "--max_new_tokens", "3"]
     assert script("convert_to_gguf")(argv) == 0
@@ -244,4 +251,24 @@ def test_push_to_hub_uploads_what_the_script_wrote(llama, tmp_path, local_hub):
     assert (
         local_hub.file("tester/script-nemotron", "tokenizer.json") == (tmp_path / "nh" / "tokenizer.json").read_bytes()
     )
+    assert not local_hub.unhandled, local_hub.unhandled
+
+
+@pytest.mark.slow
+def test_gguf_push_to_hub_uploads_the_file(tmp_path, local_hub):
+    """`python conversion/convert_to_gguf.py ... --push_to_hub` in a fresh process: the Hub holds the GGUF byte for
+    byte under its own name."""
+    source, _ = gguf_source(tmp_path)
+    out = tmp_path / "model-f16.gguf"
+    command = [sys.executable, str(SCRIPTS / "convert_to_gguf.py"), str(source), str(out), "--outtype", "f16"]
+    env = {**os.environ, **hub_env(local_hub, tmp_path / "home"), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [*command, "--max_new_tokens", "2", "--push_to_hub", "tester/script-gguf"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert local_hub.file("tester/script-gguf", "model-f16.gguf") == out.read_bytes()
     assert not local_hub.unhandled, local_hub.unhandled
