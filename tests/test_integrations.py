@@ -250,7 +250,7 @@ def test_repository_cites_only_what_it_ships():
 
     root = Path(__file__).resolve().parents[1]
     outside = re.compile("DESIGN" + r" section|\.\./" + "shared|[Ii]ssue" + r" [0-9]+")
-    folders = ("hf_mohd", "tests", "bench", "experiments", "configs", "model_cards", "scripts", "docs")
+    folders = ("hf_mohd", "conversion", "tests", "bench", "experiments", "configs", "model_cards", "scripts", "docs")
     files = [root / "README.md", *(p for f in folders for p in (root / f).rglob("*") if p.is_file())]
     hits = []
     for path in files:

@@ -10,7 +10,7 @@ A fenced block's info string is the language, then a marker (README.md, "Code bl
   `install` (installs packages), `own-files` (reads files of the reader's own).
 - or nothing after a data language: `yaml`, `json`, `text`.
 
-Each page (README.md, docs/*.md, model_cards/README.md) runs in a scratch directory of its own: fast blocks first, then
+Each page (README.md, docs/*.md, model_cards/README.md, conversion/README.md) runs in a scratch directory of its own: fast blocks first, then
 slow ones, each group in file order (a block may read what an earlier block of the same page, or any fast block of
 it, wrote). Each Python block runs in a fresh namespace (`continues` excepted; consecutive Python blocks share one
 interpreter, to pay the torch import once), each bash block in its own shell, with `HF_HUB_OFFLINE=1`. Tracebacks
@@ -31,7 +31,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 GUIDES = sorted((ROOT / "docs").glob("*.md"))
-PAGES = [README, *GUIDES, ROOT / "model_cards" / "README.md"]
+PAGES = [README, *GUIDES, ROOT / "model_cards" / "README.md", ROOT / "conversion" / "README.md"]
 LANGUAGES = ("python", "bash")
 RUN_FLAGS = ("slow", "hub", "continues")
 NOT_RUN = ("long", "gpu", "install", "own-files")  # why a python or bash block is not run

@@ -16,3 +16,4 @@ from pathlib import Path
 
 
 RESULTS_DIR = Path("experiments/smollm2/results")  # where the committed results are, from the repository root
+MODEL_CARDS_DIR = Path("model_cards")  # where the rendered cards of the committed models are (`--cards-dir`)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.smollm2 import RESULTS_DIR
+from experiments.smollm2 import MODEL_CARDS_DIR, RESULTS_DIR
 from experiments.smollm2 import evaluate_perplexity as ep
 from hf_mohd.atomic_folder import write_folder_atomically, write_json_atomically, write_text_atomically
 from hf_mohd.evaluation.perplexity import perplexity
@@ -442,8 +442,9 @@ def paired(a: list[float], b: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
-def report(work: Path, output: Path) -> dict:
-    """Gather every finished part into one JSON (and a plot next to it); unfinished parts are listed as missing."""
+def report(work: Path, output: Path, cards_dir: Path | None = None) -> dict:
+    """Gather every finished part into one JSON (and a plot next to it); unfinished parts are listed as missing.
+    `cards_dir`: where the rendered model card goes (None: beside `output`; the command's default is model_cards/)."""
     prepared = read_json(work / "prepare.json", None)
     if prepared is None:
         sys.exit(f"{work}/prepare.json is missing: run the prepare stage first.")
@@ -508,7 +509,7 @@ def report(work: Path, output: Path) -> dict:
     }
     write_json_atomically(output, result)
     plot(result, output.with_suffix(".png"))
-    card_path = output.parent / "smollm2_mohd75_healed_model_card.md"
+    card_path = (cards_dir or output.parent) / "smollm2_mohd75_healed_model_card.md"
     model_card(work, result, "mohd75_all").save(card_path)
     return result
 
@@ -611,6 +612,12 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint", action="store_true", help="lm-eval: the arm's newest checkpoint, not final/.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1).")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "smollm2_healing.json")
+    parser.add_argument(
+        "--cards-dir",
+        type=Path,
+        default=MODEL_CARDS_DIR,
+        help="report: folder of the rendered model card (default: model_cards/).",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -624,7 +631,7 @@ def main(argv=None) -> int:
     elif args.stage == "breakdown":
         breakdown(args.work_dir, args.arm)
     else:
-        report(args.work_dir, args.output)
+        report(args.work_dir, args.output, args.cards_dir)
     return 0
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.smollm2 import RESULTS_DIR, heal
+from experiments.smollm2 import MODEL_CARDS_DIR, RESULTS_DIR, heal
 from experiments.smollm2 import evaluate_perplexity as ep
 from experiments.smollm2.held_out_sources import source_windows
 from hf_mohd.atomic_folder import write_json_atomically
@@ -188,12 +188,14 @@ def lm_eval_model(work: Path, name: str, teacher: Path, limit: int) -> None:
     heal.run_lm_eval(work / f"lm_eval_{name}_{limit}.json", name, limit, load_model, tokenizer)
 
 
-def report(work: Path, output: Path) -> dict:
+def report(work: Path, output: Path, cards_dir: Path | None = None) -> dict:
     """The dense, training-free and healed numbers in one JSON, with ratios to dense per source; missing arms listed.
 
     An arm or lm-eval row that `work` does not hold but `output` already records (measured in an earlier work folder,
     possibly on another machine) is kept as recorded, so that a long arm can run in a fresh work folder without
-    losing the others; the model card is written from the best 75% arm whose run folder `work` holds."""
+    losing the others; the model card is written from the best 75% arm whose run folder `work` holds.
+    `cards_dir`: where the rendered model card goes (None: beside `output`; the command's default is
+    model_cards/)."""
     earlier = heal.read_json(output, {})
     prepared = heal.read_json(work / "prepare.json", None)
     if prepared is None or "dense" not in prepared:
@@ -258,7 +260,7 @@ def report(work: Path, output: Path) -> dict:
         None,
     )
     if best is not None:
-        model_card(work, result, best).save(output.parent / "smollm2_carved75_healed_model_card.md")
+        model_card(work, result, best).save((cards_dir or output.parent) / "smollm2_carved75_healed_model_card.md")
     return result
 
 
@@ -355,6 +357,12 @@ def main(argv=None) -> int:
     parser.add_argument("--corpus-dir", type=Path, default=Path("runs/healing_corpus"))
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1).")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "smollm2_carved_healing.json")
+    parser.add_argument(
+        "--cards-dir",
+        type=Path,
+        default=MODEL_CARDS_DIR,
+        help="report: folder of the rendered model card (default: model_cards/).",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -370,7 +378,7 @@ def main(argv=None) -> int:
             parser.error("lm-eval needs a model name")
         lm_eval_model(args.work_dir, args.arm, args.teacher, LM_EVAL_LIMIT)
     else:
-        print(json.dumps(report(args.work_dir, args.output)["arms"], indent=1))
+        print(json.dumps(report(args.work_dir, args.output, args.cards_dir)["arms"], indent=1))
     return 0
 
 

@@ -65,7 +65,7 @@ from typing import NamedTuple
 
 import torch
 
-from experiments.smollm2 import RESULTS_DIR, heal
+from experiments.smollm2 import MODEL_CARDS_DIR, RESULTS_DIR, heal
 from experiments.smollm2 import evaluate_perplexity as ep
 from experiments.smollm2.held_out_sources import source_windows
 from hf_mohd.atomic_folder import write_folder_atomically, write_json_atomically
@@ -680,10 +680,12 @@ def arm_row(found: dict, arm: Arm, dense: float | dict) -> dict:
     return row
 
 
-def report(work: Path, output: Path) -> dict:
+def report(work: Path, output: Path, cards_dir: Path | None = None) -> dict:
     """Gather the students' training-free numbers, every finished arm and curve point and the lm-eval rows into one
     JSON; missing parts are listed. A student, arm or lm-eval row that `work` does not hold but `output` already
-    records (measured in an earlier work folder, possibly on another machine) is kept as recorded."""
+    records (measured in an earlier work folder, possibly on another machine) is kept as recorded.
+    `cards_dir`: where the rendered model card goes (None: beside `output`; the command's default is
+    model_cards/)."""
     earlier = heal.read_json(output, {})
     prepared = heal.read_json(work / "prepare.json", None)
     ladder = heal.read_json(work / "ladder_prepare.json", None)
@@ -839,7 +841,7 @@ def report(work: Path, output: Path) -> dict:
         plot(result, output.with_suffix(".png"))
     card = model_card(work, result)
     if card is not None:
-        card.save(output.parent / "smollm2_mohd75_ladder_model_card.md")
+        card.save((cards_dir or output.parent) / "smollm2_mohd75_ladder_model_card.md")
     return result
 
 
@@ -1028,6 +1030,12 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1).")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "smollm2_healing_ladder.json")
     parser.add_argument(
+        "--cards-dir",
+        type=Path,
+        default=MODEL_CARDS_DIR,
+        help="report: folder of the rendered model card (default: model_cards/).",
+    )
+    parser.add_argument(
         "--recipe",
         choices=LADDER_256K,
         help="train of a curve point before the 256k ladder is finished: the ladder arm whose recipe it heals with "
@@ -1048,12 +1056,12 @@ def main(argv=None) -> int:
         sources(work, corpus)
         for name in LADDER_256K:
             train_arm(work, name, corpus)
-        report(work, args.output)
+        report(work, args.output, args.cards_dir)
     elif args.stage == "curve":
         sources(work, corpus)
         for name in CURVE:
             train_arm(work, name, corpus, args.output)
-        report(work, args.output)
+        report(work, args.output, args.cards_dir)
     elif args.stage == "prepare":
         prepare(work)
     elif args.stage == "budgets":
@@ -1079,7 +1087,7 @@ def main(argv=None) -> int:
             )
         breakdown(work, args.arm, corpus)
     else:
-        report(work, args.output)
+        report(work, args.output, args.cards_dir)
     return 0
 
 

@@ -329,18 +329,24 @@ def _conversion_command(run):
     return wrapped
 
 
-@_conversion_command
-def run_mohd(args) -> int:
-    from hf_mohd.conversion import convert_mohd
+def mohd_options(args) -> dict:
+    """The keyword arguments of `convert_mohd(args.source, args.output, **mohd_options(args))` for the arguments
+    `add_mohd_arguments` parsed (`hf-mohd convert mohd`, `conversion/convert_llama_to_mohd.py`)."""
+    options = _options(args, MOHD_OPTIONS)
+    options["preset"] = None if args.preset == "none" else args.preset
+    options["rotation"] = None if args.rotate == "none" else args.rotate
+    return options
 
-    preset = None if args.preset == "none" else args.preset
-    rotation = None if args.rotate == "none" else args.rotate
-    convert_mohd(args.source, args.output, preset, rotation=rotation, **_options(args, MOHD_OPTIONS))
-    return 0
 
+def latent_moe_options(args) -> tuple:
+    """(convert, options) for the arguments `add_latent_moe_arguments` parsed (`hf-mohd convert latent-moe`,
+    `conversion/convert_llama_to_latent_moe.py`): `convert(args.source, args.output, **options)` carves
+    (`convert_carved_latent_moe`, with --carve) or upcycles (`convert_latent_moe`).
 
-@_conversion_command
-def run_latent_moe(args) -> int:
+    Raises:
+        ConversionError: an option of the other way given (--carve with an upcycling option, or a carving option
+            without --carve).
+    """
     from hf_mohd.conversion import ConversionError, convert_carved_latent_moe, convert_latent_moe
 
     def given(names):
@@ -353,11 +359,24 @@ def run_latent_moe(args) -> int:
                 "--latent-size)."
             )
         options = {name: value for name, value in _options(args, CARVE_OPTIONS).items() if value is not None}
-        convert_carved_latent_moe(args.source, args.output, **options)
-        return 0
+        return convert_carved_latent_moe, options
     if given(CARVE_ONLY):
         raise ConversionError(f"{given(CARVE_ONLY)} apply only with --carve.")
     options = _options(args, LATENT_MOE_OPTIONS)
     options["expert_init"] = options["expert_init"] or "slices"
-    convert_latent_moe(args.source, args.output, **options)
+    return convert_latent_moe, options
+
+
+@_conversion_command
+def run_mohd(args) -> int:
+    from hf_mohd.conversion import convert_mohd
+
+    convert_mohd(args.source, args.output, **mohd_options(args))
+    return 0
+
+
+@_conversion_command
+def run_latent_moe(args) -> int:
+    convert, options = latent_moe_options(args)
+    convert(args.source, args.output, **options)
     return 0

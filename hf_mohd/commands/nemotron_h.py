@@ -20,11 +20,7 @@ def register(subparsers) -> None:
         "nemotron-h", help="Import Nemotron-H as LatentMoE (the exports are `hf-mohd export nemotron-h | gguf`)."
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    imp = add_command(actions, "import", run_import)
-    imp.add_argument("source", help="Folder that NemotronHForCausalLM.from_pretrained reads.")
-    imp.add_argument("output", help="Folder to write.")
-    imp.add_argument("--dtype", choices=DTYPES, help="dtype to load the weights in (default: the checkpoint's).")
-    imp.add_argument("--overwrite", action="store_true", help="Replace OUTPUT if it exists.")
+    add_import_arguments(add_command(actions, "import", run_import))
     export = add_deprecated_alias(
         actions, "export", run_export, "hf-mohd export nemotron-h", old="hf-mohd nemotron-h export"
     )
@@ -32,6 +28,15 @@ def register(subparsers) -> None:
     add_gguf_arguments(
         add_deprecated_alias(actions, "gguf", run_gguf, "hf-mohd export gguf", old="hf-mohd nemotron-h gguf")
     )
+
+
+def add_import_arguments(parser):
+    """The arguments of `hf-mohd nemotron-h import` (and of `conversion/convert_nemotron_h_to_latent_moe.py`)."""
+    parser.add_argument("source", help="Folder that NemotronHForCausalLM.from_pretrained reads.")
+    parser.add_argument("output", help="Folder to write.")
+    parser.add_argument("--dtype", choices=DTYPES, help="dtype to load the weights in (default: the checkpoint's).")
+    parser.add_argument("--overwrite", action="store_true", help="Replace OUTPUT if it exists.")
+    return parser
 
 
 def run_import(args) -> int:

@@ -2,7 +2,9 @@
 carving of dense FFNs into experts (`carve`).
 
 The functions live in the package, so an installed `hf-mohd` converts without the repository; `hf-mohd convert` is
-a thin command-line wrapper around `convert_mohd`, `convert_latent_moe` and `convert_carved_latent_moe`.
+a thin command-line wrapper around `convert_mohd`, `convert_latent_moe` and `convert_carved_latent_moe`, and so are the
+repository's transformers-style scripts in `conversion/`, which share their closing steps (sanity generation,
+`--push_to_hub`) through `hf_mohd.conversion.scripts`.
 """
 
 from .budgets import (
