@@ -56,7 +56,7 @@ from bench import common
 from bench.bench_mohd import PRESET, llama_config
 from hf_mohd import MoHDConfig, MoHDForCausalLM
 from hf_mohd.models.accounting import model_accounting
-from hf_mohd.models.mohd_sparse import small_gemms_compute_bound
+from hf_mohd.models.mohd_strategies import small_gemms_compute_bound
 
 
 MODELS = ("llama", "mohd", "mohd_row_major", "mohd_union", "mohd_per_block", "mohd_torch_path", "llama_active")

@@ -1,4 +1,4 @@
-"""MoHD's execution engine (`hf_mohd/models/mohd_sparse.py`): every fast execution path equals the masked reference
+"""MoHD's execution engine (`hf_mohd/models/mohd_*.py`): every fast execution path equals the masked reference
 path, in logits and in gradients, and the engine's helpers compute what they say.
 
 The gather strategy has three regimes, chosen by the number of tokens M of a forward: per-slot grouped matmuls
@@ -17,26 +17,20 @@ import torch
 from torch import nn
 
 from hf_mohd import MoHDForCausalLM
-from hf_mohd.models import modeling_mohd, mohd_sparse
+from hf_mohd.models import modeling_mohd, mohd_layout, mohd_plans, mohd_products, mohd_strategies
 from hf_mohd.models.modeling_mohd import MoHDGroupFusion
-from hf_mohd.models.mohd_sparse import (
+from hf_mohd.models.mohd_geometry import block_token_spans, contiguous_spans
+from hf_mohd.models.mohd_layout import set_linear_layout_
+from hf_mohd.models.mohd_plans import MoHDGroupedPlan, MoHDIndexedPlan, MoHDMaskedPlan, MoHDSpansPlan
+from hf_mohd.models.mohd_products import (
     MoHDGatheredGroupedMatmul,
-    MoHDGatherStrategy,
-    MoHDGroupedPlan,
     MoHDGroupPart,
-    MoHDIndexedPlan,
-    MoHDMaskedPlan,
-    MoHDMaskedStrategy,
-    MoHDSpansPlan,
     MoHDSparseBlockMix,
-    MoHDSparseInterface,
     _grouped_mm_aligned,
-    block_token_spans,
-    contiguous_spans,
     grouped_matmul,
     grouped_parts,
-    set_linear_layout_,
 )
+from hf_mohd.models.mohd_strategies import MoHDGatherStrategy, MoHDMaskedStrategy, MoHDSparseInterface
 from hf_mohd.models.native_gather import native_gather
 from tests.utils import FAMILIES, gradients, input_ids
 
@@ -345,23 +339,23 @@ def test_fused_input_projections_share_one_storage_and_equal_masked(monkeypatch,
     gather.to_weight_layout("block_major")
     attention, mlp = gather.model.layers[0].self_attn, gather.model.layers[0].mlp
     qkv, gate_up = [attention.q_proj, attention.k_proj, attention.v_proj], [mlp.gate_proj, mlp.up_proj]
-    assert mohd_sparse.shares_block_major_storage(qkv) and mohd_sparse.shares_block_major_storage(gate_up)
+    assert mohd_layout.shares_block_major_storage(qkv) and mohd_layout.shares_block_major_storage(gate_up)
     assert attention.v_proj.weight.data_ptr() == attention.q_proj.weight.data_ptr() + (64 + 32) * 8  # float64
     state = gather.state_dict()
     assert state.keys() == before.keys()
     for name, tensor in state.items():
         assert tensor.is_contiguous() and torch.equal(tensor, before[name]), name  # row-major copies, same values
-    assert mohd_sparse.shares_block_major_storage(qkv)  # the copies leave the parameters fused
+    assert mohd_layout.shares_block_major_storage(qkv)  # the copies leave the parameters fused
 
     handed_out = []
-    original = mohd_sparse.fused_block_major_weight
+    original = mohd_layout.fused_block_major_weight
 
     def counting(linears):
         fused = original(linears)
         handed_out.append(fused is not None)
         return fused
 
-    monkeypatch.setattr(mohd_sparse, "fused_block_major_weight", counting)
+    monkeypatch.setattr(mohd_plans, "fused_block_major_weight", counting)
     monkeypatch.setattr(modeling_mohd, "fused_block_major_weight", counting)  # the native one-token plan's
     gather.eval(), masked.eval()
     with torch.no_grad():
@@ -398,13 +392,13 @@ def test_fused_input_projections_share_one_storage_and_equal_masked(monkeypatch,
     assert not any(handed_out)
     assert gather.has_fused_input_projections()
     gather.save_pretrained(tmp_path)  # written row-major one sublayer at a time, then fused again
-    assert mohd_sparse.shares_block_major_storage(qkv) and gather.decoding_weight_layout == "block_major"
+    assert mohd_layout.shares_block_major_storage(qkv) and gather.decoding_weight_layout == "block_major"
     from safetensors.torch import load_file
 
     saved = load_file(tmp_path / "model.safetensors")
     assert all(torch.equal(saved[name], before[name]) for name in before if name in saved)
     gather.to(torch.float32)
-    assert not mohd_sparse.shares_block_major_storage(qkv)  # a cast copies each weight: the fusion ends by itself
+    assert not mohd_layout.shares_block_major_storage(qkv)  # a cast copies each weight: the fusion ends by itself
 
 
 @pytest.mark.parametrize("layout", ["block_major", "row_major"])
@@ -461,9 +455,9 @@ def test_auto_small_batch_plan_follows_the_timing(monkeypatch):
     whose cost grows with the rows (per block) and one whose cost does not (union); the timing runs only when asked
     for (`set_small_batch_plan("auto")`, `HF_MOHD_SMALL_BATCH_PLAN`), never in a forward; the choice survives a
     switch of strategy, and bad names are refused."""
-    rule = mohd_sparse.small_gemms_compute_bound.__wrapped__
+    rule = mohd_strategies.small_gemms_compute_bound.__wrapped__
     clock = [0.0]
-    monkeypatch.setattr(mohd_sparse.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(mohd_strategies.time, "perf_counter", lambda: clock[0])
     for cost, expected in ((lambda rows: 1.0 * rows, True), (lambda rows: 1.0 + 0.1 * rows, False)):
         monkeypatch.setattr(torch, "mm", lambda a, b, cost=cost: clock.__setitem__(0, clock[0] + cost(a.shape[0])))
         assert rule(torch.float32, 1) is expected
@@ -477,19 +471,20 @@ def test_auto_small_batch_plan_follows_the_timing(monkeypatch):
 
     indices, weights = torch.tensor([[3, 7], [5, 4]]), torch.rand(2, 2)
     gather, _ = pair()
-    monkeypatch.delenv(mohd_sparse.SMALL_BATCH_PLAN_ENV, raising=False)
+    monkeypatch.delenv(mohd_strategies.SMALL_BATCH_PLAN_ENV, raising=False)
     for compute_bound, expected in ((True, "per_block"), (False, "union")):
         monkeypatch.setattr(
-            mohd_sparse, "small_gemms_compute_bound", lambda d, t, v=compute_bound: fake_timing(d, t, v)
+            mohd_strategies, "small_gemms_compute_bound", lambda d, t, v=compute_bound: fake_timing(d, t, v)
         )
         assert gather.set_small_batch_plan("auto") == expected
         strategy = strategies(gather)[0]
         with torch.no_grad():
             assert (strategy.plan(indices, weights).rows is not None) is compute_bound
             assert strategy.plan(indices[:1], weights[:1]).rows is None  # one token: a single form
-        monkeypatch.setenv(mohd_sparse.SMALL_BATCH_PLAN_ENV, "auto")  # an environment choice: timed at construction
+        # an environment choice: timed at construction
+        monkeypatch.setenv(mohd_strategies.SMALL_BATCH_PLAN_ENV, "auto")
         assert MoHDGatherStrategy(MOHD.config()).small_batch_plan == expected
-        monkeypatch.delenv(mohd_sparse.SMALL_BATCH_PLAN_ENV)
+        monkeypatch.delenv(mohd_strategies.SMALL_BATCH_PLAN_ENV)
     assert timings == [torch.float64, torch.float32] * 2
 
     # without a request nothing is timed: a new model's plan is "per_block", and forwards and generate never time
@@ -506,7 +501,7 @@ def test_auto_small_batch_plan_follows_the_timing(monkeypatch):
     assert {s.small_batch_plan for s in strategies(gather)} == {"per_block"}
     with pytest.raises(ValueError, match="plan must be one of"):
         gather.set_small_batch_plan("blocks")
-    monkeypatch.setenv(mohd_sparse.SMALL_BATCH_PLAN_ENV, "blocks")
+    monkeypatch.setenv(mohd_strategies.SMALL_BATCH_PLAN_ENV, "blocks")
     with pytest.raises(ValueError, match="HF_MOHD_SMALL_BATCH_PLAN must be one of"):
         MoHDGatherStrategy(MOHD.config())
 
@@ -735,9 +730,9 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
     )
     fused = path != "autograd-views"
     if not fused:
-        monkeypatch.setattr(mohd_sparse, "single_autograd_function_dtype", lambda *args: None)
+        monkeypatch.setattr(mohd_plans, "single_autograd_function_dtype", lambda *args: None)
     if path == "fused-grouped-kernel":
-        monkeypatch.setattr(mohd_sparse, "grouped_parts", grouped_kernel_parts)
+        monkeypatch.setattr(mohd_products, "grouped_parts", grouped_kernel_parts)
     tokens = 3 * strategy.host_tokens  # grouped plan
     generator = torch.Generator().manual_seed(1)
     scores = torch.rand(tokens, strategy.geometry.num_routed, generator=generator)
@@ -864,7 +859,7 @@ def test_grouped_projections_under_autocast_keep_less_and_match_autocast_linear(
         runs = {}
         for path in ("fused", "composed"):
             if path == "composed":
-                monkeypatch.setattr(mohd_sparse, "single_autograd_function_dtype", lambda *args: None)
+                monkeypatch.setattr(mohd_plans, "single_autograd_function_dtype", lambda *args: None)
             linear.zero_grad()
             x_run, weights_run = x.clone().requires_grad_(), weights.clone().requires_grad_()
             plan = strategy.plan(indices, weights_run)
@@ -924,7 +919,7 @@ def test_training_step_under_autocast_runs_the_single_function_products(monkeypa
     kept = {}
     for path in ("fused", "composed"):
         if path == "composed":
-            monkeypatch.setattr(mohd_sparse, "single_autograd_function_dtype", lambda *args: None)
+            monkeypatch.setattr(mohd_plans, "single_autograd_function_dtype", lambda *args: None)
             monkeypatch.setattr(MoHDGroupedPlan, "sparse_block_positions", lambda *args: None)
 
         def step():

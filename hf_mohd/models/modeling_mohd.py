@@ -17,7 +17,7 @@ Each sparsified sublayer (attention and/or FFN) reads and writes only the token'
 residual stream: the shared blocks plus the top-k routed blocks its router picks (paper section 3). This file holds
 the router, group fusion, the sublayers and the model classes; how the active blocks are read and written (the
 "masked" and "gather" strategies, the weight layout, tensor parallelism) is the execution engine in
-`mohd_sparse.py`.
+the `mohd_*.py` siblings (strategies, plans, grouped products, weight layout, tensor parallelism).
 Shapes: see the legend in `modeling_common.py`; here N = num_sub_dims, N_s shared, N_r = N - N_s routed, s = D / N.
 
 `MoHDModel.forward` and `MoHDForCausalLM.forward` are the shared ones of `modeling_common.py` (`RoutedDecoderMixin`,
@@ -51,24 +51,24 @@ from .modeling_common import (
     load_balancing_loss,
     replayed_routes,
 )
-from .mohd_sparse import (
-    ALL_SPARSE_IMPLEMENTATIONS,
+from .mohd_layout import (
     WEIGHT_LAYOUTS,
-    MoHDGatherStrategy,
-    MoHDMaskedStrategy,
-    MoHDNativeTokenPlan,
-    MoHDSparseBlockMix,
-    MoHDTensorParallelProjections,
-    autocast_dtype,
     fuse_block_major_,
     fused_block_major_weight,
     fused_projection_groups,
-    mix_blocks,
-    resolve_small_batch_plan,
     set_linear_layout_,
     shares_block_major_storage,
     unfused_state_dict_hook,
 )
+from .mohd_plans import MoHDNativeTokenPlan, autocast_dtype
+from .mohd_products import MoHDSparseBlockMix, mix_blocks
+from .mohd_strategies import (
+    ALL_SPARSE_IMPLEMENTATIONS,
+    MoHDGatherStrategy,
+    MoHDMaskedStrategy,
+    resolve_small_batch_plan,
+)
+from .mohd_tensor_parallel import MoHDTensorParallelProjections
 from .native_gather import DTYPES as NATIVE_DTYPES
 from .native_gather import native_gather
 from .routing_cache import RoutingCache
@@ -150,7 +150,7 @@ class MoHDSubDimensions(nn.Module):
     `route` runs the router and returns the plan of the execution strategy; `project_in` applies the input gate
     (paper section 3, step 3) and `project_out` keeps the active output blocks, scales them by alpha = N / (N_s + k)
     (step 4, rebuttal Lemma 1) and fuses them (step 5). The strategy ("gather" or "masked", registered in
-    `MoHDSparseInterface` of `mohd_sparse.py`) comes from `config.sparse_implementation` (switch it on a loaded model
+    `MoHDSparseInterface` of `mohd_strategies.py`) comes from `config.sparse_implementation` (switch it on a loaded model
     with `set_sparse_implementation`); `route` falls back to "masked" for a sublayer whose projections are not all
     plain `nn.Linear`, the one place that rule lives, and routes one decoded token with the native kernels where they
     apply (`native_token_plan`).
@@ -210,7 +210,7 @@ class MoHDSubDimensions(nn.Module):
         self.strategy = self.strategy.with_top_k(top_k)
 
     def route(self, hidden_states: torch.Tensor, projections, **kwargs):
-        """(B, T, D) normed input -> the plan for its B * T tokens (`mohd_sparse.MoHDPlan`), of the configured
+        """(B, T, D) normed input -> the plan for its B * T tokens (`mohd_plans.MoHDPlan`), of the configured
         strategy, or of the masked one when a projection of the sublayer (`projections`: all its linears) is not a
         plain `nn.Linear` (a PEFT LoRA layer, a quantised linear computes something other than its `.weight`, which
         the gather strategy reads): exact either way. Without a router (k = 0) every token gets the masked plan of
@@ -541,7 +541,7 @@ class MoHDPreTrainedModel(PreTrainedModel):
         tokens that picked it only, each block read once, fewer FLOPs in more calls (faster where few-row products
         are compute-bound). "union": all tokens by every picked block, each block read once, then a mask (faster
         only where BLAS reads a block in the same time for 1 or 8 rows). "auto": times few-row products now, once
-        per process (about 10 ms, `mohd_sparse.small_gemms_compute_bound`), and takes "per_block" where they are
+        per process (about 10 ms, `mohd_strategies.small_gemms_compute_bound`), and takes "per_block" where they are
         compute-bound, else "union". No forward ever times anything.
 
         Returns:

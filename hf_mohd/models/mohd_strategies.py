@@ -1,0 +1,226 @@
+# Copyright 2026 The hf-mohd Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""MoHD's execution strategies and their registry: which plan computes a sublayer's tokens.
+
+The model (`modeling_mohd.py`) routes each token to its blocks and calls one strategy, chosen by name from
+`MoHDSparseInterface` (as transformers' `ExpertsInterface` holds the experts kernels):
+
+- "masked" (`MoHDMaskedStrategy`), the reference: dense products on the gated input, a binary mask on the output.
+- "gather" (`MoHDGatherStrategy`), the default: inactive blocks are never read. It plans by the number of tokens M:
+  per-slot grouped products for many tokens (`MoHDGroupedPlan`: prefill, training), and a direct read of each
+  token's blocks for few tokens (decoding, draft verification), by host block ids merged into spans of consecutive
+  blocks on an eager CPU run (`MoHDSpansPlan`) or by index tensors under `torch.compile` and on accelerators
+  (`MoHDIndexedPlan`).
+
+A strategy's `plan(indices, weights)` returns a plan (`mohd_plans`), and each plan type computes its own projections:
+adding a strategy means registering a class whose plans do the same.
+
+This file is copied next to the weights by `save_pretrained` (remote code): it imports only `torch`, `transformers`
+and same-folder siblings.
+"""
+
+import functools
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers.utils.generic import GeneralInterface
+
+from .mohd_geometry import MoHDSubDimGeometry, block_token_spans, contiguous_spans
+from .mohd_layout import BLOCK_MAJOR_PROJECTIONS, FUSED_PROJECTIONS
+from .mohd_plans import MoHDGroupedPlan, MoHDIndexedPlan, MoHDMaskedPlan, MoHDPlan, MoHDSpansPlan
+
+
+@functools.cache
+def small_gemms_compute_bound(dtype: torch.dtype, threads: int) -> bool:
+    """Whether this CPU's BLAS is compute-bound on the few-row products of decoding: an (8, 64) x (64, 4096) `torch.mm`
+    (8 tokens by one sub-dimension block of a projection) taking more than twice the time of a (1, 64) x (64, 4096)
+    one, medians of 12 interleaved timings of 4 calls each (about 10 ms, once per process, dtype and thread count).
+
+    A memory-bound BLAS reads the block once whatever the rows, and "union" plans are right; a compute-bound one pays
+    per row, where "per_block" plans pay. Only the speed depends on the answer, never the result. Timings, not the
+    CPU's name, decide: what matters is the BLAS build and the CPU together. Uses constant inputs (the global RNG is
+    untouched). Called only on request (`resolve_small_batch_plan("auto")`), never by a forward.
+    """
+    weight = torch.ones(64, 4096, dtype=dtype)
+    rows = torch.ones(8, 64, dtype=dtype)
+    times = {1: [], 8: []}
+    with torch.no_grad():
+        for _ in range(12):
+            for m in times:
+                start = time.perf_counter()
+                for _ in range(4):
+                    torch.mm(rows[:m], weight)
+                times[m].append(time.perf_counter() - start)
+    median = {m: sorted(t)[len(t) // 2] for m, t in times.items()}
+    return median[8] > 2.0 * median[1]
+
+
+SMALL_BATCH_PLANS = ("auto", "union", "per_block")
+# An explicit choice of the small-batch plan for every MoHD model built in this process (`MoHDGatherStrategy`)
+SMALL_BATCH_PLAN_ENV = "HF_MOHD_SMALL_BATCH_PLAN"
+
+
+def resolve_small_batch_plan(plan: str, dtype: torch.dtype = torch.float32) -> str:
+    """ "union" or "per_block" for a requested small-batch plan; "auto" runs the timing of
+    `small_gemms_compute_bound` now (once per process, dtype and thread count) and takes "per_block" where few-row
+    products are compute-bound, else "union".
+
+    Raises:
+        ValueError: `plan` is not one of `SMALL_BATCH_PLANS`.
+    """
+    if plan not in SMALL_BATCH_PLANS:
+        raise ValueError(f"small_batch_plan must be one of {SMALL_BATCH_PLANS}, got {plan!r}")
+    if plan != "auto":
+        return plan
+    return "per_block" if small_gemms_compute_bound(dtype, torch.get_num_threads()) else "union"
+
+
+def default_small_batch_plan() -> str:
+    """The small-batch plan a new gather strategy starts with: `HF_MOHD_SMALL_BATCH_PLAN` when set ("auto" times the
+    BLAS then, at model construction), else "per_block", which needs no timing: each block read once, by the tokens
+    that picked it only, as fast as "union" for one token and faster for 2-8 wherever few-row products cost more
+    than one-row ones.
+
+    Raises:
+        ValueError: the environment variable holds a name other than those of `SMALL_BATCH_PLANS`.
+    """
+    requested = os.environ.get(SMALL_BATCH_PLAN_ENV)
+    if requested is None:
+        return "per_block"
+    try:
+        return resolve_small_batch_plan(requested)
+    except ValueError:
+        raise ValueError(f"{SMALL_BATCH_PLAN_ENV} must be one of {SMALL_BATCH_PLANS}, got {requested!r}") from None
+
+
+class MoHDMaskedStrategy:
+    """Reference strategy (`sparse_implementation="masked"`): `MoHDMaskedPlan` for every token count. Any projection
+    module works with it (it calls the modules), which is why the gather strategy's sublayers fall back to it for
+    projections that are not plain `nn.Linear`."""
+
+    # the projections whose weights this strategy wants stored block-major (`set_linear_layout_`): none
+    block_major_projections: tuple[str, ...] = ()
+    # the groups of those that it wants in one block-major storage each (`fuse_block_major_`): none
+    fused_projections: tuple[tuple[str, ...], ...] = ()
+
+    def __init__(self, config, geometry: MoHDSubDimGeometry | None = None):
+        self.geometry = geometry or MoHDSubDimGeometry.of(config)
+
+    def with_top_k(self, top_k: int) -> "MoHDMaskedStrategy":
+        """The same strategy for plans of `top_k` routed blocks per token."""
+        return type(self)(None, self.geometry._replace(top_k=top_k))
+
+    def plan(self, indices: torch.Tensor, weights: torch.Tensor) -> MoHDMaskedPlan:
+        """(M, k) absolute block ids and their gates -> (M, N) gates and mask."""
+        g, m = self.geometry, indices.shape[0]
+        gates = torch.zeros(m, g.num_sub_dims, dtype=weights.dtype, device=weights.device)
+        gates[:, : g.num_shared] = 1
+        mask = gates.clone()
+        gates = gates.scatter(1, indices, weights)
+        mask = mask.scatter(1, indices, torch.ones_like(weights))
+        return MoHDMaskedPlan(g, gates, mask)
+
+
+class MoHDGatherStrategy:
+    """Fast strategy (`sparse_implementation="gather"`): inactive blocks are never read nor computed.
+
+    Plans by the number of tokens M (`plan`): up to `host_tokens` tokens on an eager CPU run, `MoHDSpansPlan` (the
+    picked blocks' weight spans read once for all tokens: decoding, draft verification, the memory-bound case, as in
+    Deja Vu and PowerInfer); up to `few_tokens` tokens elsewhere, `MoHDIndexedPlan`; more tokens, `MoHDGroupedPlan`.
+    One token without autograd on an eager CPU run, with the native kernels built, does not reach `plan`: the
+    sublayer routes it natively (`MoHDSubDimensions.native_token_plan`, `MoHDNativeTokenPlan`).
+
+    Only plain `nn.Linear` projections come here: `MoHDSubDimensions.route` sends a sublayer with any other
+    projection (a PEFT LoRA layer, a quantised linear: it computes something other than its `.weight`) to the
+    masked strategy.
+
+    Weight layout: the input side (q/k/v, gate/up) reads column blocks; in the row-major `nn.Linear` layout a block
+    is s contiguous floats per row, which a CPU streams at a fraction of the contiguous bandwidth. MoHD models
+    therefore decode with those weights column-major (`MoHDPreTrainedModel.to_weight_layout("block_major")`, which
+    `generate` applies before decoding: same values and shapes, `weight.t()` contiguous), which makes every block
+    contiguous; after `__init__` and `from_pretrained` they are plain contiguous tensors. The plans follow the layout
+    each weight actually has, so any layout is exact, only slower or faster: row-major input weights take the dense
+    product in the few-token plans.
+
+    Attributes:
+        few_tokens: most tokens of an index-tensor plan, N_r // k (while the blocks read are fewer than the routed
+            blocks, reading each token's k blocks beats sorting: the grouped path would run mostly empty groups).
+        host_tokens: most tokens of a spans plan, max(few_tokens, 8) (each picked block is read once for all tokens,
+            so the direct read stays ahead of the grouped path over the small batches of decoding).
+        small_batch_plan: "union" or "per_block", the form of a spans plan of several tokens without autograd
+            (`MoHDSpansPlan`; `default_small_batch_plan`).
+    """
+
+    block_major_projections = BLOCK_MAJOR_PROJECTIONS
+    fused_projections = FUSED_PROJECTIONS
+
+    def __init__(self, config, geometry: MoHDSubDimGeometry | None = None):
+        self.geometry = geometry or MoHDSubDimGeometry.of(config)
+        self.few_tokens = max(1, self.geometry.num_routed // max(self.geometry.top_k, 1))
+        self.host_tokens = max(self.few_tokens, 8)
+        self.small_batch_plan = default_small_batch_plan()
+
+    def with_top_k(self, top_k: int) -> "MoHDGatherStrategy":
+        """The same strategy (and small-batch plan) for plans of `top_k` routed blocks per token."""
+        strategy = type(self)(None, self.geometry._replace(top_k=top_k))
+        strategy.small_batch_plan = self.small_batch_plan
+        return strategy
+
+    def plan(self, indices: torch.Tensor, weights: torch.Tensor) -> MoHDPlan:
+        """(M, k) absolute block ids and their gates -> the plan for M tokens (see the class docstring)."""
+        g, m = self.geometry, indices.shape[0]
+        if m <= self.host_tokens and indices.device.type == "cpu" and not torch.compiler.is_compiling():
+            ids = indices.view(-1).tolist()
+            spans = contiguous_spans(g.num_shared, ids)
+            if m == 1 and not torch.is_grad_enabled():  # decoding: the gates from Python floats, fewer ops
+                values = [1.0] * g.num_shared + [0.0] * g.num_routed
+                for block, gate in zip(ids, weights.view(-1).tolist(), strict=True):
+                    values[block] = gate
+                return MoHDSpansPlan(g, weights.new_tensor(values)[None], None, spans)
+            shared = F.pad(weights.new_ones(m, g.num_shared), (0, g.num_routed))  # 1 on the shared blocks
+            if self.small_batch_plan == "per_block" and not torch.is_grad_enabled():
+                spans, rows = block_token_spans(g.num_shared, indices.tolist())
+                return MoHDSpansPlan(g, shared.scatter(1, indices, weights), None, spans, rows)
+            keep = None if m == 1 else shared.scatter(1, indices, 1.0)
+            return MoHDSpansPlan(g, shared.scatter(1, indices, weights), keep, spans)
+        if m <= self.few_tokens:
+            width = g.top_k * g.block
+            columns = (indices[..., None] * g.block + torch.arange(g.block, device=indices.device)).view(m, -1)
+            gates = weights[..., None].expand(*weights.shape, g.block).reshape(m, width)
+            token_starts = torch.arange(0, m * width, width, device=indices.device)
+            return MoHDIndexedPlan(g, gates, indices, columns, token_starts)
+        slots = (indices - g.num_shared).t()
+        order = torch.argsort(slots, dim=1, stable=True)
+        slot_offset = torch.arange(g.top_k, device=indices.device)[:, None] * g.num_routed
+        # per (slot, block) token counts; `scatter_add_` into a fixed-length vector rather than `bincount`, whose
+        # output length depends on the data and so breaks a `torch.compile` graph at every sublayer
+        keys = (slots + slot_offset).reshape(-1)
+        counts = keys.new_zeros(g.top_k * g.num_routed).scatter_add_(0, keys, torch.ones_like(keys))
+        offsets = torch.cumsum(counts.view(g.top_k, g.num_routed), dim=1).to(torch.int32)
+        return MoHDGroupedPlan(g, weights.t().gather(1, order)[..., None], order, slots.gather(1, order), offsets)
+
+
+class MoHDSparseInterface(GeneralInterface):
+    """The MoHD execution strategies by name, as transformers' `ExpertsInterface` holds experts kernels: a class
+    built from the config (`strategy = cls(config)`) whose `plan(indices, weights)` returns a `MoHDPlan` and whose
+    `with_top_k(k)` gives the strategy for another number of routed blocks per token.
+    `MoHDSparseInterface.register(name, cls)` adds one for every model; `MoHDPreTrainedModel.set_sparse_implementation`
+    selects one by name."""
+
+    _global_mapping = {"masked": MoHDMaskedStrategy, "gather": MoHDGatherStrategy}
+
+
+ALL_SPARSE_IMPLEMENTATIONS = MoHDSparseInterface()
