@@ -190,8 +190,6 @@ class MoHDSubDimensions(nn.Module):
             # the order of the sublayer's input projections (`project_in`'s linears); ParameterDict sorts its keys
             self.input_projection_names = tuple(input_projections)
             self.output_compensation = nn.Parameter(torch.zeros(num_sub_dims, config.sub_dim_size))
-        # set by `hf_mohd.conversion.compensation` while it measures calibration statistics, else None
-        self.observer = None
         # `MoHDPreTrainedModel.set_native_token_plan`: whether one decoded token may take `native_token_plan`
         self.native_token_plan_enabled = True
 
@@ -228,7 +226,7 @@ class MoHDSubDimensions(nn.Module):
             strategy = self.masked
         indices, weights = indices.reshape(-1, indices.shape[-1]), weights.reshape(-1, weights.shape[-1])
         plan = strategy.plan(indices, weights)
-        if self.output_compensation is not None or self.observer is not None:
+        if self.output_compensation is not None:
             geometry = self.masked.geometry
             inactive = torch.ones(indices.shape[0], geometry.num_sub_dims, dtype=weights.dtype, device=weights.device)
             inactive[:, : geometry.num_shared] = 0
@@ -241,7 +239,7 @@ class MoHDSubDimensions(nn.Module):
         (`MoHDPreTrainedModel.set_native_token_plan(False)`), more than one token, autograd, `torch.compile`,
         autocast to another dtype, a device other than the CPU, routing replay, a router something observes
         (`TopKRouter.observed`: recorded router logits, hooks), the masked strategy, one sparse side only,
-        dropped-block compensation, a compensation observer, projections that are not plain bias-free `nn.Linear` in
+        dropped-block compensation, projections that are not plain bias-free `nn.Linear` in
         the fused block-major storage (`fuse_block_major_`, set by `to_weight_layout("block_major")`), a dtype the
         kernels do not take, or kernels that could not be built. The selection is the router's (the k
         largest softmax probabilities in fp32, or float64, ties to the lower index; gates by `routed_gate`), its
@@ -260,7 +258,6 @@ class MoHDSubDimensions(nn.Module):
             and self.sparse_input
             and self.sparse_output
             and self.output_compensation is None
-            and self.observer is None
             and router.weight.dtype == dtype
             and all(type(linear) is nn.Linear and linear.bias is None for linear in projections)
             and not router.observed()
@@ -296,8 +293,6 @@ class MoHDSubDimensions(nn.Module):
             NotImplementedError: dropped block compensation on tensor-parallel weights.
         """
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        if self.observer is not None:
-            self.observer.record_input(self, flat, plan.inactive)
         tensor_parallel = MoHDTensorParallelProjections.of(linears, "input")
         if not self.sparse_input:  # every block read, ungated: the plain projections
             if tensor_parallel is not None:
@@ -322,8 +317,6 @@ class MoHDSubDimensions(nn.Module):
         fused, with `sparse_sides="input"`); with tensor-parallel weights the input is this rank's (B, T, in / P)
         slice and the blocks are summed over the ranks first."""
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        if self.observer is not None:
-            self.observer.record_output(self, flat, plan.inactive)
         tensor_parallel = MoHDTensorParallelProjections.of([linear], "output")
         if not self.sparse_output:  # every block written, unscaled: the plain projection, then the fusion
             if tensor_parallel is not None:
