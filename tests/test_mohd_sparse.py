@@ -197,10 +197,10 @@ def test_cached_decoding_equals_masked_step_by_step(batch, small_batch_plan, lay
 
 @pytest.mark.parametrize("routed_gate", ["softmax", "normalized", "unit"])
 def test_native_one_token_plan_runs_where_it_applies_and_yields_to_observers(monkeypatch, routed_gate):
-    """One token without autograd in the block-major layout routes natively (`MoHDNativeTokenPlan`, the router
-    module not called) and equals the masked path; recorded router logits (`output_router_logits=True`), autograd,
+    """One token without autograd in the block-major layout routes natively (the native form of `MoHDTokenPlan`, the
+    router module not called) and equals the masked path; recorded router logits (`output_router_logits=True`),
     routing replay, the row-major layout or a hook on the router each send the token through the router module and
-    the spans plan instead, with the same logits."""
+    the torch form instead, with the same logits, and autograd through the spans plan."""
     gather, masked = pair(routed_gate=routed_gate)
     gather.eval(), masked.eval()
     gather.to_weight_layout("block_major")
@@ -208,7 +208,8 @@ def test_native_one_token_plan_runs_where_it_applies_and_yields_to_observers(mon
     route = modeling_mohd.MoHDSubDimensions.route
 
     def spy(self, *args, **kwargs):
-        plans.append(type(plan := route(self, *args, **kwargs)).__name__)
+        plan = route(self, *args, **kwargs)
+        plans.append("native" if getattr(plan, "kernels", None) is not None else type(plan).__name__)
         return plan
 
     monkeypatch.setattr(modeling_mohd.MoHDSubDimensions, "route", spy)
@@ -226,28 +227,68 @@ def test_native_one_token_plan_runs_where_it_applies_and_yields_to_observers(mon
         return out_g, out_m
 
     with torch.no_grad():
-        run("MoHDSpansPlan")  # a pre-forward hook observes each router: the modules run
+        run("MoHDTokenPlan")  # a pre-forward hook observes each router: the modules run
         assert len(router_calls) == len(routers) == 4
         for hook in hooks:
             hook.remove()
-        run("MoHDNativeTokenPlan")
-        gather.set_native_token_plan(False)  # switched off for comparisons: the spans plan, the router module
-        run("MoHDSpansPlan")
+        run("native")
+        gather.set_native_token_plan(False)  # switched off for comparisons: the torch form, the router module
+        run("MoHDTokenPlan")
         gather.set_native_token_plan(True)
-        out_g, out_m = run("MoHDSpansPlan", output_router_logits=True)
+        out_g, out_m = run("MoHDTokenPlan", output_router_logits=True)
         for logits_g, logits_m in zip(out_g.router_logits, out_m.router_logits, strict=True):
             torch.testing.assert_close(logits_g, logits_m, rtol=1e-12, atol=1e-12)
-        run("MoHDNativeTokenPlan")  # the capturing hooks stay installed, inactive
+        run("native")  # the capturing hooks stay installed, inactive
         replay = masked(input_ids=x, use_cache=True).cache.routing_record
         assert len(replay) == 4
-        run("MoHDSpansPlan", routing_replay=replay)
+        run("MoHDTokenPlan", routing_replay=replay)
         gather.to_weight_layout("row_major")
-        run("MoHDSpansPlan")
+        run("MoHDTokenPlan")
         gather.to_weight_layout("block_major")
     out_g = gather(input_ids=x)  # autograd on
     assert set(plans[-4:]) == {"MoHDSpansPlan"}
     out_g.logits.sum().backward()
     assert gather.model.layers[0].mlp.sub_dims.router.weight.grad is not None
+
+
+def test_one_token_path_lists_why_a_faster_form_is_refused(monkeypatch):
+    """`one_token_path`, the one list of the fast path's refusals: one token without autograd in the block-major layout
+    is native (the input projections' shared storage handed to the plan), and each condition named in the list
+    refuses it with its reason: more tokens or autograd (the general plans), the switch, the row-major layout, a hook
+    on the router, missing kernels (the torch form of `MoHDTokenPlan`)."""
+    gather = make_model(sparse_implementation="gather").eval()
+    gather.to_weight_layout("block_major")
+    attention = gather.model.layers[0].self_attn
+    sub_dims, projections = (
+        attention.sub_dims,
+        (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj),
+    )
+    one, two = torch.randn(1, 1, 64, dtype=torch.float64), torch.randn(1, 2, 64, dtype=torch.float64)
+
+    def path(hidden=one):
+        return mohd_strategies.one_token_path(sub_dims, hidden, projections)
+
+    with torch.no_grad():
+        native = path()
+        assert native.form == ("native" if native_gather() is not None else "torch")
+        assert path(two)[:2] == ("general", "more than one token")
+        if native_gather() is not None:
+            assert native.form == "native" and native.refusal == ""
+            assert native.fused.data_ptr() == attention.q_proj.weight.data_ptr() and native.fused.shape == (
+                64,
+                64 + 64,
+            )
+        gather.set_native_token_plan(False)
+        assert path()[:2] == ("torch", "switched off (`set_native_token_plan(False)`)")
+        gather.set_native_token_plan(True)
+        hook = sub_dims.router.register_forward_hook(lambda *args: None)
+        assert path()[:2] == ("torch", "something observes the router (hooks, recorded router logits)")
+        hook.remove()
+        monkeypatch.setattr(mohd_strategies, "native_gather", lambda: None)
+        assert path()[:2] == ("torch", "native kernels not built (`native_gather`)")
+        gather.to_weight_layout("row_major")
+        assert path()[:2] == ("torch", "input projections not in one block-major storage") and path().fused is None
+    assert path()[:2] == ("general", "autograd")
 
 
 def test_cached_decoding_step_gradients_equal_masked():
@@ -356,13 +397,13 @@ def test_fused_input_projections_share_one_storage_and_equal_masked(monkeypatch,
         return fused
 
     monkeypatch.setattr(mohd_plans, "fused_block_major_weight", counting)
-    monkeypatch.setattr(modeling_mohd, "fused_block_major_weight", counting)  # the native one-token plan's
+    monkeypatch.setattr(mohd_strategies, "fused_block_major_weight", counting)  # the one-token plan's
     gather.eval(), masked.eval()
     with torch.no_grad():
-        # one token: the native plan (`MoHDNativeTokenPlan`), or without the native kernels the spans plan
+        # one token: `MoHDTokenPlan`, native, or in torch without the native kernels
         for plan, native in (("union", True), ("per_block", True), ("union", False), ("per_block", False)):
             gather.set_small_batch_plan(plan)
-            monkeypatch.setattr(modeling_mohd, "native_gather", native_gather if native else lambda: None)
+            monkeypatch.setattr(mohd_strategies, "native_gather", native_gather if native else lambda: None)
             for length in (1, 2, 3, 9):  # one-token plans, spans plans (2-3 tokens) and the grouped plan (9)
                 handed_out.clear()
                 x = input_ids(1, length, seed=length)

@@ -114,7 +114,7 @@ def fused_block_major_weight(linears) -> torch.Tensor | None:
     alone, so it is given only where no gradient is wanted (autograd off, or weights that do not require grad) and
     outside `torch.compile` (which cannot read data pointers). One block-major product with it computes all the
     linears' outputs (q/k/v, gate/up): one GEMM per span of blocks instead of one per linear, which the plans use for
-    one token on the host (`MoHDSpansPlan`) and for few tokens by index tensors (`MoHDIndexedPlan`).
+    one token on the host (`MoHDTokenPlan`) and for few tokens by index tensors (`MoHDIndexedPlan`).
     Under `torch.compile`, which reads neither data pointers nor storage offsets, the strides decide
     (`block_major_fused_views`), and tracing checks the `as_strided` view against the first weight's storage size.
     """

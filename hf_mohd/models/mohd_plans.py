@@ -22,7 +22,7 @@ M and where they run (`mohd_strategies` chooses):
 - `MoHDGroupedPlan`: many tokens (prefill, training), the routed blocks dispatched like experts (`mohd_products`);
 - `MoHDIndexedPlan`: few tokens through index tensors (`torch.compile`, accelerators);
 - `MoHDSpansPlan`: few tokens on an eager CPU run, the picked blocks read as contiguous weight spans;
-- `MoHDNativeTokenPlan`: one token on an eager CPU run, computed by the native kernels (`native_gather`).
+- `MoHDTokenPlan`: one token on an eager CPU run without autograd (decoding), natively (`native_gather`) or in torch.
 
 Shapes: M tokens, D hidden_size, N sub-dimensions of s = D / N scalars, N_s shared, N_r = N - N_s routed, k routed
 picks per token; "in" and "out" the widths of a projection.
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .modeling_common import autocast_off
-from .mohd_geometry import MoHDSubDimGeometry
+from .mohd_geometry import MoHDSubDimGeometry, contiguous_spans
 from .mohd_layout import fused_block_major_weight, is_block_major, split_outputs
 from .mohd_products import (
     MoHDGatheredGroupedMatmul,
@@ -346,27 +346,25 @@ class MoHDSpansPlan(MoHDPlan):
     spans: tuple[tuple[int, int], ...]
     rows: tuple[slice | torch.Tensor, ...] | None = None
 
+    def gated_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(M, D) -> (M, D) g ⊙ x, each block times its gate (0 outside the token's active blocks)."""
+        g, m = self.geometry, hidden_states.shape[0]
+        return (hidden_states.view(m, g.num_sub_dims, g.block) * self.gates[..., None]).view(m, -1)
+
+    def column_spans(self) -> list[slice]:
+        """The spans of blocks as slices of the hidden width (block j: j s .. (j + 1) s - 1)."""
+        return [slice(start * self.geometry.block, stop * self.geometry.block) for start, stop in self.spans]
+
     def project_in(self, hidden_states: torch.Tensor, linears) -> list[torch.Tensor]:
         """(M, D) -> one (M, out) per linear. In the block-major layout each block is s contiguous rows of
         `weight.T`: the first span (the shared blocks) is one GEMM, each further span one accumulating GEMM (`addmm`)
         on the gated input, whose rows are 0 for the tokens that did not pick a block; in place when autograd and
         autocast are off. Under autocast the products are its ops, as `nn.Linear`'s: it casts the gated input and
         the weight blocks read to its dtype, the outputs are in it. Row-major weights take one dense product. One
-        token without autograd, on linears sharing one storage (`fuse_block_major_`): one product per span for all
-        of them."""
-        g, m = self.geometry, hidden_states.shape[0]
-        gated = (hidden_states.view(m, g.num_sub_dims, g.block) * self.gates[..., None]).view(m, -1)
-        columns = [slice(start * g.block, stop * g.block) for start, stop in self.spans]
+        token without autograd is `MoHDTokenPlan`'s."""
+        gated, columns = self.gated_input(hidden_states), self.column_spans()
         # `out=` forms are not autocast ops: the functional forms where autocast would cast the operands
         in_place = not torch.is_grad_enabled() and autocast_dtype(gated) in (None, gated.dtype)
-        # one token (decoding at batch 1): one product per span for all the linears (`fuse_block_major_`), split
-        # into their outputs (views); with several rows, BLAS runs one wide product slower than the narrow ones
-        fused = fused_block_major_weight(linears) if m == 1 and in_place else None
-        if fused is not None and fused.dtype == gated.dtype:
-            out = torch.mm(gated[:, columns[0]], fused[columns[0]])
-            for span in columns[1:]:
-                torch.addmm(out, gated[:, span], fused[span], out=out)
-            return split_outputs(out, linears)
         outputs = []
         for linear in linears:
             weight = linear.weight
@@ -428,37 +426,73 @@ class MoHDSpansPlan(MoHDPlan):
 
 
 @dataclasses.dataclass(slots=True)
-class MoHDNativeTokenPlan(MoHDPlan):
-    """One token on an eager CPU run without autograd (decoding at batch 1), computed by the native kernels of
-    `native_gather` (`MoHDSubDimensions.route` builds it, routing natively as well): one dispatched op per side.
+class MoHDTokenPlan(MoHDPlan):
+    """One token on an eager CPU run without autograd (decoding at batch 1): the one home of the one-token fast path.
+    `MoHDGatherStrategy.route` builds it in the form that `one_token_path` (`mohd_strategies`) allows.
 
-    gates (1, k): the routed blocks' gates, ids (1, k) their absolute block ids; the N_s shared blocks are active with
-    gate 1. `project_in` takes the linears' fused block-major storage (`fuse_block_major_`): out = sum over the
-    active blocks b of g_b x_b W_b, each block's s rows of `weight.T` streamed once; `project_out_mixed` computes the
-    active output blocks of the row-major weight, then alpha F y over them (activation scaling and group fusion) in
-    the same call. Same sums as `MoHDSpansPlan`, in another order.
+    gates (1, k) the routed blocks' gates and ids (1, k) their absolute block ids; the N_s shared blocks are active
+    with gate 1. fused: the (D, sum of out) block-major storage the sublayer's input projections share
+    (`fuse_block_major_`), or None. Two forms compute the same sums in different orders:
+
+    - native (`kernels`, the library of `native_gather`; the router ran natively too): one dispatched op per side.
+      `project_in`: out = sum over the active blocks b of g_b x_b W_b, each block's s rows of `fused` streamed once;
+      `project_out_mixed`: the active output blocks of the row-major weight, then alpha F y over them (activation
+      scaling and group fusion) in the same call.
+    - torch (`kernels` None, `spans` the token's `MoHDSpansPlan`, its gates spread over the N blocks from Python
+      floats, `of_route`): `project_in` computes all the input projections with one product per span of `fused`
+      where autocast leaves the dtype alone (split into their outputs; with several rows, BLAS runs one wide product
+      slower than the narrow ones, hence one token only), else the spans plan's products; `project_out` is the spans
+      plan's.
     """
 
     ids: torch.Tensor
-    fused: torch.Tensor
-    kernels: object
+    fused: torch.Tensor | None = None
+    kernels: object = None
+    spans: MoHDSpansPlan | None = None
+
+    @classmethod
+    def of_route(
+        cls, geometry: MoHDSubDimGeometry, ids: torch.Tensor, gates: torch.Tensor, fused: torch.Tensor | None
+    ) -> "MoHDTokenPlan":
+        """The torch form for the router's (1, k) ids and gates: the gates of all N blocks built from Python floats
+        (fewer dispatched ops than a scatter) and the picked blocks merged into spans (`contiguous_spans`)."""
+        g = geometry
+        picked = ids.view(-1).tolist()
+        values = [1.0] * g.num_shared + [0.0] * g.num_routed
+        for block, gate in zip(picked, gates.view(-1).tolist(), strict=True):
+            values[block] = gate
+        spans = MoHDSpansPlan(g, gates.new_tensor(values)[None], None, contiguous_spans(g.num_shared, picked))
+        return cls(g, gates, ids=ids, fused=fused, spans=spans)
 
     def project_in(self, hidden_states: torch.Tensor, linears) -> list[torch.Tensor]:
-        """(1, D) -> one (1, out) view per linear of the fused product (`fused`: the linears' storage as (D, out))."""
-        g = self.geometry
-        out = self.kernels.mohd_gather_in(
-            hidden_states.contiguous(), self.ids, self.gates, self.fused, g.num_shared, g.block
-        )
+        """(1, D) -> one (1, out) tensor per linear (views of one product where `fused` serves)."""
+        g, fused = self.geometry, self.fused
+        if self.kernels is not None:
+            out = self.kernels.mohd_gather_in(
+                hidden_states.contiguous(), self.ids, self.gates, fused, g.num_shared, g.block
+            )
+            return split_outputs(out, linears)
+        gated = self.spans.gated_input(hidden_states)
+        if fused is None or fused.dtype != gated.dtype or autocast_dtype(gated) not in (None, gated.dtype):
+            return self.spans.project_in(hidden_states, linears)
+        columns = self.spans.column_spans()
+        out = torch.mm(gated[:, columns[0]], fused[columns[0]])
+        for span in columns[1:]:
+            torch.addmm(out, gated[:, span], fused[span], out=out)
         return split_outputs(out, linears)
 
     def project_out(self, hidden_states: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         """(1, in) -> (1, N, s), zero outside the active blocks."""
+        if self.kernels is None:
+            return self.spans.project_out(hidden_states, linear)
         return self._gather_out(hidden_states, linear, None, 1.0)
 
     def project_out_mixed(
         self, hidden_states: torch.Tensor, linear: nn.Linear, fusion: nn.Module, scale: float
     ) -> torch.Tensor | None:
-        """(1, in) -> (1, N, s) = alpha F y, y the active output blocks, in one call."""
+        """(1, in) -> (1, N, s) = alpha F y, y the active output blocks, in one native call; None in the torch form."""
+        if self.kernels is None:
+            return None
         return self._gather_out(hidden_states, linear, fusion.matrix(hidden_states.dtype), scale)
 
     def _gather_out(self, hidden_states, linear, matrix: torch.Tensor | None, scale: float) -> torch.Tensor:
