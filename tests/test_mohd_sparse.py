@@ -623,8 +623,52 @@ def test_set_sparse_implementation_switches_the_strategy_of_a_loaded_model(tmp_p
         assert planned == [ids.numel()] * 2 * model.config.num_hidden_layers  # attention and FFN of every layer
     finally:
         del MoHDSparseInterface._global_mapping["recording"]
-    with pytest.raises(ValueError, match="`implementation` must be one of \\['masked', 'gather'\\]"):
+    with pytest.raises(ValueError, match="`sparse_implementation` must be one of .* \\['masked', 'gather'\\]"):
         model.set_sparse_implementation("dense")
+
+
+def test_a_registered_strategy_is_chosen_by_the_config_and_survives_a_reload(tmp_path):
+    """`MoHDSparseInterface.register` adds a strategy that `config.sparse_implementation` selects: every sublayer
+    plans with it (counted), the logits are the masked path's, and `save_pretrained` / `from_pretrained` keep the
+    choice; a name registered nowhere is refused when the model is built, naming the field and the registered
+    names, and a class that is not a `MoHDStrategy` is refused too."""
+    calls = []
+
+    class CountingStrategy(MoHDMaskedStrategy):
+        def plan(self, indices, weights):
+            calls.append(indices.shape[0])
+            return super().plan(indices, weights)
+
+    reference = make_model(sparse_implementation="masked")
+    ids = input_ids(2, 5, seed=7)
+    with torch.no_grad():
+        expected = reference(ids).logits
+    MoHDSparseInterface.register("counting", CountingStrategy)
+    try:
+        model = MoHDForCausalLM(MOHD.config(sparse_implementation="counting")).double().eval()
+        model.load_state_dict(reference.state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, expected, atol=1e-10, rtol=0)
+        layers = model.config.num_hidden_layers
+        assert calls == [ids.numel()] * 2 * layers  # attention and FFN of every layer, every token at once
+        model.save_pretrained(tmp_path)
+        reloaded = MoHDForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+        assert reloaded.config.sparse_implementation == "counting"
+        assert {type(module.strategy) for module in reloaded.modules() if hasattr(module, "masked")} == {
+            CountingStrategy
+        }
+        calls.clear()
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(ids).logits, expected, atol=1e-10, rtol=0)
+        assert calls == [ids.numel()] * 2 * layers
+        MoHDSparseInterface.register("not_a_strategy", object)
+        with pytest.raises(TypeError, match="must be a subclass of MoHDStrategy"):
+            MoHDForCausalLM(MOHD.config(sparse_implementation="not_a_strategy"))
+    finally:
+        MoHDSparseInterface._global_mapping.pop("counting", None)
+        MoHDSparseInterface._global_mapping.pop("not_a_strategy", None)
+    with pytest.raises(ValueError, match="`sparse_implementation` must be one of .*'masked', 'gather'.*'counting'"):
+        MoHDForCausalLM.from_pretrained(tmp_path)
 
 
 # bf16 keeps 8 significant bits: eps = 2^-8, its relative spacing at 1 (one rounding moves a value by <= eps / 2).

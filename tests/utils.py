@@ -207,7 +207,7 @@ FAMILIES = {
             ({"activation_scaling": "sqrt"}, "`activation_scaling`"),
             ({"routed_gate": "sigmoid"}, "`routed_gate`"),
             ({"group_fusion": "dense"}, "`group_fusion`"),
-            ({"sparse_implementation": "triton"}, "`sparse_implementation`"),
+            ({"sparse_implementation": ""}, "`sparse_implementation`"),
             ({"router_aux_loss_coef": -0.1}, "`router_aux_loss_coef`"),
         ),
     ),

@@ -61,9 +61,9 @@ from .mohd_layout import (
 )
 from .mohd_products import MoHDSparseBlockMix, mix_blocks
 from .mohd_strategies import (
-    ALL_SPARSE_IMPLEMENTATIONS,
     MoHDMaskedStrategy,
     resolve_small_batch_plan,
+    sparse_strategy,
 )
 from .mohd_tensor_parallel import MoHDTensorParallelProjections
 
@@ -167,7 +167,7 @@ class MoHDSubDimensions(nn.Module):
         self.router = MoHDRouter(config, layer_idx, router_name, top_k) if top_k > 0 else None
         # CODEPATH: group_fusion="mix" (paper default) adds an N x N block mixer; "none" is the ablation.
         self.group_fusion = MoHDGroupFusion(config) if config.group_fusion == "mix" else nn.Identity()
-        self.strategy = ALL_SPARSE_IMPLEMENTATIONS[config.sparse_implementation](config).with_top_k(top_k)
+        self.strategy = sparse_strategy(config.sparse_implementation, config).with_top_k(top_k)
         self.masked = MoHDMaskedStrategy(config).with_top_k(top_k)  # for projections that are not plain nn.Linear
         self.scale_by_active = config.activation_scaling == "inverse_active"
         # CODEPATH: sparse_sides="input" / "output" (ablations): the other side reads / writes every block.
@@ -473,15 +473,12 @@ class MoHDPreTrainedModel(PreTrainedModel):
         Raises:
             ValueError: `implementation` is not registered in `MoHDSparseInterface`.
         """
-        if implementation not in ALL_SPARSE_IMPLEMENTATIONS:
-            raise ValueError(
-                f"`implementation` must be one of {list(ALL_SPARSE_IMPLEMENTATIONS)}, got {implementation!r}."
-            )
+        strategy = sparse_strategy(implementation, self.config)
         for module in self.modules():
             if isinstance(module, MoHDSubDimensions):
                 small_batch_plan = getattr(module.strategy, "small_batch_plan", None)
                 top_k = module.masked.geometry.top_k  # the sublayer's current k
-                module.strategy = ALL_SPARSE_IMPLEMENTATIONS[implementation](self.config).with_top_k(top_k)
+                module.strategy = strategy.with_top_k(top_k)
                 if small_batch_plan is not None and hasattr(module.strategy, "small_batch_plan"):
                     module.strategy.small_batch_plan = small_batch_plan
 
