@@ -23,7 +23,7 @@ Models (fixed bench shape of `common.BENCH_SHAPE`, MoHD `compression_50` preset,
   two forms `mohd`'s "auto" chooses between for 2-8 tokens (the same as `mohd` at batch 1); the choice this machine
   made is stored as `small_batch_plan_auto`.
 - `mohd_torch_path`: the same checkpoint with `set_native_token_plan(False)`: one decoded token through the torch
-  path (the spans plan) instead of the native operators of `MoHDNativeTokenPlan`, the same everywhere else.
+  form of `MoHDTokenPlan` instead of its native operators, the same everywhere else.
 - `llama_active`: `LlamaForCausalLM` at the activated width (hidden 512): what a dense model reading MoHD's active
   width achieves per byte on this machine.
 

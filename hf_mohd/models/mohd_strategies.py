@@ -21,10 +21,13 @@ The model (`modeling_mohd.py`) routes each token to its blocks and calls one str
   per-slot grouped products for many tokens (`MoHDGroupedPlan`: prefill, training), and a direct read of each
   token's blocks for few tokens (decoding, draft verification), by host block ids merged into spans of consecutive
   blocks on an eager CPU run (`MoHDSpansPlan`) or by index tensors under `torch.compile` and on accelerators
-  (`MoHDIndexedPlan`).
+  (`MoHDIndexedPlan`). One token without autograd on an eager CPU run (decoding at batch 1) takes `MoHDTokenPlan`,
+  routed and computed by the native kernels where nothing can tell them apart (`one_token_path`, the one list of
+  the reasons a faster form is refused).
 
-A strategy's `plan(indices, weights)` returns a plan (`mohd_plans`), and each plan type computes its own projections:
-adding a strategy means registering a class whose plans do the same.
+The sublayer asks its strategy once per step (`MoHDStrategy.route`); a strategy's `plan(indices, weights)` returns a
+plan (`mohd_plans`), and each plan type computes its own projections: adding a strategy means registering a
+`MoHDStrategy` subclass whose plans do the same.
 
 This file is copied next to the weights by `save_pretrained` (remote code): it imports only `torch`, `transformers`
 and same-folder siblings.
