@@ -23,7 +23,7 @@ Models (fixed bench shape of `common.BENCH_SHAPE`, MoHD `compression_50` preset,
   two forms `mohd`'s "auto" chooses between for 2-8 tokens (the same as `mohd` at batch 1); the choice this machine
   made is stored as `small_batch_plan_auto`.
 - `mohd_torch_path`: the same checkpoint with `set_native_token_plan(False)`: one decoded token through the torch
-  path (the spans plan) instead of the native operators of `MoHDNativeTokenPlan`, the same everywhere else.
+  form of `MoHDTokenPlan` instead of its native operators, the same everywhere else.
 - `llama_active`: `LlamaForCausalLM` at the activated width (hidden 512): what a dense model reading MoHD's active
   width achieves per byte on this machine.
 
@@ -56,7 +56,7 @@ from bench import common
 from bench.bench_mohd import PRESET, llama_config
 from hf_mohd import MoHDConfig, MoHDForCausalLM
 from hf_mohd.models.accounting import model_accounting
-from hf_mohd.models.mohd_sparse import small_gemms_compute_bound
+from hf_mohd.models.mohd_strategies import small_gemms_compute_bound
 
 
 MODELS = ("llama", "mohd", "mohd_row_major", "mohd_union", "mohd_per_block", "mohd_torch_path", "llama_active")

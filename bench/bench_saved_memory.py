@@ -38,7 +38,7 @@ import torch
 
 from bench import common
 from bench.bench_mohd import build_models
-from hf_mohd.models import mohd_sparse
+from hf_mohd.models import mohd_plans
 
 
 def saved_storage_bytes(model, ids: torch.Tensor, autocast: bool, breakdown: dict | None = None) -> int:
@@ -76,12 +76,12 @@ def saved_storage_bytes(model, ids: torch.Tensor, autocast: bool, breakdown: dic
 @contextlib.contextmanager
 def composed_products():
     """Within the block, the gather path's products run as autograd's composition, not as single Functions."""
-    saved = mohd_sparse.single_autograd_function_dtype
-    mohd_sparse.single_autograd_function_dtype = lambda *args: None
+    saved = mohd_plans.single_autograd_function_dtype
+    mohd_plans.single_autograd_function_dtype = lambda *args: None
     try:
         yield
     finally:
-        mohd_sparse.single_autograd_function_dtype = saved
+        mohd_plans.single_autograd_function_dtype = saved
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers import StaticCache
 
-from hf_mohd.models import mohd_sparse
+from hf_mohd.models import mohd_layout
 from tests.utils import FAMILIES, input_ids
 
 
@@ -69,10 +69,10 @@ def test_block_major_mohd_decode_step_compiles_fullgraph_on_its_fused_weights():
         [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
         [layer.mlp.gate_proj, layer.mlp.up_proj],
     )]  # fmt: skip
-    assert all(mohd_sparse.shares_block_major_storage(group) for group in groups)
-    assert all(mohd_sparse.block_major_fused_views(group) for group in groups)
+    assert all(mohd_layout.shares_block_major_storage(group) for group in groups)
+    assert all(mohd_layout.block_major_fused_views(group) for group in groups)
     unfused = [nn.Linear(8, 4, bias=False), nn.Linear(8, 4, bias=False)]
-    assert not mohd_sparse.block_major_fused_views(unfused)  # row-major (8, 1) strides
+    assert not mohd_layout.block_major_fused_views(unfused)  # row-major (8, 1) strides
     prompt = input_ids(batch=1, length=5, seed=1)
     eager = static_cache_greedy(model, model, prompt, 8)
     torch._dynamo.reset()

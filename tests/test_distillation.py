@@ -122,7 +122,7 @@ def test_sparse_implementation_masked_trains_the_same_curve_and_saves_the_config
     """`model.sparse_implementation: masked` heals a MoHD student with the masked strategy: the same KL curve as the
     default gather strategy (the same function and gradients), every sublayer on the masked strategy while it
     trains, and the saved config keeps "gather"; a bad name and a non-MoHD model are refused with the field named."""
-    from hf_mohd.models.mohd_sparse import MoHDMaskedStrategy
+    from hf_mohd.models.mohd_strategies import MoHDMaskedStrategy
 
     teacher_dir, student_dir = teacher_and_student
     corpus = write_word_corpus(tmp_path / "corpus.jsonl")

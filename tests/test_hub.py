@@ -92,7 +92,12 @@ def test_prepare_files_completes_a_bare_folder(tmp_path):
         "configuration_mohd.py",
         "modeling_mohd.py",
         "modeling_common.py",
-        "mohd_sparse.py",
+        "mohd_geometry.py",
+        "mohd_layout.py",
+        "mohd_plans.py",
+        "mohd_products.py",
+        "mohd_strategies.py",
+        "mohd_tensor_parallel.py",
         "native_gather.py",
         "routing_cache.py",
     }

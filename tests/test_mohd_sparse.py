@@ -1,4 +1,4 @@
-"""MoHD's execution engine (`hf_mohd/models/mohd_sparse.py`): every fast execution path equals the masked reference
+"""MoHD's execution engine (`hf_mohd/models/mohd_*.py`): every fast execution path equals the masked reference
 path, in logits and in gradients, and the engine's helpers compute what they say.
 
 The gather strategy has three regimes, chosen by the number of tokens M of a forward: per-slot grouped matmuls
@@ -17,26 +17,20 @@ import torch
 from torch import nn
 
 from hf_mohd import MoHDForCausalLM
-from hf_mohd.models import modeling_mohd, mohd_sparse
+from hf_mohd.models import modeling_mohd, mohd_layout, mohd_plans, mohd_products, mohd_strategies
 from hf_mohd.models.modeling_mohd import MoHDGroupFusion
-from hf_mohd.models.mohd_sparse import (
+from hf_mohd.models.mohd_geometry import block_token_spans, contiguous_spans
+from hf_mohd.models.mohd_layout import set_linear_layout_
+from hf_mohd.models.mohd_plans import MoHDGroupedPlan, MoHDIndexedPlan, MoHDMaskedPlan, MoHDSpansPlan
+from hf_mohd.models.mohd_products import (
     MoHDGatheredGroupedMatmul,
-    MoHDGatherStrategy,
-    MoHDGroupedPlan,
     MoHDGroupPart,
-    MoHDIndexedPlan,
-    MoHDMaskedPlan,
-    MoHDMaskedStrategy,
-    MoHDSpansPlan,
     MoHDSparseBlockMix,
-    MoHDSparseInterface,
     _grouped_mm_aligned,
-    block_token_spans,
-    contiguous_spans,
     grouped_matmul,
     grouped_parts,
-    set_linear_layout_,
 )
+from hf_mohd.models.mohd_strategies import MoHDGatherStrategy, MoHDMaskedStrategy, MoHDSparseInterface
 from hf_mohd.models.native_gather import native_gather
 from tests.utils import FAMILIES, gradients, input_ids
 
@@ -203,10 +197,10 @@ def test_cached_decoding_equals_masked_step_by_step(batch, small_batch_plan, lay
 
 @pytest.mark.parametrize("routed_gate", ["softmax", "normalized", "unit"])
 def test_native_one_token_plan_runs_where_it_applies_and_yields_to_observers(monkeypatch, routed_gate):
-    """One token without autograd in the block-major layout routes natively (`MoHDNativeTokenPlan`, the router
-    module not called) and equals the masked path; recorded router logits (`output_router_logits=True`), autograd,
+    """One token without autograd in the block-major layout routes natively (the native form of `MoHDTokenPlan`, the
+    router module not called) and equals the masked path; recorded router logits (`output_router_logits=True`),
     routing replay, the row-major layout or a hook on the router each send the token through the router module and
-    the spans plan instead, with the same logits."""
+    the torch form instead, with the same logits, and autograd through the spans plan."""
     gather, masked = pair(routed_gate=routed_gate)
     gather.eval(), masked.eval()
     gather.to_weight_layout("block_major")
@@ -214,7 +208,8 @@ def test_native_one_token_plan_runs_where_it_applies_and_yields_to_observers(mon
     route = modeling_mohd.MoHDSubDimensions.route
 
     def spy(self, *args, **kwargs):
-        plans.append(type(plan := route(self, *args, **kwargs)).__name__)
+        plan = route(self, *args, **kwargs)
+        plans.append("native" if getattr(plan, "kernels", None) is not None else type(plan).__name__)
         return plan
 
     monkeypatch.setattr(modeling_mohd.MoHDSubDimensions, "route", spy)
@@ -232,28 +227,68 @@ def test_native_one_token_plan_runs_where_it_applies_and_yields_to_observers(mon
         return out_g, out_m
 
     with torch.no_grad():
-        run("MoHDSpansPlan")  # a pre-forward hook observes each router: the modules run
+        run("MoHDTokenPlan")  # a pre-forward hook observes each router: the modules run
         assert len(router_calls) == len(routers) == 4
         for hook in hooks:
             hook.remove()
-        run("MoHDNativeTokenPlan")
-        gather.set_native_token_plan(False)  # switched off for comparisons: the spans plan, the router module
-        run("MoHDSpansPlan")
+        run("native")
+        gather.set_native_token_plan(False)  # switched off for comparisons: the torch form, the router module
+        run("MoHDTokenPlan")
         gather.set_native_token_plan(True)
-        out_g, out_m = run("MoHDSpansPlan", output_router_logits=True)
+        out_g, out_m = run("MoHDTokenPlan", output_router_logits=True)
         for logits_g, logits_m in zip(out_g.router_logits, out_m.router_logits, strict=True):
             torch.testing.assert_close(logits_g, logits_m, rtol=1e-12, atol=1e-12)
-        run("MoHDNativeTokenPlan")  # the capturing hooks stay installed, inactive
+        run("native")  # the capturing hooks stay installed, inactive
         replay = masked(input_ids=x, use_cache=True).cache.routing_record
         assert len(replay) == 4
-        run("MoHDSpansPlan", routing_replay=replay)
+        run("MoHDTokenPlan", routing_replay=replay)
         gather.to_weight_layout("row_major")
-        run("MoHDSpansPlan")
+        run("MoHDTokenPlan")
         gather.to_weight_layout("block_major")
     out_g = gather(input_ids=x)  # autograd on
     assert set(plans[-4:]) == {"MoHDSpansPlan"}
     out_g.logits.sum().backward()
     assert gather.model.layers[0].mlp.sub_dims.router.weight.grad is not None
+
+
+def test_one_token_path_lists_why_a_faster_form_is_refused(monkeypatch):
+    """`one_token_path`, the one list of the fast path's refusals: one token without autograd in the block-major layout
+    is native (the input projections' shared storage handed to the plan), and each condition named in the list
+    refuses it with its reason: more tokens or autograd (the general plans), the switch, the row-major layout, a hook
+    on the router, missing kernels (the torch form of `MoHDTokenPlan`)."""
+    gather = make_model(sparse_implementation="gather").eval()
+    gather.to_weight_layout("block_major")
+    attention = gather.model.layers[0].self_attn
+    sub_dims, projections = (
+        attention.sub_dims,
+        (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj),
+    )
+    one, two = torch.randn(1, 1, 64, dtype=torch.float64), torch.randn(1, 2, 64, dtype=torch.float64)
+
+    def path(hidden=one):
+        return mohd_strategies.one_token_path(sub_dims, hidden, projections)
+
+    with torch.no_grad():
+        native = path()
+        assert native.form == ("native" if native_gather() is not None else "torch")
+        assert path(two)[:2] == ("general", "more than one token")
+        if native_gather() is not None:
+            assert native.form == "native" and native.refusal == ""
+            assert native.fused.data_ptr() == attention.q_proj.weight.data_ptr() and native.fused.shape == (
+                64,
+                64 + 64,
+            )
+        gather.set_native_token_plan(False)
+        assert path()[:2] == ("torch", "switched off (`set_native_token_plan(False)`)")
+        gather.set_native_token_plan(True)
+        hook = sub_dims.router.register_forward_hook(lambda *args: None)
+        assert path()[:2] == ("torch", "something observes the router (hooks, recorded router logits)")
+        hook.remove()
+        monkeypatch.setattr(mohd_strategies, "native_gather", lambda: None)
+        assert path()[:2] == ("torch", "native kernels not built (`native_gather`)")
+        gather.to_weight_layout("row_major")
+        assert path()[:2] == ("torch", "input projections not in one block-major storage") and path().fused is None
+    assert path()[:2] == ("general", "autograd")
 
 
 def test_cached_decoding_step_gradients_equal_masked():
@@ -345,30 +380,30 @@ def test_fused_input_projections_share_one_storage_and_equal_masked(monkeypatch,
     gather.to_weight_layout("block_major")
     attention, mlp = gather.model.layers[0].self_attn, gather.model.layers[0].mlp
     qkv, gate_up = [attention.q_proj, attention.k_proj, attention.v_proj], [mlp.gate_proj, mlp.up_proj]
-    assert mohd_sparse.shares_block_major_storage(qkv) and mohd_sparse.shares_block_major_storage(gate_up)
+    assert mohd_layout.shares_block_major_storage(qkv) and mohd_layout.shares_block_major_storage(gate_up)
     assert attention.v_proj.weight.data_ptr() == attention.q_proj.weight.data_ptr() + (64 + 32) * 8  # float64
     state = gather.state_dict()
     assert state.keys() == before.keys()
     for name, tensor in state.items():
         assert tensor.is_contiguous() and torch.equal(tensor, before[name]), name  # row-major copies, same values
-    assert mohd_sparse.shares_block_major_storage(qkv)  # the copies leave the parameters fused
+    assert mohd_layout.shares_block_major_storage(qkv)  # the copies leave the parameters fused
 
     handed_out = []
-    original = mohd_sparse.fused_block_major_weight
+    original = mohd_layout.fused_block_major_weight
 
     def counting(linears):
         fused = original(linears)
         handed_out.append(fused is not None)
         return fused
 
-    monkeypatch.setattr(mohd_sparse, "fused_block_major_weight", counting)
-    monkeypatch.setattr(modeling_mohd, "fused_block_major_weight", counting)  # the native one-token plan's
+    monkeypatch.setattr(mohd_plans, "fused_block_major_weight", counting)
+    monkeypatch.setattr(mohd_strategies, "fused_block_major_weight", counting)  # the one-token plan's
     gather.eval(), masked.eval()
     with torch.no_grad():
-        # one token: the native plan (`MoHDNativeTokenPlan`), or without the native kernels the spans plan
+        # one token: `MoHDTokenPlan`, native, or in torch without the native kernels
         for plan, native in (("union", True), ("per_block", True), ("union", False), ("per_block", False)):
             gather.set_small_batch_plan(plan)
-            monkeypatch.setattr(modeling_mohd, "native_gather", native_gather if native else lambda: None)
+            monkeypatch.setattr(mohd_strategies, "native_gather", native_gather if native else lambda: None)
             for length in (1, 2, 3, 9):  # one-token plans, spans plans (2-3 tokens) and the grouped plan (9)
                 handed_out.clear()
                 x = input_ids(1, length, seed=length)
@@ -398,13 +433,13 @@ def test_fused_input_projections_share_one_storage_and_equal_masked(monkeypatch,
     assert not any(handed_out)
     assert gather.has_fused_input_projections()
     gather.save_pretrained(tmp_path)  # written row-major one sublayer at a time, then fused again
-    assert mohd_sparse.shares_block_major_storage(qkv) and gather.decoding_weight_layout == "block_major"
+    assert mohd_layout.shares_block_major_storage(qkv) and gather.decoding_weight_layout == "block_major"
     from safetensors.torch import load_file
 
     saved = load_file(tmp_path / "model.safetensors")
     assert all(torch.equal(saved[name], before[name]) for name in before if name in saved)
     gather.to(torch.float32)
-    assert not mohd_sparse.shares_block_major_storage(qkv)  # a cast copies each weight: the fusion ends by itself
+    assert not mohd_layout.shares_block_major_storage(qkv)  # a cast copies each weight: the fusion ends by itself
 
 
 @pytest.mark.parametrize("layout", ["block_major", "row_major"])
@@ -461,9 +496,9 @@ def test_auto_small_batch_plan_follows_the_timing(monkeypatch):
     whose cost grows with the rows (per block) and one whose cost does not (union); the timing runs only when asked
     for (`set_small_batch_plan("auto")`, `HF_MOHD_SMALL_BATCH_PLAN`), never in a forward; the choice survives a
     switch of strategy, and bad names are refused."""
-    rule = mohd_sparse.small_gemms_compute_bound.__wrapped__
+    rule = mohd_strategies.small_gemms_compute_bound.__wrapped__
     clock = [0.0]
-    monkeypatch.setattr(mohd_sparse.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(mohd_strategies.time, "perf_counter", lambda: clock[0])
     for cost, expected in ((lambda rows: 1.0 * rows, True), (lambda rows: 1.0 + 0.1 * rows, False)):
         monkeypatch.setattr(torch, "mm", lambda a, b, cost=cost: clock.__setitem__(0, clock[0] + cost(a.shape[0])))
         assert rule(torch.float32, 1) is expected
@@ -477,19 +512,20 @@ def test_auto_small_batch_plan_follows_the_timing(monkeypatch):
 
     indices, weights = torch.tensor([[3, 7], [5, 4]]), torch.rand(2, 2)
     gather, _ = pair()
-    monkeypatch.delenv(mohd_sparse.SMALL_BATCH_PLAN_ENV, raising=False)
+    monkeypatch.delenv(mohd_strategies.SMALL_BATCH_PLAN_ENV, raising=False)
     for compute_bound, expected in ((True, "per_block"), (False, "union")):
         monkeypatch.setattr(
-            mohd_sparse, "small_gemms_compute_bound", lambda d, t, v=compute_bound: fake_timing(d, t, v)
+            mohd_strategies, "small_gemms_compute_bound", lambda d, t, v=compute_bound: fake_timing(d, t, v)
         )
         assert gather.set_small_batch_plan("auto") == expected
         strategy = strategies(gather)[0]
         with torch.no_grad():
             assert (strategy.plan(indices, weights).rows is not None) is compute_bound
             assert strategy.plan(indices[:1], weights[:1]).rows is None  # one token: a single form
-        monkeypatch.setenv(mohd_sparse.SMALL_BATCH_PLAN_ENV, "auto")  # an environment choice: timed at construction
+        # an environment choice: timed at construction
+        monkeypatch.setenv(mohd_strategies.SMALL_BATCH_PLAN_ENV, "auto")
         assert MoHDGatherStrategy(MOHD.config()).small_batch_plan == expected
-        monkeypatch.delenv(mohd_sparse.SMALL_BATCH_PLAN_ENV)
+        monkeypatch.delenv(mohd_strategies.SMALL_BATCH_PLAN_ENV)
     assert timings == [torch.float64, torch.float32] * 2
 
     # without a request nothing is timed: a new model's plan is "per_block", and forwards and generate never time
@@ -506,7 +542,7 @@ def test_auto_small_batch_plan_follows_the_timing(monkeypatch):
     assert {s.small_batch_plan for s in strategies(gather)} == {"per_block"}
     with pytest.raises(ValueError, match="plan must be one of"):
         gather.set_small_batch_plan("blocks")
-    monkeypatch.setenv(mohd_sparse.SMALL_BATCH_PLAN_ENV, "blocks")
+    monkeypatch.setenv(mohd_strategies.SMALL_BATCH_PLAN_ENV, "blocks")
     with pytest.raises(ValueError, match="HF_MOHD_SMALL_BATCH_PLAN must be one of"):
         MoHDGatherStrategy(MOHD.config())
 
@@ -587,8 +623,52 @@ def test_set_sparse_implementation_switches_the_strategy_of_a_loaded_model(tmp_p
         assert planned == [ids.numel()] * 2 * model.config.num_hidden_layers  # attention and FFN of every layer
     finally:
         del MoHDSparseInterface._global_mapping["recording"]
-    with pytest.raises(ValueError, match="`implementation` must be one of \\['masked', 'gather'\\]"):
+    with pytest.raises(ValueError, match="`sparse_implementation` must be one of .* \\['masked', 'gather'\\]"):
         model.set_sparse_implementation("dense")
+
+
+def test_a_registered_strategy_is_chosen_by_the_config_and_survives_a_reload(tmp_path):
+    """`MoHDSparseInterface.register` adds a strategy that `config.sparse_implementation` selects: every sublayer
+    plans with it (counted), the logits are the masked path's, and `save_pretrained` / `from_pretrained` keep the
+    choice; a name registered nowhere is refused when the model is built, naming the field and the registered
+    names, and a class that is not a `MoHDStrategy` is refused too."""
+    calls = []
+
+    class CountingStrategy(MoHDMaskedStrategy):
+        def plan(self, indices, weights):
+            calls.append(indices.shape[0])
+            return super().plan(indices, weights)
+
+    reference = make_model(sparse_implementation="masked")
+    ids = input_ids(2, 5, seed=7)
+    with torch.no_grad():
+        expected = reference(ids).logits
+    MoHDSparseInterface.register("counting", CountingStrategy)
+    try:
+        model = MoHDForCausalLM(MOHD.config(sparse_implementation="counting")).double().eval()
+        model.load_state_dict(reference.state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, expected, atol=1e-10, rtol=0)
+        layers = model.config.num_hidden_layers
+        assert calls == [ids.numel()] * 2 * layers  # attention and FFN of every layer, every token at once
+        model.save_pretrained(tmp_path)
+        reloaded = MoHDForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+        assert reloaded.config.sparse_implementation == "counting"
+        assert {type(module.strategy) for module in reloaded.modules() if hasattr(module, "masked")} == {
+            CountingStrategy
+        }
+        calls.clear()
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(ids).logits, expected, atol=1e-10, rtol=0)
+        assert calls == [ids.numel()] * 2 * layers
+        MoHDSparseInterface.register("not_a_strategy", object)
+        with pytest.raises(TypeError, match="must be a subclass of MoHDStrategy"):
+            MoHDForCausalLM(MOHD.config(sparse_implementation="not_a_strategy"))
+    finally:
+        MoHDSparseInterface._global_mapping.pop("counting", None)
+        MoHDSparseInterface._global_mapping.pop("not_a_strategy", None)
+    with pytest.raises(ValueError, match="`sparse_implementation` must be one of .*'masked', 'gather'.*'counting'"):
+        MoHDForCausalLM.from_pretrained(tmp_path)
 
 
 # bf16 keeps 8 significant bits: eps = 2^-8, its relative spacing at 1 (one rounding moves a value by <= eps / 2).
@@ -735,9 +815,9 @@ def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layou
     )
     fused = path != "autograd-views"
     if not fused:
-        monkeypatch.setattr(mohd_sparse, "single_autograd_function_dtype", lambda *args: None)
+        monkeypatch.setattr(mohd_plans, "single_autograd_function_dtype", lambda *args: None)
     if path == "fused-grouped-kernel":
-        monkeypatch.setattr(mohd_sparse, "grouped_parts", grouped_kernel_parts)
+        monkeypatch.setattr(mohd_products, "grouped_parts", grouped_kernel_parts)
     tokens = 3 * strategy.host_tokens  # grouped plan
     generator = torch.Generator().manual_seed(1)
     scores = torch.rand(tokens, strategy.geometry.num_routed, generator=generator)
@@ -864,7 +944,7 @@ def test_grouped_projections_under_autocast_keep_less_and_match_autocast_linear(
         runs = {}
         for path in ("fused", "composed"):
             if path == "composed":
-                monkeypatch.setattr(mohd_sparse, "single_autograd_function_dtype", lambda *args: None)
+                monkeypatch.setattr(mohd_plans, "single_autograd_function_dtype", lambda *args: None)
             linear.zero_grad()
             x_run, weights_run = x.clone().requires_grad_(), weights.clone().requires_grad_()
             plan = strategy.plan(indices, weights_run)
@@ -924,7 +1004,7 @@ def test_training_step_under_autocast_runs_the_single_function_products(monkeypa
     kept = {}
     for path in ("fused", "composed"):
         if path == "composed":
-            monkeypatch.setattr(mohd_sparse, "single_autograd_function_dtype", lambda *args: None)
+            monkeypatch.setattr(mohd_plans, "single_autograd_function_dtype", lambda *args: None)
             monkeypatch.setattr(MoHDGroupedPlan, "sparse_block_positions", lambda *args: None)
 
         def step():

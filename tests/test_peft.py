@@ -10,7 +10,7 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 from hf_mohd import LatentMoEForCausalLM, MoHDForCausalLM  # noqa: E402
 from hf_mohd.lora import lora_targets  # noqa: E402
-from hf_mohd.models.mohd_sparse import MoHDMaskedStrategy  # noqa: E402
+from hf_mohd.models.mohd_strategies import MoHDMaskedStrategy  # noqa: E402
 from tests.utils import FAMILIES  # noqa: E402
 
 

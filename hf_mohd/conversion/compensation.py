@@ -13,9 +13,15 @@ router's choice), so the bias is one per block, added for the blocks a token ski
 The expectations are over the calibration tokens for which block j is inactive, measured in one pass of the model as
 it is (routing, earlier layers and their compensation included), with the routed input gate taken as 1 (the dense
 function's contribution). Blocks never inactive on the calibration text get 0.
+
+The pass observes the model through module hooks only: a forward hook on each sublayer's router sees its input x and
+the picked blocks, a forward pre-hook on the output projection sees h. The sublayers run their masked strategy during
+the pass (the reference computation of the same function), which calls the output projection as a module; the
+gather strategy reads its weight instead, which no hook sees.
 """
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..models.modeling_mohd import MoHDForCausalLM, MoHDSubDimensions
 from .source import ConversionError
@@ -27,6 +33,28 @@ class _BlockStatistics:
 
     def __init__(self):
         self.input_sums, self.input_counts, self.output_sums, self.output_counts = {}, {}, {}, {}
+
+    def watch(self, sub_dims: MoHDSubDimensions, output_linear: torch.nn.Module) -> list[RemovableHandle]:
+        """Hooks recording the statistics of `sub_dims` on every forward: a forward hook on its router (input x
+        (B, T, D), picked ids (B, T, k) -> the (M, N) inactive mask: 1.0 at the blocks a token neither reads nor
+        writes) and a forward pre-hook on `output_linear` (its input h, (M, in), with the mask of the same tokens).
+        The output projection must run as a module (the masked strategy). Returns the handles to remove."""
+        geometry = sub_dims.masked.geometry
+        pending = []
+
+        def routed(router, args, output):
+            flat = args[0].reshape(-1, args[0].shape[-1])
+            indices = output[2].reshape(flat.shape[0], -1)
+            inactive = torch.ones(flat.shape[0], geometry.num_sub_dims, dtype=torch.float64, device=flat.device)
+            inactive[:, : geometry.num_shared] = 0
+            inactive.scatter_(1, indices, 0.0)
+            pending.append(inactive)
+            self.record_input(sub_dims, flat, inactive)
+
+        def projected(linear, args):
+            self.record_output(sub_dims, args[0].reshape(-1, args[0].shape[-1]), pending.pop())
+
+        return [sub_dims.router.register_forward_hook(routed), output_linear.register_forward_pre_hook(projected)]
 
     def record_input(self, sub_dims: MoHDSubDimensions, hidden_states: torch.Tensor, inactive: torch.Tensor) -> None:
         num_sub_dims = inactive.shape[1]
@@ -78,18 +106,23 @@ def fit_dropped_block_compensation(
     statistics = _BlockStatistics()
     was_training = model.training
     model.eval()
+    hooks, strategies = [], {}
     for sub_dims in sublayers:
         sub_dims.output_compensation.zero_()
         for table in sub_dims.input_compensation.values():
             table.zero_()
-        sub_dims.observer = statistics
+        hooks += statistics.watch(sub_dims, _output_linear(_parent_of(model, sub_dims)))
+        # the masked strategy calls the output projection as a module (its pre-hook sees h); restored below
+        strategies[sub_dims], sub_dims.strategy = sub_dims.strategy, sub_dims.masked
     try:
         device = next(model.parameters()).device
         for start in range(0, calibration_ids.shape[0], batch_size):
             model(input_ids=calibration_ids[start : start + batch_size].to(device), use_cache=False)
     finally:
-        for sub_dims in sublayers:
-            sub_dims.observer = None
+        for hook in hooks:
+            hook.remove()
+        for sub_dims, strategy in strategies.items():
+            sub_dims.strategy = strategy
         model.train(was_training)
 
     input_squares = output_squares = input_entries = output_entries = 0.0
@@ -106,7 +139,7 @@ def fit_dropped_block_compensation(
             table.copy_(fitted.to(table.dtype))
             input_squares += fitted.square().sum().item()
             input_entries += fitted.numel()
-        output_linear = parent.o_proj if hasattr(parent, "o_proj") else parent.down_proj
+        output_linear = _output_linear(parent)
         weight = output_linear.weight.double()  # (D, in)
         output_means = statistics.output_sums[sub_dims] / statistics.output_counts[sub_dims].clamp(min=1)[:, None]
         per_block = torch.einsum("nsi,ni->ns", weight.view(num_sub_dims, block, -1), output_means)
@@ -126,6 +159,11 @@ def fit_dropped_block_compensation(
         "input_norm": (input_squares / max(input_entries, 1)) ** 0.5,
         "output_norm": (output_squares / max(output_entries, 1)) ** 0.5,
     }
+
+
+def _output_linear(parent) -> torch.nn.Module:
+    """The projection writing the blocks of a MoHD attention (`o_proj`) or MLP (`down_proj`) module."""
+    return parent.o_proj if hasattr(parent, "o_proj") else parent.down_proj
 
 
 def _parent_of(model, sub_dims: MoHDSubDimensions):

@@ -36,7 +36,6 @@ SPARSE_MODULES = ("attention", "ffn")
 ACTIVATION_SCALINGS = ("inverse_active", "none")
 ROUTED_GATES = ("softmax", "normalized", "unit")
 GROUP_FUSIONS = ("mix", "none")
-SPARSE_IMPLEMENTATIONS = ("masked", "gather")
 SPARSE_SIDES = ("both", "input", "output")
 # The fields MoHD adds to LLaMA's that set its sparsity (in declaration order; `output_router_logits` is a forward
 # option, not a setting): what a conversion from LLaMA may set and what a model card lists.
@@ -109,7 +108,10 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
     output_router_logits (`bool`, *optional*, defaults to `False`):
         Whether to output the router logits and add the aux loss to the loss.
     sparse_implementation (`str`, *optional*, defaults to `"gather"`):
-        "masked": dense matmuls with the mask (reference); "gather": only active blocks are computed.
+        The execution strategy, by its name in `MoHDSparseInterface` (`mohd_strategies.py`): "masked", dense
+        matmuls with the mask (reference); "gather", only active blocks are computed; or a strategy registered with
+        `MoHDSparseInterface.register(name, cls)` before the model is built (checked then: the config does not know
+        the registry).
     sparse_sides (`str`, *optional*, defaults to `"both"`):
         Which side of a sparsified sublayer is sparse: "both" (the paper's MoHD: it reads and writes only the
         active blocks), "input" (it reads only the active blocks, with their gates, and writes every block, unscaled)
@@ -251,11 +253,15 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
             ("activation_scaling", ACTIVATION_SCALINGS),
             ("routed_gate", ROUTED_GATES),
             ("group_fusion", GROUP_FUSIONS),
-            ("sparse_implementation", SPARSE_IMPLEMENTATIONS),
             ("sparse_sides", SPARSE_SIDES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` must be one of {list(allowed)}, got {getattr(self, name)!r}.")
+        if not isinstance(self.sparse_implementation, str) or not self.sparse_implementation:
+            raise ValueError(
+                f"`sparse_implementation` must be the name of a strategy registered in MoHDSparseInterface, got "
+                f"{self.sparse_implementation!r}."
+            )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of `num_key_value_heads` "

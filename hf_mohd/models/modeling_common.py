@@ -581,10 +581,16 @@ class TopKRouter(nn.Module):
         weights = self.gates(scores.gather(-1, chosen), hidden_states.dtype)
         # contiguous either way: the plans flatten the ids with `view`
         indices = chosen + self.index_offset if self.index_offset else chosen.contiguous()
+        self.record(indices, weights, cache, token_mask)
+        return logits.reshape(-1, logits.shape[-1]), weights, indices
+
+    def record(self, indices: torch.Tensor, weights: torch.Tensor, cache=None, token_mask=None) -> None:
+        """Where a forward's routes go once chosen, the one place for every way of routing (this forward, MoHD's
+        native one-token routing): `observe` sees the ids, and a `RoutingCache` appends ids and gates, (B, T, k)
+        each, to its routing record under (`layer_idx`, `router_name`); other caches keep no record."""
         self.observe(indices, token_mask)
         if isinstance(cache, RoutingCache):
             cache.update_routing(self.layer_idx, self.router_name, indices, weights)
-        return logits.reshape(-1, logits.shape[-1]), weights, indices
 
 
 def replayed_routes(routers, routing_replay, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor] | None:

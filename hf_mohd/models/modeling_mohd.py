@@ -17,7 +17,7 @@ Each sparsified sublayer (attention and/or FFN) reads and writes only the token'
 residual stream: the shared blocks plus the top-k routed blocks its router picks (paper section 3). This file holds
 the router, group fusion, the sublayers and the model classes; how the active blocks are read and written (the
 "masked" and "gather" strategies, the weight layout, tensor parallelism) is the execution engine in
-`mohd_sparse.py`.
+the `mohd_*.py` siblings (strategies, plans, grouped products, weight layout, tensor parallelism).
 Shapes: see the legend in `modeling_common.py`; here N = num_sub_dims, N_s shared, N_r = N - N_s routed, s = D / N.
 
 `MoHDModel.forward` and `MoHDForCausalLM.forward` are the shared ones of `modeling_common.py` (`RoutedDecoderMixin`,
@@ -51,27 +51,21 @@ from .modeling_common import (
     load_balancing_loss,
     replayed_routes,
 )
-from .mohd_sparse import (
-    ALL_SPARSE_IMPLEMENTATIONS,
+from .mohd_layout import (
     WEIGHT_LAYOUTS,
-    MoHDGatherStrategy,
-    MoHDMaskedStrategy,
-    MoHDNativeTokenPlan,
-    MoHDSparseBlockMix,
-    MoHDTensorParallelProjections,
-    autocast_dtype,
     fuse_block_major_,
-    fused_block_major_weight,
     fused_projection_groups,
-    mix_blocks,
-    resolve_small_batch_plan,
     set_linear_layout_,
     shares_block_major_storage,
     unfused_state_dict_hook,
 )
-from .native_gather import DTYPES as NATIVE_DTYPES
-from .native_gather import native_gather
-from .routing_cache import RoutingCache
+from .mohd_products import MoHDSparseBlockMix, mix_blocks
+from .mohd_strategies import (
+    MoHDMaskedStrategy,
+    resolve_small_batch_plan,
+    sparse_strategy,
+)
+from .mohd_tensor_parallel import MoHDTensorParallelProjections
 
 
 class MoHDRouter(TopKRouter):
@@ -150,10 +144,10 @@ class MoHDSubDimensions(nn.Module):
     `route` runs the router and returns the plan of the execution strategy; `project_in` applies the input gate
     (paper section 3, step 3) and `project_out` keeps the active output blocks, scales them by alpha = N / (N_s + k)
     (step 4, rebuttal Lemma 1) and fuses them (step 5). The strategy ("gather" or "masked", registered in
-    `MoHDSparseInterface` of `mohd_sparse.py`) comes from `config.sparse_implementation` (switch it on a loaded model
+    `MoHDSparseInterface` of `mohd_strategies.py`) comes from `config.sparse_implementation` (switch it on a loaded model
     with `set_sparse_implementation`); `route` falls back to "masked" for a sublayer whose projections are not all
-    plain `nn.Linear`, the one place that rule lives, and routes one decoded token with the native kernels where they
-    apply (`native_token_plan`).
+    plain `nn.Linear`, the one place that rule lives; the strategy decides how the tokens are routed and planned
+    (`MoHDStrategy.route`; one decoded token: `mohd_strategies.one_token_path`).
     """
 
     def __init__(
@@ -173,7 +167,7 @@ class MoHDSubDimensions(nn.Module):
         self.router = MoHDRouter(config, layer_idx, router_name, top_k) if top_k > 0 else None
         # CODEPATH: group_fusion="mix" (paper default) adds an N x N block mixer; "none" is the ablation.
         self.group_fusion = MoHDGroupFusion(config) if config.group_fusion == "mix" else nn.Identity()
-        self.strategy = ALL_SPARSE_IMPLEMENTATIONS[config.sparse_implementation](config).with_top_k(top_k)
+        self.strategy = sparse_strategy(config.sparse_implementation, config).with_top_k(top_k)
         self.masked = MoHDMaskedStrategy(config).with_top_k(top_k)  # for projections that are not plain nn.Linear
         self.scale_by_active = config.activation_scaling == "inverse_active"
         # CODEPATH: sparse_sides="input" / "output" (ablations): the other side reads / writes every block.
@@ -190,9 +184,7 @@ class MoHDSubDimensions(nn.Module):
             # the order of the sublayer's input projections (`project_in`'s linears); ParameterDict sorts its keys
             self.input_projection_names = tuple(input_projections)
             self.output_compensation = nn.Parameter(torch.zeros(num_sub_dims, config.sub_dim_size))
-        # set by `hf_mohd.conversion.compensation` while it measures calibration statistics, else None
-        self.observer = None
-        # `MoHDPreTrainedModel.set_native_token_plan`: whether one decoded token may take `native_token_plan`
+        # `MoHDPreTrainedModel.set_native_token_plan`: whether one decoded token may take the native kernels
         self.native_token_plan_enabled = True
 
     def active_scale(self, top_k: int) -> float:
@@ -210,148 +202,109 @@ class MoHDSubDimensions(nn.Module):
         self.strategy = self.strategy.with_top_k(top_k)
 
     def route(self, hidden_states: torch.Tensor, projections, **kwargs):
-        """(B, T, D) normed input -> the plan for its B * T tokens (`mohd_sparse.MoHDPlan`), of the configured
-        strategy, or of the masked one when a projection of the sublayer (`projections`: all its linears) is not a
-        plain `nn.Linear` (a PEFT LoRA layer, a quantised linear computes something other than its `.weight`, which
-        the gather strategy reads): exact either way. Without a router (k = 0) every token gets the masked plan of
-        the shared blocks alone."""
+        """(B, T, D) normed input -> the plan for its B * T tokens (`mohd_plans.MoHDPlan`), chosen by the configured
+        strategy (`MoHDStrategy.route`, which also decides how one decoded token runs), or by the masked one when a
+        projection of the sublayer (`projections`: all its linears) is not a plain `nn.Linear` (a PEFT LoRA layer, a
+        quantised linear computes something other than its `.weight`, which the gather strategy reads): exact either
+        way. Without a router (k = 0) every token gets the masked plan of the shared blocks alone."""
         if self.router is None:
             tokens = hidden_states.shape[:-1].numel()
             no_routes = torch.empty(tokens, 0, dtype=torch.long, device=hidden_states.device)
             return self.masked.plan(no_routes, hidden_states.new_empty(no_routes.shape))
-        plan = self.native_token_plan(hidden_states, projections, kwargs)
-        if plan is not None:
-            return plan
-        _, weights, indices = self.router(hidden_states, **kwargs)
-        strategy = self.strategy
-        if any(type(linear) is not nn.Linear for linear in projections):
-            strategy = self.masked
-        indices, weights = indices.reshape(-1, indices.shape[-1]), weights.reshape(-1, weights.shape[-1])
-        plan = strategy.plan(indices, weights)
-        if self.output_compensation is not None or self.observer is not None:
-            geometry = self.masked.geometry
-            inactive = torch.ones(indices.shape[0], geometry.num_sub_dims, dtype=weights.dtype, device=weights.device)
-            inactive[:, : geometry.num_shared] = 0
-            plan.inactive = inactive.scatter_(1, indices, 0.0)
-        return plan
-
-    def native_token_plan(self, hidden_states: torch.Tensor, projections, kwargs) -> MoHDNativeTokenPlan | None:
-        """The plan of one decoded token routed and computed by the native kernels (`native_gather`: the router, each
-        side of the sublayer one dispatched op), or None where the general path must run: switched off
-        (`MoHDPreTrainedModel.set_native_token_plan(False)`), more than one token, autograd, `torch.compile`,
-        autocast to another dtype, a device other than the CPU, routing replay, a router something observes
-        (`TopKRouter.observed`: recorded router logits, hooks), the masked strategy, one sparse side only,
-        dropped-block compensation, a compensation observer, projections that are not plain bias-free `nn.Linear` in
-        the fused block-major storage (`fuse_block_major_`, set by `to_weight_layout("block_major")`), a dtype the
-        kernels do not take, or kernels that could not be built. The selection is the router's (the k
-        largest softmax probabilities in fp32, or float64, ties to the lower index; gates by `routed_gate`), its
-        ids and gates are appended to a `RoutingCache` as the router's forward appends them."""
-        router, dtype = self.router, hidden_states.dtype
-        if not (
-            self.native_token_plan_enabled
-            and hidden_states.shape[:-1].numel() == 1
-            and hidden_states.device.type == "cpu"
-            and dtype in NATIVE_DTYPES
-            and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-            and autocast_dtype(hidden_states) in (None, dtype)
-            and kwargs.get("routing_replay") is None
-            and isinstance(self.strategy, MoHDGatherStrategy)
-            and self.sparse_input
-            and self.sparse_output
-            and self.output_compensation is None
-            and self.observer is None
-            and router.weight.dtype == dtype
-            and all(type(linear) is nn.Linear and linear.bias is None for linear in projections)
-            and not router.observed()
-        ):
-            return None
-        kernels = native_gather()
-        if kernels is None:
-            return None
-        *inputs, output = projections
-        fused = fused_block_major_weight(inputs)
-        if fused is None or fused.dtype != dtype or output.weight.dtype != dtype or not output.weight.is_contiguous():
-            return None
-        geometry = self.strategy.geometry
-        ids, gates = kernels.mohd_route(
-            hidden_states.reshape(1, -1).contiguous(),  # a no-op on the normed input, which is contiguous
-            router.weight.contiguous(),
-            router.top_k,
-            geometry.num_shared,
-            router.NATIVE_GATE_MODES[router.routed_gate],
-        )
-        cache = kwargs.get("cache")
-        if isinstance(cache, RoutingCache):
-            cache.update_routing(router.layer_idx, router.router_name, ids.view(1, 1, -1), gates.view(1, 1, -1))
-        return MoHDNativeTokenPlan(geometry, gates, ids=ids, fused=fused, kernels=kernels)
+        plain = all(type(linear) is nn.Linear for linear in projections)
+        strategy = self.strategy if plain else self.masked
+        return strategy.route(self, hidden_states, projections, **kwargs)
 
     def project_in(self, hidden_states: torch.Tensor, plan, linears) -> list[torch.Tensor]:
-        """(B, T, D) -> one (B, T, out) tensor per linear, reading only the active (gated) blocks (every block,
-        ungated, with `sparse_sides="output"`); with tensor-parallel weights each rank's (B, T, out / P) slice (`MoHDTensorParallelProjections`). With dropped
-        block compensation, linear i also gets `inactive @ input_compensation[name i]` ((M, N) x (N, out)), the linears
-        being the sublayer's input projections in the order of `input_projection_names`.
+        """(B, T, D) -> one (B, T, out) tensor per linear W_i of `linears` (paper section 3, step 3):
+
+            x_i = W_i (g ⊙ x) + inactive @ C_i
+
+        g the input gates of `plan` (1 on the shared blocks, the router's gate on the picked ones, 0 elsewhere; all
+        ones with `sparse_sides="output"`), computed by the plan from the active blocks alone; C_i the (N, out)
+        dropped-block compensation of the linear (`input_compensation`, in the order of `input_projection_names`)
+        and inactive the (M, N) blocks a token skips, where the sublayer compensates. With tensor-parallel weights
+        each rank's (B, T, out / P) slice (`MoHDTensorParallelProjections`).
 
         Raises:
-            NotImplementedError: dropped block compensation on tensor-parallel weights.
+            NotImplementedError: a dense side or dropped block compensation on tensor-parallel weights.
         """
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        if self.observer is not None:
-            self.observer.record_input(self, flat, plan.inactive)
-        tensor_parallel = MoHDTensorParallelProjections.of(linears, "input")
-        if not self.sparse_input:  # every block read, ungated: the plain projections
-            if tensor_parallel is not None:
-                raise NotImplementedError("MoHD sparse_sides='output' does not run on tensor-parallel weights.")
-            return [linear(hidden_states) for linear in linears]
-        if tensor_parallel is None:
-            outputs = plan.project_in(flat, linears)
-        elif self.input_compensation is not None:
-            raise NotImplementedError("MoHD dropped block compensation does not run on tensor-parallel weights.")
-        else:
+        tensor_parallel = self.tensor_parallel(linears, "input")
+        if not self.sparse_input:
+            outputs = [linear(flat) for linear in linears]
+        elif tensor_parallel is not None:
             outputs = tensor_parallel.project_in(flat, plan, linears)
+        else:
+            outputs = plan.project_in(flat, linears)
         if self.input_compensation is not None:
-            compensations = [self.input_compensation[name] for name in self.input_projection_names]
+            tables = [self.input_compensation[name] for name in self.input_projection_names]
+            inactive = plan.inactive
             outputs = [
-                out + plan.inactive.to(out.dtype) @ table.to(out.dtype)
-                for out, table in zip(outputs, compensations, strict=True)
+                out + inactive.to(out.dtype) @ table.to(out.dtype) for out, table in zip(outputs, tables, strict=True)
             ]
         return [out.view(*hidden_states.shape[:-1], -1) for out in outputs]
 
     def project_out(self, hidden_states: torch.Tensor, plan, linear: nn.Linear) -> torch.Tensor:
-        """(B, T, in) -> (B, T, D): active output blocks, scaled by alpha, then group-fused (every block, unscaled, then
-        fused, with `sparse_sides="input"`); with tensor-parallel weights the input is this rank's (B, T, in / P)
-        slice and the blocks are summed over the ranks first."""
+        """(B, T, in) -> (B, T, D), the output of the sublayer's projection W_o written into the residual stream's
+        blocks (paper section 3, steps 4-5):
+
+            y = F (alpha (mask ⊙ W_o h + inactive ⊙ c))
+
+        mask the token's active blocks (all with `sparse_sides="input"`, where alpha = 1), computed by the plan from
+        the active blocks alone; c the (N, s) dropped-block compensation where the sublayer compensates;
+        alpha = N / (N_s + k) (`activation_scale`); F group fusion (the identity with `group_fusion="none"`). A plan
+        that computes the whole right-hand side at once (`project_out_mixed`) does so where y is zero outside the
+        active blocks. With tensor-parallel weights h is this rank's (B, T, in / P) slice and the blocks are summed
+        over the ranks before alpha and F.
+
+        Raises:
+            NotImplementedError: a dense side or dropped block compensation on tensor-parallel weights.
+        """
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        if self.observer is not None:
-            self.observer.record_output(self, flat, plan.inactive)
-        tensor_parallel = MoHDTensorParallelProjections.of([linear], "output")
-        if not self.sparse_output:  # every block written, unscaled: the plain projection, then the fusion
-            if tensor_parallel is not None:
-                raise NotImplementedError("MoHD sparse_sides='input' does not run on tensor-parallel weights.")
-            blocks = linear(flat).view(flat.shape[0], self.masked.geometry.num_sub_dims, -1)
-            if isinstance(self.group_fusion, MoHDGroupFusion):
-                blocks = self.group_fusion(blocks)
-            return blocks.view(*hidden_states.shape[:-1], -1)
-        if tensor_parallel is None:
-            if self.output_compensation is None and isinstance(self.group_fusion, MoHDGroupFusion):
-                # the plan's own fused form, where it has one (the grouped plan while compiling)
-                mixed = plan.project_out_mixed(flat, linear, self.group_fusion, self.activation_scale)
-                if mixed is not None:
-                    return mixed.view(*hidden_states.shape[:-1], -1)
-            blocks = plan.project_out(flat, linear)
-        elif self.output_compensation is not None:
-            raise NotImplementedError("MoHD dropped block compensation does not run on tensor-parallel weights.")
-        else:
-            blocks = tensor_parallel.project_out(flat, plan, linear)
-        compensated = self.output_compensation is not None
-        if compensated:  # the mean output of each block the token does not write, before scaling and fusion
-            blocks = blocks + plan.inactive.to(blocks.dtype)[..., None] * self.output_compensation.to(blocks.dtype)
-        if not isinstance(self.group_fusion, MoHDGroupFusion):
-            return (blocks * self.activation_scale).view(*hidden_states.shape[:-1], -1)
-        sparse = tensor_parallel is None and not compensated  # zero outside the active blocks
-        positions = plan.sparse_block_positions(blocks, self.group_fusion) if sparse else None
-        mixed = self.group_fusion(blocks, positions, scale=self.activation_scale)
+        tensor_parallel = self.tensor_parallel([linear], "output")
+        fusion = self.group_fusion if isinstance(self.group_fusion, MoHDGroupFusion) else None
+        scale = self.activation_scale if self.sparse_output else 1.0
+        # the blocks are zero outside the active ones: what the plans' own forms of F alpha y rely on
+        sparse = self.sparse_output and tensor_parallel is None and self.output_compensation is None
+        mixed = plan.project_out_mixed(flat, linear, fusion, scale) if sparse and fusion is not None else None
+        if mixed is None:
+            blocks = self.output_blocks(flat, plan, linear, tensor_parallel)
+            if fusion is None:
+                mixed = blocks if scale == 1.0 else blocks * scale
+            else:
+                positions = plan.sparse_block_positions(blocks, fusion) if sparse else None
+                mixed = fusion(blocks, positions, scale=scale)
         return mixed.view(*hidden_states.shape[:-1], -1)
+
+    def output_blocks(self, flat: torch.Tensor, plan, linear: nn.Linear, tensor_parallel) -> torch.Tensor:
+        """(M, in) -> (M, N, s) mask ⊙ W_o h + inactive ⊙ c, before activation scaling and group fusion (see
+        `project_out`)."""
+        if not self.sparse_output:
+            return linear(flat).view(flat.shape[0], self.masked.geometry.num_sub_dims, -1)
+        if tensor_parallel is not None:
+            blocks = tensor_parallel.project_out(flat, plan, linear)
+        else:
+            blocks = plan.project_out(flat, linear)
+        if self.output_compensation is not None:
+            blocks = blocks + plan.inactive.to(blocks.dtype)[..., None] * self.output_compensation.to(blocks.dtype)
+        return blocks
+
+    def tensor_parallel(self, linears, side: str) -> MoHDTensorParallelProjections | None:
+        """The tensor-parallel state of one side's `linears` ("input" or "output"; None without sharded weights).
+
+        Raises:
+            NotImplementedError: the side is dense (`sparse_sides`) or compensated on tensor-parallel weights.
+        """
+        tensor_parallel = MoHDTensorParallelProjections.of(linears, side)
+        if tensor_parallel is None:
+            return None
+        if not (self.sparse_input if side == "input" else self.sparse_output):
+            other = "output" if side == "input" else "input"
+            raise NotImplementedError(f"MoHD sparse_sides={other!r} does not run on tensor-parallel weights.")
+        if self.output_compensation is not None:
+            raise NotImplementedError("MoHD dropped block compensation does not run on tensor-parallel weights.")
+        return tensor_parallel
 
 
 class MoHDAttention(Attention):
@@ -520,15 +473,12 @@ class MoHDPreTrainedModel(PreTrainedModel):
         Raises:
             ValueError: `implementation` is not registered in `MoHDSparseInterface`.
         """
-        if implementation not in ALL_SPARSE_IMPLEMENTATIONS:
-            raise ValueError(
-                f"`implementation` must be one of {list(ALL_SPARSE_IMPLEMENTATIONS)}, got {implementation!r}."
-            )
+        strategy = sparse_strategy(implementation, self.config)
         for module in self.modules():
             if isinstance(module, MoHDSubDimensions):
                 small_batch_plan = getattr(module.strategy, "small_batch_plan", None)
                 top_k = module.masked.geometry.top_k  # the sublayer's current k
-                module.strategy = ALL_SPARSE_IMPLEMENTATIONS[implementation](self.config).with_top_k(top_k)
+                module.strategy = strategy.with_top_k(top_k)
                 if small_batch_plan is not None and hasattr(module.strategy, "small_batch_plan"):
                     module.strategy.small_batch_plan = small_batch_plan
 
@@ -541,7 +491,7 @@ class MoHDPreTrainedModel(PreTrainedModel):
         tokens that picked it only, each block read once, fewer FLOPs in more calls (faster where few-row products
         are compute-bound). "union": all tokens by every picked block, each block read once, then a mask (faster
         only where BLAS reads a block in the same time for 1 or 8 rows). "auto": times few-row products now, once
-        per process (about 10 ms, `mohd_sparse.small_gemms_compute_bound`), and takes "per_block" where they are
+        per process (about 10 ms, `mohd_strategies.small_gemms_compute_bound`), and takes "per_block" where they are
         compute-bound, else "union". No forward ever times anything.
 
         Returns:
@@ -557,8 +507,8 @@ class MoHDPreTrainedModel(PreTrainedModel):
         return resolved
 
     def set_native_token_plan(self, enabled: bool = True) -> None:  # trf-ignore: TRF033 (execution choice)
-        """Whether one decoded token may run the native one-token plan (`MoHDSubDimensions.native_token_plan`; on by
-        default where the native kernels build) or always takes the torch path (the spans plan): an execution choice
+        """Whether one decoded token may run the native form of `MoHDTokenPlan` (`mohd_strategies.one_token_path`; on by
+        default where the native kernels build) or always takes its torch form: an execution choice
         like `set_small_batch_plan`, results equal up to summation order, not saved. For comparisons in one process;
         `HF_MOHD_NATIVE_GATHER=0` turns the kernels off for the whole process instead."""
         for module in self.modules():

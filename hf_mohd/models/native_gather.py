@@ -32,7 +32,7 @@ own thread pool (`at::parallel_for`: experts on the up side, one slice of l per 
 2 KB ahead across block boundaries. Expert ids must lie in [0, E); the caller masks expert-parallel off-rank ids
 first; an id outside [0, E) raises (RuntimeError) rather than reading outside the table.
 
-MoHD's one-token sublayer (`MoHDNativeTokenPlan`), one dispatched op per step of it instead of one per block span
+MoHD's one-token sublayer (the native form of `MoHDTokenPlan`), one dispatched op per step of it instead of one per block span
 and per bookkeeping op (N blocks of s channels, the first N_s shared, k routed ones picked per token):
 
 - `mohd_route(x, weight, top_k, offset, gate_mode)`: x (1, D), weight (C, D) the router's -> ids (1, k) int64

@@ -333,7 +333,7 @@ class TrainConfig:
                     f"{self.model.experts_implementation!r}."
                 )
         if self.model.sparse_implementation:
-            from ..models.mohd_sparse import ALL_SPARSE_IMPLEMENTATIONS
+            from ..models.mohd_strategies import ALL_SPARSE_IMPLEMENTATIONS
 
             if self.model.sparse_implementation not in ALL_SPARSE_IMPLEMENTATIONS:
                 raise ValueError(
