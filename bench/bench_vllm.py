@@ -29,7 +29,9 @@ generated tokens (greedy, end-of-sequence ignored). In vLLM the requests of a lo
 `generate` call (continuous batching), fp32, prefix caching off (the timed repetitions repeat the same prompts),
 vLLM's default `torch.compile`, all cores bound (`VLLM_CPU_OMP_THREADS_BIND`); in transformers they are one
 `generate` call on a batch of that many prompts (equal lengths, no padding), fp32, sdpa, `--threads` torch threads.
-Throughput is output tokens per second of wall time, prefill included; medians of `--reps` repetitions after one
+The dense models are also served through vLLM's Transformers backend (`model_impl="transformers"`, the backend the
+sparse families' plugin builds on), so that each sparse/dense ratio is also given on one backend. Throughput is
+output tokens per second of wall time, prefill included; medians of `--reps` repetitions after one
 warm-up (round-robin over the models in transformers, over the loads in vLLM). Ceilings beside each sparse/dense
 ratio, from the accounting (`model_accounting`): bytes of weights one decoding step reads (batch 1: the activated
 weights) and forward FLOPs per token at the prompt's context.
@@ -68,6 +70,9 @@ DENSE_OF = {
     "mohd_50": "dense",
     "mohd": "llama",
 }
+# the dense models also through vLLM's Transformers backend (`model_impl="transformers"`), the backend the sparse
+# families run on: the sparse/dense ratio on one backend separates what sparsity gains from what the backend costs
+SAME_BACKEND = {"dense": "dense_transformers_backend", "llama": "llama_transformers_backend"}
 GOALS = {"vllm_over_transformers_at_16": 1.0, "sparse_over_dense_in_vllm": 1.0}
 
 
@@ -120,11 +125,13 @@ def vllm_runs(folders: dict, prompts: dict, args) -> list[dict]:
         "max_num_seqs": max(LOADS),
     }
     cores = f"0-{args.threads - 1}" if args.threads > 1 else "0"
+    served = [(name, folder, {}) for name, folder in folders.items()]
+    served += [(variant, folders[name], {"model_impl": "transformers"}) for name, variant in SAME_BACKEND.items()]
     return [
         {
             "name": name,
             "model": str(folder),
-            "engine": engine,
+            "engine": {**engine, **backend},
             "prompts": prompts[1].tolist(),
             "sampling": {"max_tokens": args.new_tokens, "ignore_eos": True, "logprobs": None},
             "env": {"VLLM_CPU_OMP_THREADS_BIND": cores},
@@ -134,7 +141,7 @@ def vllm_runs(folders: dict, prompts: dict, args) -> list[dict]:
                 "warmup": 1,
             },
         }
-        for name, folder in folders.items()
+        for name, folder, backend in served
     ]
 
 
@@ -154,9 +161,10 @@ def ceilings(configs: dict, context: int) -> dict:
 def summarize(throughput: dict, bounds: dict) -> tuple[list[str], dict]:
     """Printed lines and the ratios: vLLM over transformers per model and load, sparse over dense per engine."""
     lines, ratios = [], {"vllm_over_transformers": {}, "sparse_over_dense": {}}
+    backend_of = {variant: name for name, variant in SAME_BACKEND.items()}
     for name in throughput["vllm"]:
         ratios["vllm_over_transformers"][name] = {
-            load: throughput["vllm"][name][load] / throughput["transformers"][name][load]
+            load: throughput["vllm"][name][load] / throughput["transformers"][backend_of.get(name, name)][load]
             for load in throughput["vllm"][name]
         }
     for engine, models in throughput.items():
@@ -164,17 +172,25 @@ def summarize(throughput: dict, bounds: dict) -> tuple[list[str], dict]:
             name: {load: models[name][load] / models[dense][load] for load in models[name]}
             for name, dense in DENSE_OF.items()
         }
+    vllm = throughput["vllm"]
+    ratios["sparse_over_dense"]["vllm_same_backend"] = {
+        name: {load: vllm[name][load] / vllm[SAME_BACKEND[dense]][load] for load in vllm[name]}
+        for name, dense in DENSE_OF.items()
+    }
     for name in throughput["vllm"]:
         cells = []
         for load in throughput["vllm"][name]:
-            tf, vl = throughput["transformers"][name][load], throughput["vllm"][name][load]
+            tf, vl = throughput["transformers"][backend_of.get(name, name)][load], throughput["vllm"][name][load]
             cell = f"{load:>2s} req: transformers {tf:7.1f} tok/s, vLLM {vl:7.1f} tok/s ({vl / tf:5.2f}x)"
             if name in DENSE_OF:
                 cell += f", vLLM {ratios['sparse_over_dense']['vllm'][name][load]:5.2f}x {DENSE_OF[name]}"
+                same = ratios["sparse_over_dense"]["vllm_same_backend"][name][load]
+                cell += f" ({same:5.2f}x on its backend)"
             cells.append(cell)
-        bound = bounds.get(name)
-        ceiling = f"  [ceilings vs {DENSE_OF[name]}: bytes {bound['bytes']:.2f}x, FLOPs {bound['flops']:.2f}x]"
-        lines.append(f"{name:10s} " + "; ".join(cells) + (ceiling if bound else ""))
+        if name in bounds:
+            bound = bounds[name]
+            cells.append(f"ceilings vs {DENSE_OF[name]}: bytes {bound['bytes']:.2f}x, FLOPs {bound['flops']:.2f}x")
+        lines.append(f"{name:26s} " + "; ".join(cells))
     return lines, ratios
 
 
@@ -216,8 +232,10 @@ def main():
         print(f"{time.strftime('%H:%M:%S')} timing vLLM", flush=True)
         served = run_vllm(vllm_runs(folders, prompts, args), Path(folder), timeout=3600)
     failed = {name: run["error"] for name, run in served.items() if "error" in run}
-    if failed:
-        raise SystemExit(f"vLLM refused: {failed}")
+    if failed:  # what was measured stays, marked as failed
+        output = args.output or common.RESULTS_DIR / "vllm_throughput.json"
+        common.write_results(output, {"failed": failed, "transformers_timings": timed, "vllm": served})
+        raise SystemExit(f"vLLM refused {sorted(failed)} (written to {output}): {failed}")
     throughput = {"transformers": {}, "vllm": {}}
     for key, entry in timed.items():
         name, load = key.split("@")
