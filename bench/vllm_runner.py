@@ -22,6 +22,7 @@ loads, with the run's sampling; the result's "throughput" maps each label to {"s
 "output_tokens": tokens generated per call}.
 """
 
+import functools
 import gc
 import json
 import os
@@ -30,6 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+
+# the Python of `.venv-vllm` (`bash scripts/setup.sh --vllm`), where vLLM and hf-mohd's plugin are installed
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
 # `LLM.apply_model` sends a function to the engine's workers, which vLLM pickles only when allowed (local processes
 # of this run only)
@@ -60,8 +64,6 @@ def run(spec: dict) -> dict:
         result = {}
         if spec.get("modules"):
             # by reference to this file as a module (on the workers' sys.path), not as `__main__`
-            import functools
-
             from vllm_runner import module_types as by_reference
 
             part = spec["modules"] if isinstance(spec["modules"], str) else ".layers.0."
@@ -128,11 +130,10 @@ def run_vllm(runs: list[dict], workdir: Path, timeout: float = 900, python: str 
     Raises:
         RuntimeError: the runner failed (its last output lines are written to stderr first).
     """
-    root = Path(__file__).resolve().parents[1]
     spec, result = Path(workdir) / "spec.json", Path(workdir) / "result.json"
     spec.write_text(json.dumps(runs))
     process = subprocess.run(
-        [python or str(root / ".venv-vllm" / "bin" / "python"), str(Path(__file__).resolve()), str(spec), str(result)],
+        [python or str(VLLM_PYTHON), str(Path(__file__).resolve()), str(spec), str(result)],
         cwd=workdir,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         capture_output=True,

@@ -320,7 +320,7 @@ def test_vllm_serves_a_carved_smollm2_as_transformers(carved_smollm2, tmp_path):
     run = {
         "name": "carved_smollm2",
         "model": str(carved_smollm2),
-        "engine": {**ENGINE, "max_model_len": 160, "max_num_batched_tokens": 64},
+        "engine": {**ENGINE, "max_model_len": 160},
         "prompts": prompt_list,
         "sampling": SAMPLING,
         "modules": True,

@@ -16,12 +16,12 @@ import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig
 
+from bench.vllm_runner import VLLM_PYTHON
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
 
 
@@ -310,9 +310,6 @@ def reallocate_parameters(model) -> None:
 
 # --- serving tests (vLLM, transformers' server) ---------------------------------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[1]
-# the Python of `.venv-vllm` (`bash scripts/setup.sh --vllm`), where vLLM and hf-mohd's plugin are installed
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 # a plain chat template for the tests' tokenizers (role: content lines, then "assistant:")
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
