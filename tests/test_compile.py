@@ -82,12 +82,14 @@ def test_block_major_mohd_decode_step_compiles_fullgraph_on_its_fused_weights():
 
 
 @pytest.mark.slow
-def test_mohd_prefill_without_autograd_compiles_fullgraph():
+@pytest.mark.parametrize("implementation", ["gather", "sorted"])
+def test_mohd_prefill_without_autograd_compiles_fullgraph(implementation):
     """A many-token forward without autograd (the prefill `generate` compiles with a static cache) takes the grouped
     plan, whose input side then adds its routed products with a plain `index_add_` (dynamo traces `MoHDRowIndexAdd`'s
-    `mark_dirty` only where autograd records it): it compiles with fullgraph=True and gives eager's logits."""
+    `mark_dirty` only where autograd records it), or the sorted plan (its sort, group ends and row Functions): it
+    compiles with fullgraph=True and gives eager's logits."""
     model = build(FAMILIES["mohd"])
-    model.set_sparse_implementation("gather")
+    model.set_sparse_implementation(implementation)
     ids = input_ids(batch=2, length=16, seed=2)  # 32 tokens: the grouped plan
     with torch.no_grad():
         eager = model(input_ids=ids, use_cache=False).logits

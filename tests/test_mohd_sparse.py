@@ -21,7 +21,13 @@ from hf_mohd.models import modeling_mohd, mohd_layout, mohd_plans, mohd_products
 from hf_mohd.models.modeling_mohd import MoHDGroupFusion
 from hf_mohd.models.mohd_geometry import block_token_spans, contiguous_spans
 from hf_mohd.models.mohd_layout import set_linear_layout_
-from hf_mohd.models.mohd_plans import MoHDGroupedPlan, MoHDIndexedPlan, MoHDMaskedPlan, MoHDSpansPlan
+from hf_mohd.models.mohd_plans import (
+    MoHDGroupedPlan,
+    MoHDIndexedPlan,
+    MoHDMaskedPlan,
+    MoHDSortedPlan,
+    MoHDSpansPlan,
+)
 from hf_mohd.models.mohd_products import (
     MoHDGatheredGroupedMatmul,
     MoHDGroupPart,
@@ -30,7 +36,12 @@ from hf_mohd.models.mohd_products import (
     grouped_matmul,
     grouped_parts,
 )
-from hf_mohd.models.mohd_strategies import MoHDGatherStrategy, MoHDMaskedStrategy, MoHDSparseInterface
+from hf_mohd.models.mohd_strategies import (
+    MoHDGatherStrategy,
+    MoHDMaskedStrategy,
+    MoHDSortedStrategy,
+    MoHDSparseInterface,
+)
 from hf_mohd.models.native_gather import native_gather
 from tests.utils import FAMILIES, gradients, input_ids
 
@@ -43,9 +54,10 @@ def make_model(seed: int = 0, dtype=torch.float64, **overrides) -> MoHDForCausal
     return MOHD.spread_model(seed, dtype, **overrides)
 
 
-def pair(seed: int = 0, **overrides) -> tuple[MoHDForCausalLM, MoHDForCausalLM]:
-    """(gather, masked) float64 models in training mode with the weights of `make_model`."""
-    gather = make_model(seed, sparse_implementation="gather", **overrides).train()
+def pair(seed: int = 0, implementation: str = "gather", **overrides) -> tuple[MoHDForCausalLM, MoHDForCausalLM]:
+    """(fast, masked) float64 models in training mode with the weights of `make_model`, the fast one on the strategy
+    `implementation`."""
+    gather = make_model(seed, sparse_implementation=implementation, **overrides).train()
     masked = MoHDForCausalLM(MOHD.config(sparse_implementation="masked", **overrides)).double()
     masked.load_state_dict(gather.state_dict())
     return gather, masked
@@ -623,7 +635,9 @@ def test_set_sparse_implementation_switches_the_strategy_of_a_loaded_model(tmp_p
         assert planned == [ids.numel()] * 2 * model.config.num_hidden_layers  # attention and FFN of every layer
     finally:
         del MoHDSparseInterface._global_mapping["recording"]
-    with pytest.raises(ValueError, match="`sparse_implementation` must be one of .* \\['masked', 'gather'\\]"):
+    with pytest.raises(
+        ValueError, match="`sparse_implementation` must be one of .* \\['masked', 'gather', 'sorted'\\]"
+    ):
         model.set_sparse_implementation("dense")
 
 
@@ -681,6 +695,7 @@ AUTOCAST_PLANS = {
     "host-per-block": ({"small_batch_plan": "per_block"}, MoHDSpansPlan),
     "few-tokens": ({"host_tokens": 0, "few_tokens": 8}, MoHDIndexedPlan),
     "grouped": ({"host_tokens": 0, "few_tokens": 0}, MoHDGroupedPlan),
+    "sorted": ({"host_tokens": 0, "few_tokens": 0}, MoHDSortedPlan),  # on the sorted strategy
 }
 
 
@@ -704,6 +719,8 @@ def test_gather_plans_under_bf16_autocast_follow_masked(monkeypatch, plan, layou
     gather, masked = pair(seed=9, mlp_bias=True)
     gather, masked = gather.float().eval(), masked.float().eval()
     gather.to_weight_layout(layout)
+    if plan_type is MoHDSortedPlan:
+        gather.set_sparse_implementation("sorted")
     for strategy in strategies(gather):
         for name, value in settings.items():
             setattr(strategy, name, value)
@@ -1110,7 +1127,8 @@ def test_gathered_grouped_matmul_gradients(monkeypatch, dtype, compiling):
     assert grad_weight.view(groups, block, width)[1].abs().sum() == 0  # the empty group's block
 
 
-def test_compiled_training_step_is_one_graph():
+@pytest.mark.parametrize("implementation", ["gather", "sorted"])
+def test_compiled_training_step_is_one_graph(implementation):
     """dynamo traces a whole MoHD training forward of the grouped plan, its backward included, as one graph: the
     routing counts are a fixed-length `scatter_add_` (not `bincount`, whose output length depends on the data),
     `MoHDRowIndexAdd` returns its dirty input, and `MoHDGatheredGroupedMatmul`'s backward is written out
@@ -1122,12 +1140,13 @@ def test_compiled_training_step_is_one_graph():
     assert explained.graph_count == 1
 
 
-def test_compiled_training_step_matches_eager():
+@pytest.mark.parametrize("implementation", ["gather", "sorted"])
+def test_compiled_training_step_matches_eager(implementation):
     """Under `torch.compile` the grouped plan composes its products (the single autograd Functions are eager's) and
     AOTAutograd's partitioner chooses what backward keeps: the compiled training step's loss and gradients equal the
-    eager gather step's. (What it keeps is measured by `bench/bench_saved_memory.py --compile`, not asserted here.)"""
-    compiled_model = make_model(0, torch.float32, sparse_implementation="gather").train()
-    eager = make_model(0, torch.float32, sparse_implementation="gather").train()
+    eager step's on the same strategy. (What it keeps is measured by `bench/bench_saved_memory.py --compile`, not asserted here.)"""
+    compiled_model = make_model(0, torch.float32, sparse_implementation=implementation).train()
+    eager = make_model(0, torch.float32, sparse_implementation=implementation).train()
     ids = input_ids(4, 16)  # 64 tokens: the grouped plan
 
     def step(model):
@@ -1146,3 +1165,148 @@ def test_compiled_training_step_matches_eager():
     for name in grads_eager:
         torch.testing.assert_close(grads_compiled[name], grads_eager[name], rtol=1e-4, atol=1e-6, msg=name)
     assert any("router" in name for name in grads_eager)  # the routers' gradient flows through the gates compiled too
+
+
+# The sorted strategy (`MoHDSortedStrategy`): the gather strategy's few-token plans, and for many tokens one sort of
+# all (token, block) pairs, one grouped product per side and no atomic accumulation (`MoHDSortedPlan`).
+
+
+def test_sorted_plan_sorts_the_pairs_once():
+    """The pairs of the router's order (p = token * k + slot) sorted by routed block, stably; the inverse permutation,
+    the tokens and blocks of the sorted pairs, the group ends and the gates in sorted order, by hand."""
+    strategy = MoHDSortedStrategy(MOHD.config())  # N = 8, N_s = 3: routed blocks 0..4, k = 2
+    indices = torch.tensor([[3, 7], [5, 4], [7, 3], [4, 6]])
+    weights = torch.rand(4, 2)
+    with torch.no_grad():
+        plan = strategy.many_token_plan(indices, weights)
+    # routed ids per pair: [0, 4, 2, 1, 4, 0, 1, 3]
+    assert plan.order.tolist() == [0, 5, 3, 6, 2, 7, 1, 4]
+    assert plan.inverse.tolist() == [0, 6, 4, 2, 7, 1, 3, 5]
+    assert plan.tokens.tolist() == [0, 2, 1, 3, 1, 3, 0, 2]
+    assert plan.blocks.tolist() == [0, 0, 1, 1, 2, 3, 4, 4]
+    assert plan.offsets.dtype == torch.int32 and plan.offsets.tolist() == [2, 4, 5, 6, 8]
+    torch.testing.assert_close(plan.gates[:, 0], weights.flatten()[plan.order])
+    # 9 tokens, more than the few-token plans take on an eager CPU run: the sorted plan
+    assert isinstance(strategy.plan(indices.repeat(3, 1)[:9], weights.repeat(3, 1)[:9]), MoHDSortedPlan)
+    assert isinstance(strategy.plan(indices[:1], weights[:1]), MoHDSpansPlan)  # few tokens: the gather plans
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"attention_bias": True, "mlp_bias": True},
+        {"num_routed_sub_dims_per_tok": 1},
+        {"num_routed_sub_dims_per_tok": 3, "routed_gate": "normalized"},
+        {"num_shared_sub_dims": 0, "num_routed_sub_dims_per_tok": 3, "routed_gate": "unit"},
+        {"per_layer_config": {0: {"attention_routed_sub_dims_per_tok": 1}, 1: {"ffn_routed_sub_dims_per_tok": 4}}},
+        {"sparse_modules": ["ffn"], "group_fusion": "none"},
+        {"sparse_sides": "input"},
+        {"sparse_sides": "output"},
+        {"dropped_block_compensation": True},
+    ],
+    ids=["default", "biases", "k1", "k3-normalized", "no-shared-unit", "per-layer", "ffn-only", "input-side",
+         "output-side", "compensation"],
+)  # fmt: skip
+def test_sorted_training_step_equals_masked(monkeypatch, overrides):
+    """Loss (LM + aux), logits and the gradient of every parameter of a float64 training step on the sorted plan
+    equal the masked path's, for uniform and per-layer budgets, one-sided sparsity and compensated blocks; every
+    sparse sublayer planned its 22 tokens with the sorted plan."""
+    planned = []
+    build = MoHDSortedPlan.of_routes
+    monkeypatch.setattr(MoHDSortedPlan, "of_routes", lambda *args: planned.append(args[2].shape) or build(*args))
+    sorted_model, masked = pair(implementation="sorted", **overrides)
+    if overrides.get("dropped_block_compensation"):  # nonzero compensation, so that its terms count
+        with torch.no_grad():
+            for name, param in sorted_model.named_parameters():
+                if "compensation" in name:
+                    param.normal_(std=0.1)
+        masked.load_state_dict(sorted_model.state_dict())
+    assert_same_training_step(sorted_model, masked, input_ids(2, 11))
+    routed_sublayers = sum(m.sub_dims.router is not None for m in sorted_model.modules() if hasattr(m, "sub_dims"))
+    assert len(planned) == routed_sublayers > 0 and all(shape[0] == 22 for shape in planned)
+
+
+def test_sorted_plan_reads_fused_input_projections_with_one_product():
+    """With the input projections in one block-major storage (`to_weight_layout("block_major")`) and autograd off,
+    each sublayer's input side is one grouped product for q/k/v (gate/up) together and its output side one: 4
+    grouped products per layer, and logits equal the masked path's in float64 (batched decoding steps too)."""
+    sorted_model, masked = pair(implementation="sorted")
+    sorted_model.eval().to_weight_layout("block_major"), masked.eval()
+    assert sorted_model.has_fused_input_projections()
+    calls = []
+    original = mohd_plans.grouped_matmul
+    ids = input_ids(3, 6)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mohd_plans, "grouped_matmul", lambda *args: calls.append(args[1].shape) or original(*args))
+        torch.testing.assert_close(sorted_model(ids).logits, masked(ids).logits, rtol=1e-10, atol=1e-10)
+        layers = sorted_model.config.num_hidden_layers
+        assert len(calls) == 4 * layers
+        config = sorted_model.config
+        qkv = config.num_attention_heads * config.head_dim + 2 * config.num_key_value_heads * config.head_dim
+        assert calls[0] == (5, 8, qkv)  # (N_r, s, q + k + v): the fused storage's routed rows
+        kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        for module in sorted_model.modules():
+            if hasattr(module, "sub_dims"):
+                module.sub_dims.strategy.host_tokens = module.sub_dims.strategy.few_tokens = 0
+        assert torch.equal(sorted_model.generate(ids, **kwargs), masked.generate(ids, **kwargs))
+
+
+def aten_ops(function) -> list[str]:
+    """The ATen overloads `function()` dispatches (forward and any backward it runs), with `accumulate=True` marked
+    on the index_put forms."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = str(func.overloadpacket.__name__)
+            if name.startswith(("index_put", "_index_put_impl")) and (
+                kwargs.get("accumulate") or args[3:4] == (True,)
+            ):
+                name += "(accumulate)"
+            ops.append(name)
+            return func(*args, **kwargs)
+
+    with Recorder():
+        function()
+    return ops
+
+
+ATOMIC_OPS = ("index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "embedding_dense_backward")
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_sorted_plan_accumulates_nothing_atomically(bias):
+    """Forward and backward of both sides of the sorted plan (inputs, gates, weights and biases requiring gradients)
+    dispatch no accumulating scatter (`index_add`, `scatter_add`, `index_put` with accumulate, embedding backward),
+    the kernels that are atomic on accelerators; the per-slot grouped plan does (the check can fail), and both give
+    the same gradients (the grouped plan's equal the masked path's, above)."""
+    torch.manual_seed(0)
+    config = MOHD.config()
+    g = MoHDSortedStrategy(config).geometry
+    indices = torch.stack([torch.randperm(g.num_routed)[: g.top_k] + g.num_shared for _ in range(12)])
+    inputs = {"ops": {}, "grads": {}}
+    for name, strategy in (("sorted", MoHDSortedStrategy(config)), ("grouped", MoHDGatherStrategy(config))):
+        torch.manual_seed(1)
+        weights = torch.rand(12, g.top_k, dtype=torch.float64, requires_grad=True)
+        hidden = torch.randn(12, g.hidden_size, dtype=torch.float64, requires_grad=True)
+        up = nn.Linear(g.hidden_size, 24, bias=bias, dtype=torch.float64)
+        down = nn.Linear(24, g.hidden_size, bias=bias, dtype=torch.float64)
+
+        def step(strategy=strategy, weights=weights, hidden=hidden, up=up, down=down):
+            plan = strategy.many_token_plan(indices, weights)
+            (middle,) = plan.project_in(hidden, [up])
+            out = plan.project_out(torch.tanh(middle), down)
+            (out.square().sum()).backward()
+            return out
+
+        inputs["ops"][name] = aten_ops(step)
+        inputs["grads"][name] = [t.grad for t in (hidden, weights, up.weight, down.weight)]
+    assert not [op for op in inputs["ops"]["sorted"] if op.startswith(ATOMIC_OPS) or "(accumulate)" in op]
+    assert "_grouped_mm" in inputs["ops"]["sorted"] or "grouped_mm_fallback" in " ".join(inputs["ops"]["sorted"])
+    assert any(op.startswith("index_add") for op in inputs["ops"]["grouped"])
+    for got, want in zip(inputs["grads"]["sorted"], inputs["grads"]["grouped"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

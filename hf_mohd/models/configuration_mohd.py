@@ -109,7 +109,8 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
         Whether to output the router logits and add the aux loss to the loss.
     sparse_implementation (`str`, *optional*, defaults to `"gather"`):
         The execution strategy, by its name in `MoHDSparseInterface` (`mohd_strategies.py`): "masked", dense
-        matmuls with the mask (reference); "gather", only active blocks are computed; or a strategy registered with
+        matmuls with the mask (reference); "gather", only active blocks are computed; "sorted", the gather strategy
+        with the (token, block) pairs of many tokens sorted once and no atomic accumulation; or a strategy registered with
         `MoHDSparseInterface.register(name, cls)` before the model is built (checked then: the config does not know
         the registry).
     sparse_sides (`str`, *optional*, defaults to `"both"`):

@@ -19,7 +19,10 @@ blocks of its output (`project_out`; arXiv 2412.05644, section 3, steps 3-4). Th
 M and where they run (`mohd_strategies` chooses):
 
 - `MoHDMaskedPlan`: the reference, dense products on the gated input and a mask on the output;
-- `MoHDGroupedPlan`: many tokens (prefill, training), the routed blocks dispatched like experts (`mohd_products`);
+- `MoHDGroupedPlan`: many tokens (prefill, training), the routed blocks dispatched like experts (`mohd_products`),
+  one routing slot at a time, scattered back by `index_add_`;
+- `MoHDSortedPlan`: many tokens, the (token, block) pairs of all slots sorted by block once, one grouped product per
+  side and no atomic accumulation (the accelerators' form);
 - `MoHDIndexedPlan`: few tokens through index tensors (`torch.compile`, accelerators);
 - `MoHDSpansPlan`: few tokens on an eager CPU run, the picked blocks read as contiguous weight spans;
 - `MoHDTokenPlan`: one token on an eager CPU run without autograd (decoding), natively (`native_gather`) or in torch.
@@ -41,9 +44,11 @@ from .modeling_common import autocast_off
 from .mohd_geometry import MoHDSubDimGeometry, contiguous_spans
 from .mohd_layout import fused_block_major_weight, is_block_major, split_outputs
 from .mohd_products import (
+    MoHDDistinctRows,
     MoHDGatheredGroupedMatmul,
     MoHDGroupedLinearIn,
     MoHDGroupedLinearOut,
+    MoHDRepeatedRows,
     MoHDRowIndexAdd,
     grouped_matmul,
     mix_compact_blocks,
@@ -257,6 +262,119 @@ class MoHDGroupedPlan(MoHDPlan):
             return None
         g = self.geometry
         return self.token_index * g.num_sub_dims + g.num_shared + self.block_index
+
+
+def product_dtype(weight: torch.Tensor, hidden_states: torch.Tensor) -> torch.dtype:
+    """The dtype of a grouped product of `hidden_states` rows with blocks of `weight`, as `F.linear` would compute it:
+    autocast's (`autocast_dtype`) where autocast casts the weight and neither operand is float64, else the weight's
+    (`torch.nn.functional.grouped_mm` is not an autocast op, so the plan casts its operands itself)."""
+    cast = autocast_dtype(weight)
+    if cast is None or torch.float64 in (weight.dtype, hidden_states.dtype):
+        return weight.dtype
+    return cast
+
+
+@dataclasses.dataclass(slots=True)
+class MoHDSortedPlan(MoHDPlan):
+    """Many tokens on accelerators (prefill, training, batched decoding): the P = M * k (token, routed block) pairs
+    of every routing slot sorted by block once, one grouped product per side and projection (one for all the input
+    projections where they share a block-major storage), and no atomic accumulation, forward or backward.
+
+    Pair p = token * k + slot is the router's order. `order` (P,) lists the pairs sorted by routed block (stable),
+    `inverse` (P,) the sorted position of each pair (`order[inverse[p]] == p`), `tokens` and `blocks` (P,) the token
+    and routed block id (0..N_r-1) of each sorted pair, `offsets` (N_r,) int32 the group ends of the grouped product
+    (`torch.searchsorted` on the sorted blocks: fixed length, no host read), `gates` (P, 1) the pairs' gates in sorted
+    order (`MoHDRepeatedRows`: the router's gradient comes back by the inverse permutation).
+
+    - `project_in`: each pair's gated input block (`MoHDDistinctRows`: distinct rows, written back to their own rows in
+      backward) times its block of the weight, one row per pair; the k rows of a token are brought back to the
+      router's order (a permutation) and summed by a reshape; the shared columns are one dense product.
+    - `project_out`: each pair's token row (`MoHDRepeatedRows`, k reads per token, summed by a reshape in backward)
+      times its block of the weight, written to the disjoint (token, block) slices of the output (`index_copy`,
+      whose backward is a gather); the shared rows are one dense product.
+
+    The grouped products are `grouped_matmul` (`torch.nn.functional.grouped_mm` where the device and dtype have it,
+    whose backward is grouped products again); the same sort serves the forward and the backward of both sides.
+    """
+
+    order: torch.Tensor
+    inverse: torch.Tensor
+    tokens: torch.Tensor
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+
+    @classmethod
+    def of_routes(cls, geometry: MoHDSubDimGeometry, indices: torch.Tensor, weights: torch.Tensor) -> "MoHDSortedPlan":
+        """The plan of the router's (M, k) absolute block ids `indices` and their gates `weights`: one stable sort of
+        the M * k pairs by block, its inverse by a scatter of distinct positions, the group ends by `searchsorted`."""
+        g, top_k = geometry, indices.shape[1]
+        blocks = (indices - g.num_shared).reshape(-1)
+        order = torch.argsort(blocks, stable=True)
+        pairs = torch.arange(order.shape[0], device=order.device)
+        inverse = torch.empty_like(order).scatter_(0, order, pairs)
+        sorted_blocks = blocks.index_select(0, order)
+        groups = torch.arange(g.num_routed, device=order.device, dtype=sorted_blocks.dtype)
+        offsets = torch.searchsorted(sorted_blocks, groups, right=True).to(torch.int32)
+        gates = MoHDRepeatedRows.apply(weights.reshape(-1, 1), order, inverse, 1)
+        tokens = torch.div(order, top_k, rounding_mode="floor")
+        return cls(g, gates, order=order, inverse=inverse, tokens=tokens, blocks=sorted_blocks, offsets=offsets)
+
+    def pair_sums(self, products: torch.Tensor) -> torch.Tensor:
+        """(P, C) products in sorted order -> (M, C), the sum of each token's k rows (a permutation back to the
+        router's order, then a reshape: no scatter)."""
+        pairs = MoHDRepeatedRows.apply(products, self.inverse, self.order, 1)
+        return pairs.view(-1, self.geometry.top_k, products.shape[1]).sum(1)
+
+    def project_in(self, hidden_states: torch.Tensor, linears) -> list[torch.Tensor]:
+        """(M, D) -> one (M, out) tensor per linear: shared columns dense, routed columns one grouped product."""
+        g, m = self.geometry, hidden_states.shape[0]
+        shared = hidden_states[:, : g.shared_width]
+        rows = self.tokens * g.num_sub_dims + g.num_shared + self.blocks
+        blocks = hidden_states.reshape(m * g.num_sub_dims, g.block)
+        routed = MoHDDistinctRows.apply(blocks, rows) * self.gates  # (P, s) gated input blocks, sorted
+        fused = fused_block_major_weight(linears)
+        if fused is not None and fused.dtype == routed.dtype and autocast_dtype(routed) in (None, routed.dtype):
+            # all the linears at once: block j of the routed columns is rows D_s + j s .. of the (D, sum out) storage
+            routed_weight = fused[g.shared_width :].view(g.num_routed, g.block, fused.shape[1])
+            out = self.pair_sums(grouped_matmul(routed, routed_weight, self.offsets))
+            return split_outputs(torch.addmm(out, shared, fused[: g.shared_width]), linears)
+        outputs = []
+        for linear in linears:
+            weight = linear.weight
+            dtype = product_dtype(weight, hidden_states)
+            # (N_r, s, out) view of the routed columns: block j is weight[:, D_s + j s : D_s + (j + 1) s].T
+            routed_weight = weight[:, g.shared_width :].view(weight.shape[0], g.num_routed, g.block).permute(1, 2, 0)
+            products = grouped_matmul(routed.to(dtype), routed_weight.to(dtype), self.offsets)
+            out = F.linear(shared, weight[:, : g.shared_width], linear.bias)
+            outputs.append(out + self.pair_sums(products).to(out.dtype))
+        return outputs
+
+    def project_out(self, hidden_states: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        """(M, in) -> (M, N, s): shared rows dense, each pair's routed block one row of a grouped product written to
+        its own (token, block) slice; other blocks 0."""
+        g, m = self.geometry, hidden_states.shape[0]
+        weight, bias = linear.weight, linear.bias
+        shared = F.linear(hidden_states, weight[: g.shared_width], None if bias is None else bias[: g.shared_width])
+        dtype = product_dtype(weight, hidden_states)
+        rows = MoHDRepeatedRows.apply(hidden_states, self.tokens, self.inverse, g.top_k)  # (P, in), sorted
+        # (N_r, in, s) view of the routed rows: block j is weight[D_s + j s : D_s + (j + 1) s].T
+        routed_weight = weight[g.shared_width :].view(g.num_routed, g.block, weight.shape[1]).transpose(1, 2)
+        products = grouped_matmul(rows.to(dtype), routed_weight.to(dtype), self.offsets)  # (P, s)
+        positions = self.tokens * g.num_routed + self.blocks  # distinct: a token picks distinct blocks
+        routed = products.new_zeros(m * g.num_routed, g.block).index_copy(0, positions, products)
+        routed = routed.view(m, g.num_routed, g.block)
+        if bias is not None:  # on the picked blocks only: a mask, so that the bias gradient is a plain sum
+            picked = products.new_zeros(m * g.num_routed).index_fill_(0, positions, 1.0)
+            routed = routed + picked.view(m, g.num_routed, 1) * bias[g.shared_width :].view(g.num_routed, g.block)
+        return torch.cat([shared.view(m, g.num_shared, g.block), routed.to(shared.dtype)], dim=1)
+
+    def sparse_block_positions(self, blocks: torch.Tensor, fusion: nn.Module) -> torch.Tensor | None:
+        """The routed blocks' rows of `blocks.view(-1, s)` while autograd records an eager step (`project_out`'s
+        blocks are zero outside the shared blocks and the pairs)."""
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        g = self.geometry
+        return self.tokens * g.num_sub_dims + g.num_shared + self.blocks
 
 
 @dataclasses.dataclass(slots=True)

@@ -150,6 +150,53 @@ def grouped_parts(offsets: torch.Tensor) -> list[MoHDGroupPart]:
     return parts
 
 
+class MoHDDistinctRows(torch.autograd.Function):
+    """`source.index_select(0, index)` for an `index` of distinct rows, whose backward writes each row's gradient to
+    its own row (`index_copy_` into zeros) instead of accumulating (`index_select`'s own backward is `index_add_`,
+    an atomic kernel on accelerators). Shapes: source (R, C), index (P,) distinct -> (P, C).
+
+    The sorted plan (`mohd_plans.MoHDSortedPlan`) reads the (token, routed block) pairs' input blocks this way: a
+    token picks distinct blocks, so no two pairs share a row of the (M * N, s) blocks.
+    """
+
+    @staticmethod
+    def forward(ctx, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = source.shape[0]
+        return source.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.rows, grad.shape[1]).index_copy_(0, index, grad), None
+
+
+class MoHDRepeatedRows(torch.autograd.Function):
+    """`source.index_select(0, index)` where every row of `source` is read exactly `repeats` times, the reads of row r
+    at the positions `inverse[r * repeats : (r + 1) * repeats]` (so `index[inverse[p]] == p // repeats`); backward
+    gathers each row's `repeats` gradients by `inverse` and sums them by a reshape: no atomic accumulation, the same
+    order on every run. Shapes: source (R, C), index and inverse (R * repeats,) -> (R * repeats, C).
+
+    With `repeats` 1 it is a permutation, whose backward is the inverse permutation: the sorted plan reorders the
+    gates and the products between the router's (token, slot) order and its sorted order this way; with `repeats` k
+    it reads each token's row once per routing slot, in sorted order (the output side's inputs).
+    """
+
+    @staticmethod
+    def forward(ctx, source: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, repeats: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.repeats = repeats
+        return source.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        grad = grad.index_select(0, inverse)
+        if ctx.repeats > 1:
+            grad = grad.view(-1, ctx.repeats, grad.shape[1]).sum(1)
+        return grad, None, None, None
+
+
 class MoHDRowIndexAdd(torch.autograd.Function):
     """`out.index_add_(0, index, source)` whose backward keeps only `index`: grad_out passes through, and
     grad_source = grad_out[index].

@@ -24,6 +24,9 @@ The model (`modeling_mohd.py`) routes each token to its blocks and calls one str
   (`MoHDIndexedPlan`). One token without autograd on an eager CPU run (decoding at batch 1) takes `MoHDTokenPlan`,
   routed and computed by the native kernels where nothing can tell them apart (`one_token_path`, the one list of
   the reasons a faster form is refused).
+- "sorted" (`MoHDSortedStrategy`): the gather strategy's plans for few tokens, and for many tokens `MoHDSortedPlan`:
+  the (token, block) pairs of all routing slots sorted by block once, one grouped product per side, no atomic
+  accumulation forward or backward (the accelerators' form).
 
 The sublayer asks its strategy once per step (`MoHDStrategy.route`); a strategy's `plan(indices, weights)` returns a
 plan (`mohd_plans`), and each plan type computes its own projections: adding a strategy means registering a
@@ -49,6 +52,7 @@ from .mohd_plans import (
     MoHDIndexedPlan,
     MoHDMaskedPlan,
     MoHDPlan,
+    MoHDSortedPlan,
     MoHDSpansPlan,
     MoHDTokenPlan,
     autocast_dtype,
@@ -332,6 +336,12 @@ class MoHDGatherStrategy(MoHDStrategy):
             gates = weights[..., None].expand(*weights.shape, g.block).reshape(m, width)
             token_starts = torch.arange(0, m * width, width, device=indices.device)
             return MoHDIndexedPlan(g, gates, indices, columns, token_starts)
+        return self.many_token_plan(indices, weights)
+
+    def many_token_plan(self, indices: torch.Tensor, weights: torch.Tensor) -> MoHDPlan:
+        """(M, k) absolute block ids and their gates of more tokens than the few-token plans take -> the per-slot
+        grouped plan (`MoHDGroupedPlan`)."""
+        g = self.geometry
         slots = (indices - g.num_shared).t()
         order = torch.argsort(slots, dim=1, stable=True)
         slot_offset = torch.arange(g.top_k, device=indices.device)[:, None] * g.num_routed
@@ -343,6 +353,19 @@ class MoHDGatherStrategy(MoHDStrategy):
         return MoHDGroupedPlan(g, weights.t().gather(1, order)[..., None], order, slots.gather(1, order), offsets)
 
 
+class MoHDSortedStrategy(MoHDGatherStrategy):
+    """Accelerator strategy (`sparse_implementation="sorted"`): the gather strategy's plans for few tokens, and for
+    many tokens (prefill, training, batched decoding) `MoHDSortedPlan`: the (token, block) pairs of all routing slots
+    sorted by block once, one grouped product per side and projection (one for all the input projections where
+    they share a block-major storage), and no atomic accumulation forward or backward. The gather strategy's
+    grouped plan instead loops over the k routing slots and scatters each slot's products back with `index_add_`,
+    an atomic kernel on accelerators."""
+
+    def many_token_plan(self, indices: torch.Tensor, weights: torch.Tensor) -> MoHDSortedPlan:
+        """(M, k) absolute block ids and their gates -> the sorted plan of the M * k pairs."""
+        return MoHDSortedPlan.of_routes(self.geometry, indices, weights)
+
+
 class MoHDSparseInterface(GeneralInterface):
     """The MoHD execution strategies by name, as transformers' `ExpertsInterface` holds experts kernels: a subclass
     of `MoHDStrategy` built from the config (`strategy = cls(config)`) whose `plan(indices, weights)` returns a
@@ -350,7 +373,7 @@ class MoHDSparseInterface(GeneralInterface):
     `MoHDSparseInterface.register(name, cls)` adds one for every model built afterwards; `config.sparse_implementation`
     (saved with the model) or `MoHDPreTrainedModel.set_sparse_implementation` selects one by name."""
 
-    _global_mapping = {"masked": MoHDMaskedStrategy, "gather": MoHDGatherStrategy}
+    _global_mapping = {"masked": MoHDMaskedStrategy, "gather": MoHDGatherStrategy, "sorted": MoHDSortedStrategy}
 
 
 ALL_SPARSE_IMPLEMENTATIONS = MoHDSparseInterface()

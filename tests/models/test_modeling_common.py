@@ -655,9 +655,13 @@ def _tensor_parallel_rank(rank: int, family_name: str, folder: str, init_file: s
     configs = {"tp": DistributedConfig(tp_plan="auto")}
     if family_name == "latent_moe":  # the experts by expert (base_model_ep_plan), the rest by the TP plan
         configs["tp_ep"] = DistributedConfig(tp_plan="auto", ep_size=2)
+    else:  # the sorted strategy's many-token plan on the local shards
+        configs["tp_sorted"] = DistributedConfig(tp_plan="auto")
     results = {}
     for name, distributed_config in configs.items():
         model = family.model_class.from_pretrained(folder, distributed_config=distributed_config, dtype=torch.float32)
+        if name == "tp_sorted":
+            model.set_sparse_implementation("sorted")
         results[name] = _tensor_parallel_outputs(family.prepare(model), ids)
     torch.save(results, f"{folder}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
@@ -748,8 +752,8 @@ def test_tensor_parallel_on_two_processes_equals_one(family, tmp_path):
     """`from_pretrained(distributed_config=DistributedConfig(tp_plan="auto"))` on 2 gloo processes shards attention
     and MLPs as Llama, the tied embedding / LM head on the vocabulary, the routed experts as Qwen3-MoE, and leaves
     routers and latent projections replicated; every rank's logits, greedy tokens and (gathered) gradients equal
-    the single-process ones. MoHD runs its gather path on block-major local shards (`MoHDTensorParallelProjections`);
-    LatentMoE runs a second time with `ep_size=2` (whole experts per rank, `base_model_ep_plan`)."""
+    the single-process ones. MoHD runs its gather path on block-major local shards (`MoHDTensorParallelProjections`),
+    then the sorted strategy's (its many-token plan: the 14-token prompt and the training step); LatentMoE runs a second time with `ep_size=2` (whole experts per rank, `base_model_ep_plan`)."""
     fields = TENSOR_PARALLEL_FIELDS[family.name]
     model = family.model(dtype=torch.float32, tie_word_embeddings=True, vocab_size=96, **fields)  # 96: 2 shards
     ids = input_ids(batch=2, length=7, vocab_size=96)
