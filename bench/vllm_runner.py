@@ -9,11 +9,13 @@ only), writes a JSON spec, runs
 
 and reads the result. The spec is a list of runs, each {"name", "model", "engine": LLM keyword arguments,
 "prompts": [[token ids], ...], "sampling": SamplingParams keyword arguments, "modules": true to list the module
-types of layer 0 after load (or a string: of the modules whose qualified name holds it), "env": environment variables for the engine's processes, "throughput": optional, below}.
+types of layer 0 after load (or a string: of the modules whose qualified name holds it), "sparse_execution": true for
+MoHD's strategies and layer 0's parameter strides (`sparse_execution`), "env": environment variables for the
+engine's processes, "throughput": optional, below}.
 All prompts of a run are submitted in one `generate` call, so the engine batches them continuously. The result maps
 each run's name to {"outputs": [{"token_ids", "logprobs": the logprob of each generated token, "prompt_logprobs": the
 log-probability of each prompt token given the ones before it (None first; empty unless asked)}], "modules":
-{qualified name: class name}, "seconds": wall time of `generate`, "throughput": below}, or to {"error": the
+{qualified name: class name}, "sparse_execution": {qualified name: strategy class or strides}, "seconds": wall time of `generate`, "throughput": below}, or to {"error": the
 exception's text} when the engine refused to build or run (a refusal a test expects).
 
 "throughput": {"loads": {label: [[token ids], ...]}, "repeats": R, "warmup": W} times `generate` on each load's
@@ -46,6 +48,18 @@ def module_types(model, part: str = ".layers.0.") -> dict[str, str]:
     return {name: type(module).__name__ for name, module in model.named_modules() if part in f"{name}."}
 
 
+def sparse_execution(model) -> dict[str, object]:
+    """{qualified name: value} of what decides how a loaded vLLM model's MoHD sublayers compute (run in the worker):
+    the class of each sublayer's strategy (`<sublayer>.strategy`) and the strides of each parameter of layer 0."""
+    found = {
+        f"{name}.strategy": type(module.strategy).__name__
+        for name, module in model.named_modules()
+        if hasattr(module, "strategy")
+    }
+    found.update({name: list(param.stride()) for name, param in model.named_parameters() if ".layers.0." in name})
+    return found
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -69,6 +83,10 @@ def run(spec: dict) -> dict:
             part = spec["modules"] if isinstance(spec["modules"], str) else ".layers.0."
             # one answer per worker: rank 0's
             result["modules"] = llm.apply_model(functools.partial(by_reference, part=part))[0]
+        if spec.get("sparse_execution"):
+            from vllm_runner import sparse_execution
+
+            result["sparse_execution"] = llm.apply_model(sparse_execution)[0]
         sampling = SamplingParams(**{"temperature": 0.0, "logprobs": 1, "detokenize": False, **spec["sampling"]})
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
         start = time.perf_counter()

@@ -173,6 +173,7 @@ def served(tmp_path_factory):
                 "prompts": prompts(),
                 "sampling": SAMPLING,
                 "modules": True,
+                "sparse_execution": name.startswith("mohd"),
             }
         )
         if name in TENSOR_PARALLEL:  # two CPU workers, one core each (vLLM's CPU build binds them only when told)
@@ -254,14 +255,26 @@ def test_vllm_bfloat16_log_probabilities_as_close_as_transformers_bfloat16(serve
 
 
 def test_each_family_runs_its_vllm_path(served):
-    """MoHD's sparse sublayers keep `nn.Linear` projections (the gather strategy reads their blocks); LatentMoE's
-    routed experts are vLLM's fused MoE, the latent projections vLLM linears outside it; attention is vLLM's."""
+    """MoHD's sparse sublayers keep `nn.Linear` projections, the input ones block-major in one storage per sublayer
+    (q/k/v: strides (1, 128 + 64 + 64), gate/up: (1, 2 * 256)), the output ones row-major, and the configured gather
+    strategy is served as the sorted one; LatentMoE's routed experts are vLLM's fused MoE, the latent projections
+    vLLM linears outside it; attention is vLLM's."""
     for name in MODELS:
         modules = served[name][1]["modules"]
         assert modules["model.layers.0.self_attn.attn"] == "Attention", name
         if name.startswith("mohd"):
             for projection in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
                 assert modules[f"model.layers.0.{projection}"] == "Linear", (name, projection)
+            execution = served[name][1]["sparse_execution"]
+            strategies = {value for key, value in execution.items() if key.endswith(".strategy")}
+            assert strategies == {"MoHDSortedStrategy"}, (name, strategies)
+            layer = "model.layers.0."
+            for projection in ("q_proj", "k_proj", "v_proj"):
+                assert execution[f"{layer}self_attn.{projection}.weight"] == [1, 256], (name, projection)
+            for projection in ("gate_proj", "up_proj"):
+                assert execution[f"{layer}mlp.{projection}.weight"] == [1, 512], (name, projection)
+            assert execution[f"{layer}self_attn.o_proj.weight"] == [128, 1]
+            assert execution[f"{layer}mlp.down_proj.weight"] == [256, 1]
         else:
             assert modules["model.layers.0.mlp.experts"] == "TransformersMoERunner", name
             assert modules["model.layers.0.mlp.gate"] == "LatentMoERouter", name

@@ -16,7 +16,11 @@ choices do not fit these families, and the classes here change exactly those:
 - MoHD (`MoHDForCausalLM`): the backend replaces every `nn.Linear` with vLLM's linear classes, which MoHD's gather
   strategy cannot read by blocks, so each sublayer falls back to its masked strategy (every block computed, then
   masked: exact, dense cost). Without tensor parallelism or quantisation the projections of MoHD's sparse sublayers
-  stay `nn.Linear` here, so that the configured strategy reads only the active blocks.
+  stay `nn.Linear` here, so that the configured strategy reads only the active blocks; after loading, their input
+  projections are stored block-major in one storage per sublayer (q/k/v, gate/up), as `generate` stores them, and a
+  model configured with the gather strategy is served with the sorted one: the same plans for few tokens (one
+  decoded request), and for the many tokens of a continuous batch one sort of the (token, block) pairs and one
+  grouped product per side instead of one per routing slot and projection.
 """
 
 from functools import partial
@@ -151,7 +155,8 @@ class LatentMoEForCausalLM(TransformersMoEForCausalLM):
 class MoHDForCausalLM(TransformersForCausalLM):
     """MoHD in vLLM: the Transformers backend with the projections of MoHD's sparse sublayers left as `nn.Linear`
     (without tensor parallelism or quantisation), so that `config.sparse_implementation` reads only the active
-    sub-dimension blocks; with either, the backend's parallel or quantised linears and the masked strategy."""
+    sub-dimension blocks (block-major, fused per sublayer; "gather" served as "sorted", see the module docstring);
+    with either, the backend's parallel or quantised linears and the masked strategy."""
 
     def recursive_replace(self):
         keep = self.tp_group.world_size == 1 and self.quant_config is None
@@ -165,6 +170,20 @@ class MoHDForCausalLM(TransformersForCausalLM):
         for module, linears in kept:
             for name, linear in linears.items():
                 setattr(module, name, linear)
+        self.kept_sparse_linears = bool(kept)
         if kept:
             strategy = getattr(self.text_config, "sparse_implementation", "gather")
             logger.info_once("MoHD: sparse sublayers keep nn.Linear projections (strategy %r)", strategy)
+
+    def load_weights(self, weights):
+        """The backend's weight loading, then the kept input projections stored block-major, each sublayer's in one
+        shared storage (`MoHDPreTrainedModel.to_weight_layout`), the layout in which the plans read only the active
+        blocks, contiguously, as `generate` stores them before decoding."""
+        loaded = super().load_weights(weights)
+        if self.kept_sparse_linears:
+            self.model.to_weight_layout("block_major")
+            logger.info_once("MoHD: input projections stored block-major (fused q/k/v and gate/up)")
+            if self.text_config.sparse_implementation == "gather":
+                self.model.set_sparse_implementation("sorted")
+                logger.info_once("MoHD: the gather strategy's many-token batches take the sorted plan ('sorted')")
+        return loaded
