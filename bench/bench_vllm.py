@@ -38,6 +38,7 @@ weights) and forward FLOPs per token at the prompt's context.
 
     python -m bench.bench_vllm --reps 3      # results/<cpu>/vllm_throughput.json
     python -m bench.bench_vllm --quick       # 32 + 32 tokens, one repetition, the bench shape at 2 layers
+    python -m bench.bench_vllm --models mohd,mohd_50   # a subset, each sparse model with its dense one
 """
 
 import functools
@@ -78,22 +79,48 @@ SAME_BACKEND = {"dense": "dense_transformers_backend", "llama": "llama_transform
 GOALS = {"vllm_over_transformers_at_16": 1.0, "sparse_over_dense_in_vllm": 1.0}
 
 
-def build_models(folder: Path, shape: dict, calibration_tokens: int) -> dict[str, Path]:
-    """Builds every model of the module docstring, saves it under `folder` and returns name -> its folder."""
-    source = load_dense_llama(smollm2_gguf(), dtype=torch.float32)
-    calibration = calibration_ids(source.tokenizer, calibration_tokens)
-    built = {"dense": source.build_llama()}
-    for label, k in ACTIVE.items():
-        built[f"carved_{label.rstrip('%')}"] = carve_llama(
-            source, calibration, num_experts=64, num_experts_per_tok=k, shared_fraction=1 / 3
-        )[0]
-    for preset in ("compression_75", "compression_50"):
-        built[f"mohd_{preset.split('_')[1]}"] = llama_to_mohd(
-            source, preset, rotation="pca", routers="fitted", calibration_ids=calibration
-        )
-    base = llama_config(shape)
-    built["llama"] = LlamaForCausalLM(base)
-    built["mohd"] = MoHDForCausalLM(MoHDConfig.from_llama_config(base, PRESET, attn_implementation="sdpa"))
+MODELS = ("dense", "carved_75", "carved_50", "mohd_75", "mohd_50", "llama", "mohd")
+
+
+def selected_models(requested: str | None) -> tuple[str, ...]:
+    """The models to run for `--models` (comma-separated names of `MODELS`, each sparse model with its dense one),
+    all of them for None.
+
+    Raises:
+        SystemExit: a name that is not one of `MODELS`.
+    """
+    if requested is None:
+        return MODELS
+    names = {name.strip() for name in requested.split(",") if name.strip()}
+    unknown = names - set(MODELS)
+    if unknown:
+        raise SystemExit(f"--models: unknown {sorted(unknown)}; expected names from {list(MODELS)}")
+    names |= {DENSE_OF[name] for name in names if name in DENSE_OF}
+    return tuple(name for name in MODELS if name in names)
+
+
+def build_models(folder: Path, shape: dict, calibration_tokens: int, names=MODELS) -> dict[str, Path]:
+    """Builds the models `names` of the module docstring, saves each under `folder` and returns name -> its folder."""
+    built = {}
+    if set(names) - {"llama", "mohd"}:  # SmolLM2 and its conversions
+        source = load_dense_llama(smollm2_gguf(), dtype=torch.float32)
+        calibration = calibration_ids(source.tokenizer, calibration_tokens)
+        built["dense"] = source.build_llama()
+        for label, k in ACTIVE.items():
+            if f"carved_{label.rstrip('%')}" in names:
+                built[f"carved_{label.rstrip('%')}"] = carve_llama(
+                    source, calibration, num_experts=64, num_experts_per_tok=k, shared_fraction=1 / 3
+                )[0]
+        for preset in ("compression_75", "compression_50"):
+            if f"mohd_{preset.split('_')[1]}" in names:
+                built[f"mohd_{preset.split('_')[1]}"] = llama_to_mohd(
+                    source, preset, rotation="pca", routers="fitted", calibration_ids=calibration
+                )
+    if "llama" in names:
+        base = llama_config(shape)
+        built["llama"] = LlamaForCausalLM(base)
+        if "mohd" in names:
+            built["mohd"] = MoHDForCausalLM(MoHDConfig.from_llama_config(base, PRESET, attn_implementation="sdpa"))
     folders = {}
     for name, model in built.items():
         folders[name] = folder / name
@@ -128,7 +155,11 @@ def vllm_runs(folders: dict, prompts: dict, args) -> list[dict]:
     }
     cores = f"0-{args.threads - 1}" if args.threads > 1 else "0"
     served = [(name, folder, {}) for name, folder in folders.items()]
-    served += [(variant, folders[name], {"model_impl": "transformers"}) for name, variant in SAME_BACKEND.items()]
+    served += [
+        (variant, folders[name], {"model_impl": "transformers"})
+        for name, variant in SAME_BACKEND.items()
+        if name in folders
+    ]
     return [
         {
             "name": name,
@@ -157,6 +188,7 @@ def ceilings(configs: dict, context: int) -> dict:
             "flops": cost[dense].flops_per_token / cost[name].flops_per_token,
         }
         for name, dense in DENSE_OF.items()
+        if name in cost
     }
 
 
@@ -169,15 +201,16 @@ def summarize(throughput: dict, bounds: dict) -> tuple[list[str], dict]:
             load: throughput["vllm"][name][load] / throughput["transformers"][backend_of.get(name, name)][load]
             for load in throughput["vllm"][name]
         }
+    pairs = {name: dense for name, dense in DENSE_OF.items() if name in throughput["vllm"]}
     for engine, models in throughput.items():
         ratios["sparse_over_dense"][engine] = {
             name: {load: models[name][load] / models[dense][load] for load in models[name]}
-            for name, dense in DENSE_OF.items()
+            for name, dense in pairs.items()
         }
     vllm = throughput["vllm"]
     ratios["sparse_over_dense"]["vllm_same_backend"] = {
         name: {load: vllm[name][load] / vllm[SAME_BACKEND[dense]][load] for load in vllm[name]}
-        for name, dense in DENSE_OF.items()
+        for name, dense in pairs.items()
     }
     for name in throughput["vllm"]:
         cells = []
@@ -203,14 +236,18 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--calibration-tokens", type=int, default=4096)
     parser.add_argument("--workdir", type=Path, default=None, help="where the model folders go (default: temporary)")
+    parser.add_argument(
+        "--models", default=None, help=f"comma-separated subset of {','.join(MODELS)} (each with its dense model)"
+    )
     args = parser.parse_args()
+    names = selected_models(args.models)
     if args.quick:
         args.prompt_tokens, args.new_tokens, args.reps = 32, 32, 1
     shape = common.setup(args)
     machine = common.machine_description()
     print(f"machine: {machine}", flush=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as folder:
-        folders = build_models(Path(folder), shape, args.calibration_tokens)
+        folders = build_models(Path(folder), shape, args.calibration_tokens, names)
         print(f"{time.strftime('%H:%M:%S')} built {', '.join(folders)}; timing transformers", flush=True)
         configs = {name: AutoConfig.from_pretrained(path) for name, path in folders.items()}
         generator = torch.Generator().manual_seed(1)
@@ -264,6 +301,7 @@ def main():
             "reps": args.reps,
             "threads": args.threads,
             "bench_shape": shape,
+            "models": list(names),
         },
         "goals": GOALS,
         "throughput_tok_s": throughput,
