@@ -14,14 +14,19 @@
 """CUDA correctness checks and GPU-sized benchmark ratios for both families, in one short run (run by gpu_check.sh).
 
 Checks (each raises, never skips, when it fails):
-1. MoHD gather == masked on CUDA: logits and every gradient, float64 (no top-k ties), prefill and one-token decode.
-2. LatentMoE grouped_mm, dense_masked and gather == eager experts on CUDA (fp32, tolerance 1e-4).
-3. A few AdamW steps of both families under bf16 autocast: finite decreasing loss, router logits recorded in fp32.
-4. `generate` on CUDA: greedy with the default cache == greedy without cache (float64), and a static cache.
+1. MoHD "gather" and "sorted" (chosen by name) == masked on CUDA: logits and every gradient, float64 (no top-k
+   ties), prefill and one-token decode.
+2. The sorted strategy's training step compiles as one graph and equals eager (fp32).
+3. LatentMoE grouped_mm, dense_masked and gather == eager experts on CUDA (fp32, tolerance 1e-4).
+4. A few AdamW steps of both families under bf16 autocast: finite decreasing loss, router logits recorded in fp32.
+5. `generate` on CUDA: greedy with the default cache == greedy without cache (float64), and a static cache.
 Benchmarks (CUDA events, medians of `--reps`): MoHD `compression_50` vs LlamaForCausalLM of the same width at
-hidden 2048 (prefill B8 x T1024 in bf16, a bf16-autocast training step, batch-1 greedy `generate` in bf16), each
-with the default "gather" strategy and the "masked" reference, with `--profile` the top device operators, and
-LatentMoE vs the standard MoE at equal activated MACs (prefill). Results go to `--output` (JSON) and stdout.
+hidden 2048 (prefill B8 x T1024 in bf16, a bf16-autocast training step, batch-1 and batch-8 greedy `generate` of 32
+tokens in bf16, batch-1 with a static cache, whose decoding step `generate` compiles), each MoHD mode with every
+strategy of `STRATEGIES` (the device's default plans, "gather", "sorted", "masked") and the fastest named, which is
+what `DEVICE_DEFAULT_PLANS` records for the device; with `--profile` the top device operators and the kernel
+launches per decoded token; and LatentMoE vs the standard MoE at equal activated MACs (prefill). Results go to
+`--output` (JSON) and stdout.
 
     python -m bench.gpu_check --output gpu_check.json          # CUDA required
     python -m bench.gpu_check --device cpu --quick             # smoke run of the same code on a CPU
@@ -39,6 +44,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_mohd
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
+from hf_mohd.models import mohd_strategies
 from hf_mohd.versions import library_versions
 
 
@@ -70,24 +76,52 @@ def tiny_mohd(device, dtype, **overrides) -> tuple[MoHDForCausalLM, MoHDForCausa
     return gather.to(device, dtype), masked.to(device, dtype)
 
 
-def check_gather_equals_masked(device) -> dict:
-    gather, masked = tiny_mohd(device, torch.float64)
+def check_strategies_equal_masked(device) -> dict:
+    """Each fast strategy chosen by name ("gather": index tensors for few tokens, per-slot grouped products for many;
+    "sorted": one sort of the pairs, no atomics) against masked on `device`, float64: logits and every gradient of a
+    22-token prefill and of one token; the max |logit difference| per strategy and input."""
+    fast, masked = tiny_mohd(device, torch.float64)
     ids = torch.randint(3, 97, (2, 11), device=device)
     results = {}
-    for label, inputs in (("prefill", ids), ("one_token", ids[:1, :1])):
-        grads = []
-        for model in (gather, masked):
-            model.zero_grad(set_to_none=True)
-            out = model(input_ids=inputs, use_cache=False, output_router_logits=True)
-            (out.logits.square().mean() + out.aux_loss).backward()
-            grads.append((out.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-        (logits_g, grads_g), (logits_m, grads_m) = grads
-        torch.testing.assert_close(logits_g, logits_m, rtol=1e-10, atol=1e-10)
-        assert grads_g.keys() == grads_m.keys(), "gather and masked differ in which parameters get gradients"
-        for name in grads_g:
-            torch.testing.assert_close(grads_g[name], grads_m[name], rtol=1e-9, atol=1e-10, msg=name)
-        results[label] = float((logits_g - logits_m).abs().max().detach())
+    for strategy in ("gather", "sorted"):
+        fast.set_sparse_implementation(strategy)  # by name: its own plans, not the device's defaults
+        for label, inputs in (("prefill", ids), ("one_token", ids[:1, :1])):
+            grads = []
+            for model in (fast, masked):
+                model.zero_grad(set_to_none=True)
+                out = model(input_ids=inputs, use_cache=False, output_router_logits=True)
+                (out.logits.square().mean() + out.aux_loss).backward()
+                grads.append((out.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+            (logits_g, grads_g), (logits_m, grads_m) = grads
+            torch.testing.assert_close(logits_g, logits_m, rtol=1e-10, atol=1e-10)
+            assert grads_g.keys() == grads_m.keys(), f"{strategy} and masked differ in which parameters get gradients"
+            for name in grads_g:
+                torch.testing.assert_close(grads_g[name], grads_m[name], rtol=1e-9, atol=1e-10, msg=name)
+            results[f"{strategy} {label}"] = float((logits_g - logits_m).abs().max().detach())
     return results
+
+
+def check_sorted_compiles_as_one_graph(device) -> dict:
+    """The sorted strategy's training step (fp32, 64 tokens: its many-token plan) traced by dynamo as one graph, and
+    `torch.compile`'s loss and gradients equal eager's on `device`."""
+    compiled_model, eager = (tiny_mohd(device, torch.float32)[0].train() for _ in range(2))
+    for model in (compiled_model, eager):
+        model.set_sparse_implementation("sorted")
+    ids = torch.randint(3, 97, (4, 16), device=device)
+    explained = torch._dynamo.explain(compiled_model)(input_ids=ids, labels=ids, use_cache=False)
+    assert explained.graph_count == 1, [str(reason.reason) for reason in explained.break_reasons]
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, fullgraph=True)
+    losses = []
+    for run in (compiled, eager):
+        loss = run(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(float(loss))
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    for (name, got), want in zip(compiled_model.named_parameters(), eager.parameters(), strict=True):
+        if want.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)
+    return {"graphs": explained.graph_count, "loss": losses}
 
 
 def tiny_latent_moe(device, **overrides) -> LatentMoEForCausalLM:
@@ -186,9 +220,10 @@ def timed(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
-def kernel_profile(fn, device, top: int = 12) -> list[dict]:
+def kernel_profile(fn, device, top: int = 12) -> dict:
     """The `top` operators of one call of `fn` by self device time (torch profiler; CPU time on a CPU), with their
-    call counts: where the time of a ratio goes."""
+    call counts (where the time of a ratio goes), and the number of operator calls that ran on the device (kernel
+    launches, on a GPU)."""
     fn()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -198,11 +233,29 @@ def kernel_profile(fn, device, top: int = 12) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.synchronize()
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
+    averages = prof.key_averages()
+    events = sorted(averages, key=lambda e: getattr(e, key), reverse=True)[:top]
     rows = [{"op": e.key, "calls": e.count, "self_ms": getattr(e, key) / 1e3} for e in events]
     for row in rows:
         print(f"    {row['self_ms']:9.3f} ms  {row['calls']:6d}x  {row['op'][:90]}")
-    return rows
+    device_calls = sum(e.count for e in averages if e.self_device_time_total > 0)
+    print(f"    {device_calls} operator calls on the device")
+    return {"top": rows, "device_calls": device_calls}
+
+
+# The MoHD strategies each mode is timed with: "default", the plans of a model built from its config on this device
+# (`DEVICE_DEFAULT_PLANS`), and the registered strategies chosen by name
+STRATEGIES = ("default", "gather", "sorted", "masked")
+
+
+def use_strategy(model, strategy: str) -> None:
+    """Sets `model`'s MoHD strategy: "default" rebuilds the config's (device defaults on), any other name is chosen
+    as a user chooses it (`set_sparse_implementation`: its own plans on every device)."""
+    model.set_sparse_implementation(model.config.sparse_implementation if strategy == "default" else strategy)
+    if strategy == "default":
+        for module in model.modules():
+            if hasattr(getattr(module, "strategy", None), "device_defaults"):
+                module.strategy.device_defaults = True
 
 
 def benchmark(device, quick: bool, reps: int, profile: bool = False) -> dict:
@@ -224,8 +277,11 @@ def benchmark(device, quick: bool, reps: int, profile: bool = False) -> dict:
     mohd = MoHDForCausalLM(MoHDConfig.from_llama_config(base, "compression_50", attn_implementation="sdpa"))
     mohd = mohd.to(device, dtype)
     ids = torch.randint(3, 32000, (batch, seq), device=device)
-    prompt = ids[:1, :32]
-    out = {"shape": {"hidden": hidden, "layers": base.num_hidden_layers, "batch": batch, "seq": seq}}
+    new_tokens = 32
+    out = {
+        "shape": {"hidden": hidden, "layers": base.num_hidden_layers, "batch": batch, "seq": seq},
+        "device_default_plans": mohd_strategies.DEVICE_DEFAULT_PLANS.get(device.type),
+    }
 
     def prefill(model):
         def run():
@@ -245,40 +301,70 @@ def benchmark(device, quick: bool, reps: int, profile: bool = False) -> dict:
 
         return run
 
-    def decode(model):
-        model.eval()
+    def decoder(batch_size: int, static: bool = False):
+        def decode(model):
+            model.eval()
+            prompt = ids[:batch_size, :32]
+            # a static cache: `generate` compiles the decoding step (fullgraph) where the device supports it
+            cache = {"cache_implementation": "static"} if static else {}
 
-        def run():
-            with torch.inference_mode():
-                model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+            def run():
+                with torch.inference_mode():
+                    model.generate(
+                        prompt,
+                        max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens,
+                        do_sample=False,
+                        pad_token_id=0,
+                        **cache,
+                    )
 
-        return run
+            return run
 
-    for mode, make in (("prefill", prefill), ("train", train_step), ("decode_generate_32", decode)):
-        llama_s, mohd_s = timed(make(llama), device, reps), timed(make(mohd), device, reps)
-        mohd.set_sparse_implementation("masked")
-        masked_s = timed(make(mohd), device, reps)
-        mohd.set_sparse_implementation("gather")
+        return decode
+
+    modes = {
+        "prefill": (prefill, STRATEGIES),
+        "train": (train_step, STRATEGIES),
+        "decode_generate_32": (decoder(1), STRATEGIES),
+        "decode_batch8_generate_32": (decoder(8), STRATEGIES),
+        "decode_static_compiled_32": (decoder(1, static=True), ("default", "sorted")),
+    }
+    for mode, (make, strategies) in modes.items():
+        llama_s = timed(make(llama), device, reps)
+        times = {}
+        for strategy in strategies:
+            use_strategy(mohd, strategy)
+            times[strategy] = timed(make(mohd), device, reps)
+        use_strategy(mohd, "default")
+        best = min(times, key=times.get)
         out[mode] = {
             "llama_s": llama_s,
-            "mohd_s": mohd_s,
-            "mohd_masked_s": masked_s,
-            "mohd_speedup_vs_llama": llama_s / mohd_s,
-            "mohd_masked_speedup_vs_llama": llama_s / masked_s,
+            "mohd_s": times,
+            "mohd_speedup_vs_llama": {strategy: llama_s / seconds for strategy, seconds in times.items()},
+            "fastest_strategy": best,
         }
-        print(
-            f"{mode:20s} llama {llama_s * 1e3:8.2f} ms  mohd {mohd_s * 1e3:8.2f} ms  speedup {llama_s / mohd_s:.3f}x"
-            f"  (masked {masked_s * 1e3:8.2f} ms, {llama_s / masked_s:.3f}x)"
+        cells = "  ".join(
+            f"{strategy} {seconds * 1e3:8.2f} ms ({llama_s / seconds:.3f}x)" for strategy, seconds in times.items()
         )
+        print(f"{mode:26s} llama {llama_s * 1e3:8.2f} ms  mohd: {cells}  fastest: {best}")
     if profile:
-        out["profile"] = {
-            name: kernel_profile(make(model), device)
-            for name, model, make in (
-                ("llama_prefill", llama, prefill),
-                ("mohd_prefill", mohd, prefill),
-                ("mohd_decode", mohd, decode),
-            )
-        }
+        out["profile"] = {}
+        for name, model, strategy, make in (
+            ("llama_prefill", llama, None, prefill),
+            ("mohd_default_prefill", mohd, "default", prefill),
+            ("mohd_sorted_prefill", mohd, "sorted", prefill),
+            ("mohd_sorted_train", mohd, "sorted", train_step),
+            ("llama_decode", llama, None, decoder(1)),
+            ("mohd_default_decode", mohd, "default", decoder(1)),
+        ):
+            if strategy is not None:
+                use_strategy(mohd, strategy)
+            print(f"  profile {name}:")
+            out["profile"][name] = kernel_profile(make(model), device)
+            if "decode" in name:
+                out["profile"][name]["device_calls_per_token"] = out["profile"][name]["device_calls"] / new_tokens
+        use_strategy(mohd, "default")
     del llama, mohd
     standard = LatentMoEConfig(
         vocab_size=32000,
@@ -329,7 +415,8 @@ def main():
         torch.backends.cudnn.allow_tf32 = False
     results = {"versions": versions}
     for name, check in (
-        ("gather_equals_masked", check_gather_equals_masked),
+        ("strategies_equal_masked", check_strategies_equal_masked),
+        ("sorted_compiles_as_one_graph", check_sorted_compiles_as_one_graph),
         ("latent_moe_kernels_equal_eager", check_latent_moe_kernels),
         ("bf16_autocast_training", check_bf16_autocast_training),
         ("generate", check_generate),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CUDA check of hf-mohd in one short run (at most 5 minutes on one GPU), for a machine with a preinstalled CUDA build
+# CUDA check of hf-mohd in one short run (at most 8 minutes on one GPU), for a machine with a preinstalled CUDA build
 # of torch and no network.
 #
 #   bash bench/gpu_check.sh --fetch   # on a networked machine, before: the pinned wheels into bench/gpu_wheels/
@@ -8,8 +8,10 @@
 # It installs the pinned libraries (transformers 5.25 and the Hub client it needs, which a CUDA image may lack or
 # hold at an older version) from those wheels into a private folder put first on PYTHONPATH, with hf-mohd from this
 # checkout, records the versions, then runs bench/gpu_check.py (`python3 -m bench.gpu_check`): CUDA correctness
-# (gather == masked, bf16-autocast training with fp32 router logits, generate) and the benchmark ratios at a GPU-sized
-# shape; then, where vLLM is installed, bench/gpu_vllm_check.py (vLLM's native Nemotron-H, hf-mohd's vLLM plugin on
+# (gather and sorted == masked, the sorted training step compiled as one graph, bf16-autocast training with fp32
+# router logits, generate) and the benchmark ratios at a GPU-sized shape for every MoHD strategy, the fastest per mode
+# named (what DEVICE_DEFAULT_PLANS in hf_mohd/models/mohd_strategies.py records; `--profile` adds the top kernels and
+# the launches per decoded token); then, where vLLM is installed, bench/gpu_vllm_check.py (vLLM's native Nemotron-H, hf-mohd's vLLM plugin on
 # CUDA), and says so where it is not. Any failure, including CUDA missing, exits non-zero.
 set -euo pipefail
 cd "$(dirname "$0")/.."

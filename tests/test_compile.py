@@ -53,7 +53,9 @@ def test_static_cache_decode_step_compiles_fullgraph(family):
     prompt = input_ids(batch=1, length=5, seed=1)
     eager = static_cache_greedy(model, model, prompt, 8)
     torch._dynamo.reset()
-    compiled = static_cache_greedy(model, torch.compile(model, fullgraph=True, dynamic=False), prompt, 8)
+    # one compilation serves every step: a recompilation (a guard on the step's position or cache length) fails
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = static_cache_greedy(model, torch.compile(model, fullgraph=True, dynamic=False), prompt, 8)
     assert compiled == eager
     assert len(set(eager)) > 2  # a real sequence, not one repeated token
 
@@ -76,7 +78,8 @@ def test_block_major_mohd_decode_step_compiles_fullgraph_on_its_fused_weights():
     prompt = input_ids(batch=1, length=5, seed=1)
     eager = static_cache_greedy(model, model, prompt, 8)
     torch._dynamo.reset()
-    compiled = static_cache_greedy(model, torch.compile(model, fullgraph=True, dynamic=False), prompt, 8)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = static_cache_greedy(model, torch.compile(model, fullgraph=True, dynamic=False), prompt, 8)
     assert compiled == eager
     assert len(set(eager)) > 2
 
@@ -96,3 +99,34 @@ def test_mohd_prefill_without_autograd_compiles_fullgraph(implementation):
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True, dynamic=False)(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_sorted_batched_decode_step_compiles_once():
+    """Batched decoding on the sorted strategy: 4 sequences a step, more than the index-tensor plan's few tokens, so
+    the compiled static-cache step runs the sorted plan (its sort, `searchsorted` group ends and grouped products on
+    the fused block-major weights) with fullgraph=True, one compilation for every step, and decodes eager's greedy
+    tokens (eager takes the host-ids plan for 4 tokens: two forms of the same function)."""
+    model = build(FAMILIES["mohd"])
+    model.set_sparse_implementation("sorted")
+    model.to_weight_layout("block_major")
+    prompt = input_ids(batch=4, length=5, seed=3)
+    steps = 7
+
+    def greedy(forward) -> torch.Tensor:
+        cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + steps + 1)
+        with torch.no_grad():
+            logits = model(input_ids=prompt, cache=cache, use_cache=True).logits
+            tokens = [logits[:, -1].argmax(-1)]
+            for step in range(steps):
+                position = torch.full((prompt.shape[0], 1), prompt.shape[1] + step)
+                logits = forward(input_ids=tokens[-1][:, None], cache=cache, use_cache=True, position_ids=position)
+                tokens.append(logits.logits[:, -1].argmax(-1))
+        return torch.stack(tokens, 1)
+
+    eager = greedy(model)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = greedy(torch.compile(model, fullgraph=True, dynamic=False))
+    assert torch.equal(compiled, eager)
+    assert len(set(eager.flatten().tolist())) > 4

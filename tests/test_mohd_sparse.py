@@ -1310,3 +1310,31 @@ def test_sorted_plan_accumulates_nothing_atomically(bias):
     assert any(op.startswith("index_add") for op in inputs["ops"]["grouped"])
     for got, want in zip(inputs["grads"]["sorted"], inputs["grads"]["grouped"], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_device_default_plans_apply_to_a_model_built_from_its_config(monkeypatch):
+    """A device type listed in `DEVICE_DEFAULT_PLANS` (the CPU, patched in for this test; CUDA in the library) makes
+    the gather strategy of a model built from its config take the table's plan of each mode there, with the masked
+    path's logits; a strategy chosen by name (`set_sparse_implementation("gather")`) runs its own plans again, and
+    the sorted strategy ignores the table."""
+    monkeypatch.setitem(mohd_strategies.DEVICE_DEFAULT_PLANS, "cpu", {"few_tokens": "masked", "many_tokens": "sorted"})
+    fast, masked = pair()
+    fast.eval(), masked.eval()
+    plans = []
+    build = MoHDGatherStrategy.plan
+    monkeypatch.setattr(MoHDGatherStrategy, "plan", lambda self, *args: plans.append(build(self, *args)) or plans[-1])
+    sublayers = 2 * fast.config.num_hidden_layers
+
+    def plan_types(model):
+        plans.clear()
+        with torch.no_grad():
+            for ids in (input_ids(1, 2), input_ids(2, 11)):  # 2 tokens: the few-token mode; 22: many tokens
+                torch.testing.assert_close(model(ids).logits, masked(ids).logits, rtol=1e-10, atol=1e-10)
+        return [type(plan) for plan in plans]
+
+    assert plan_types(fast) == [MoHDMaskedPlan] * sublayers + [MoHDSortedPlan] * sublayers
+    fast.set_sparse_implementation("gather")  # chosen by name: the gather strategy's own plans
+    assert plan_types(fast) == [MoHDSpansPlan] * sublayers + [MoHDGroupedPlan] * sublayers
+    by_config = make_model(sparse_implementation="sorted").eval()
+    by_config.load_state_dict(masked.state_dict())
+    assert plan_types(by_config) == [MoHDSpansPlan] * sublayers + [MoHDSortedPlan] * sublayers

@@ -74,7 +74,8 @@ from hf_mohd.evaluation.perplexity import perplexity
 
 
 logger = logging.getLogger("experiments.smollm2.ladder")
-K = 1024
+# 1,024 tokens (a token budget of "64k" is 64 * KI_TOKENS); K means experts or blocks per token elsewhere
+KI_TOKENS = 1024
 # student -> (preset, routed gate, dropped-block compensation); "mohd75" / "mohd50" are heal's (normalized gates)
 STUDENTS = {
     "mohd75u": ("compression_75", "unit", False),
@@ -109,30 +110,30 @@ class Arm(NamedTuple):
 
 
 ARMS = {
-    "unit_64k": Arm("mohd75u", False, 0.0, 64 * K, 0.0),
-    "unit_nested_64k": Arm("mohd75u", True, 0.0, 64 * K, 0.0),
-    "unit_nested_schedule_64k": Arm("mohd75u", True, 0.25, 64 * K, 0.0),
-    "unit_nested_compensated_64k": Arm("mohd75uc", True, 0.0, 64 * K, 0.0),
-    "unit_nested_budgets_64k": Arm("mohd75ub", True, 0.0, 64 * K, 0.0),
-    "unit_nested_hidden_64k": Arm("mohd75u", True, 0.0, 64 * K, 1.0),
+    "unit_64k": Arm("mohd75u", False, 0.0, 64 * KI_TOKENS, 0.0),
+    "unit_nested_64k": Arm("mohd75u", True, 0.0, 64 * KI_TOKENS, 0.0),
+    "unit_nested_schedule_64k": Arm("mohd75u", True, 0.25, 64 * KI_TOKENS, 0.0),
+    "unit_nested_compensated_64k": Arm("mohd75uc", True, 0.0, 64 * KI_TOKENS, 0.0),
+    "unit_nested_budgets_64k": Arm("mohd75ub", True, 0.0, 64 * KI_TOKENS, 0.0),
+    "unit_nested_hidden_64k": Arm("mohd75u", True, 0.0, 64 * KI_TOKENS, 1.0),
     # the same ladder at 256k tokens on the multi-source text, from the best 64k student (per-layer budgets) on: each
     # arm adds one lever
-    "unit_256k": Arm("mohd75u", False, 0.0, 256 * K, 0.0, corpus=True),
-    "unit_nested_256k": Arm("mohd75u", True, 0.0, 256 * K, 0.0, corpus=True),
-    "unit_nested_budgets_256k": Arm("mohd75ub", True, 0.0, 256 * K, 0.0, corpus=True),
-    "unit_nested_budgets_schedule_256k": Arm("mohd75ub", True, 0.25, 256 * K, 0.0, corpus=True),
-    "unit_nested_budgets_hidden_256k": Arm("mohd75ub", True, 0.0, 256 * K, 1.0, corpus=True),
+    "unit_256k": Arm("mohd75u", False, 0.0, 256 * KI_TOKENS, 0.0, corpus=True),
+    "unit_nested_256k": Arm("mohd75u", True, 0.0, 256 * KI_TOKENS, 0.0, corpus=True),
+    "unit_nested_budgets_256k": Arm("mohd75ub", True, 0.0, 256 * KI_TOKENS, 0.0, corpus=True),
+    "unit_nested_budgets_schedule_256k": Arm("mohd75ub", True, 0.25, 256 * KI_TOKENS, 0.0, corpus=True),
+    "unit_nested_budgets_hidden_256k": Arm("mohd75ub", True, 0.0, 256 * KI_TOKENS, 1.0, corpus=True),
     # the best arm so far with its budgets allocated on the output KL instead of the residual-stream error
-    "unit_nested_output_budgets_hidden_256k": Arm("mohd75ubo", True, 0.0, 256 * K, 1.0, corpus=True),
+    "unit_nested_output_budgets_hidden_256k": Arm("mohd75ubo", True, 0.0, 256 * KI_TOKENS, 1.0, corpus=True),
 }
 LADDER_256K = [name for name, arm in ARMS.items() if arm.corpus]
 # curve point -> (activation, budget tokens): the best 256k recipe, on the student of the same kind at that
 # activation; the 75% curve's 256k point is the best ladder arm itself
 CURVE = {
-    "curve75_1m": ("75", 1024 * K),
-    "curve75_2m": ("75", 2048 * K),
-    "curve50_256k": ("50", 256 * K),
-    "curve50_1m": ("50", 1024 * K),
+    "curve75_1m": ("75", 1024 * KI_TOKENS),
+    "curve75_2m": ("75", 2048 * KI_TOKENS),
+    "curve50_256k": ("50", 256 * KI_TOKENS),
+    "curve50_1m": ("50", 1024 * KI_TOKENS),
 }
 # the training-free students measured on the five sources (the curve's 0-token points are those of its recipe)
 SOURCE_STUDENTS = ("mohd75u", "mohd75ub", "mohd75ubo", "mohd50u", "mohd50ub", "mohd50ubo")
@@ -893,7 +894,7 @@ def plot(result: dict, path: Path) -> None:
         points = found["points"]
         if not points:
             continue
-        tokens = [point["tokens"] / (K * K) for point in points]
+        tokens = [point["tokens"] / (KI_TOKENS * KI_TOKENS) for point in points]
         for key, style, label in (("target", "-o", "at its k"), ("full_activation", "--s", "every block active")):
             axis.plot(
                 tokens,

@@ -17,10 +17,11 @@ choices do not fit these families, and the classes here change exactly those:
   strategy cannot read by blocks, so each sublayer falls back to its masked strategy (every block computed, then
   masked: exact, dense cost). Without tensor parallelism or quantisation the projections of MoHD's sparse sublayers
   stay `nn.Linear` here, so that the configured strategy reads only the active blocks; after loading, their input
-  projections are stored block-major in one storage per sublayer (q/k/v, gate/up), as `generate` stores them, and a
-  model configured with the gather strategy is served with the sorted one: the same plans for few tokens (one
-  decoded request), and for the many tokens of a continuous batch one sort of the (token, block) pairs and one
-  grouped product per side instead of one per routing slot and projection.
+  projections are stored block-major in one storage per sublayer (q/k/v, gate/up), as `generate` stores them, and on
+  the CPU a model configured with the gather strategy is served with the sorted one: the same plans for few tokens
+  (one decoded request), and for the many tokens of a continuous batch one sort of the (token, block) pairs and one
+  grouped product per side instead of one per routing slot and projection. On an accelerator the gather strategy
+  takes the device's default plans (`DEVICE_DEFAULT_PLANS` of the model's strategies file).
 """
 
 from functools import partial
@@ -155,7 +156,8 @@ class LatentMoEForCausalLM(TransformersMoEForCausalLM):
 class MoHDForCausalLM(TransformersForCausalLM):
     """MoHD in vLLM: the Transformers backend with the projections of MoHD's sparse sublayers left as `nn.Linear`
     (without tensor parallelism or quantisation), so that `config.sparse_implementation` reads only the active
-    sub-dimension blocks (block-major, fused per sublayer; "gather" served as "sorted", see the module docstring);
+    sub-dimension blocks (block-major, fused per sublayer; "gather" served as "sorted" on the CPU, see the module
+    docstring);
     with either, the backend's parallel or quantised linears and the masked strategy."""
 
     def recursive_replace(self):
@@ -183,7 +185,7 @@ class MoHDForCausalLM(TransformersForCausalLM):
         if self.kept_sparse_linears:
             self.model.to_weight_layout("block_major")
             logger.info_once("MoHD: input projections stored block-major (fused q/k/v and gate/up)")
-            if self.text_config.sparse_implementation == "gather":
+            if self.text_config.sparse_implementation == "gather" and current_platform.is_cpu():
                 self.model.set_sparse_implementation("sorted")
                 logger.info_once("MoHD: the gather strategy's many-token batches take the sorted plan ('sorted')")
         return loaded

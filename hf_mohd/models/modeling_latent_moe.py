@@ -513,12 +513,15 @@ class LatentMoEPreTrainedModel(PreTrainedModel):
         """
         if layout not in ("decoding", "default"):
             raise ValueError(f"`layout` must be 'decoding' or 'default', got {layout!r}.")
-        for module in self.modules():
-            if isinstance(module, LatentMoEExpertsBase):
-                for param in module.parameters(recurse=False):
-                    if param.dim() == 3:
-                        stored = param.data.transpose(1, 2).contiguous().transpose(1, 2)
-                        param.data = stored if layout == "decoding" else param.data.contiguous()
+        # the new storages are plain tensors even when called under `torch.inference_mode()` (`generate` there):
+        # inference tensors as parameter data could never be saved for a backward again
+        with torch.inference_mode(False):
+            for module in self.modules():
+                if isinstance(module, LatentMoEExpertsBase):
+                    for param in module.parameters(recurse=False):
+                        if param.dim() == 3:
+                            stored = param.data.transpose(1, 2).contiguous().transpose(1, 2)
+                            param.data = stored if layout == "decoding" else param.data.contiguous()
         return self
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:

@@ -430,14 +430,17 @@ class MoHDPreTrainedModel(PreTrainedModel):
         if layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"to_weight_layout: layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
         self.decoding_weight_layout = layout
-        for module in self.modules():
-            sub_dims = getattr(module, "sub_dims", None)
-            if isinstance(sub_dims, MoHDSubDimensions):
-                for name in sub_dims.strategy.block_major_projections:
-                    set_linear_layout_(getattr(module, name, None), layout)
-                if layout == "block_major":
-                    for linears in fused_projection_groups(module, sub_dims.strategy.fused_projections):
-                        fuse_block_major_(linears)
+        # the new storages are plain tensors even when called under `torch.inference_mode()` (`generate` there):
+        # inference tensors as parameter data could never be saved for a backward again
+        with torch.inference_mode(False):
+            for module in self.modules():
+                sub_dims = getattr(module, "sub_dims", None)
+                if isinstance(sub_dims, MoHDSubDimensions):
+                    for name in sub_dims.strategy.block_major_projections:
+                        set_linear_layout_(getattr(module, name, None), layout)
+                    if layout == "block_major":
+                        for linears in fused_projection_groups(module, sub_dims.strategy.fused_projections):
+                            fuse_block_major_(linears)
         return self
 
     def has_fused_input_projections(self) -> bool:
@@ -468,12 +471,16 @@ class MoHDPreTrainedModel(PreTrainedModel):
         there) on a loaded model, as `set_experts_implementation` switches experts. It is an execution choice like
         `to_weight_layout`: `config.sparse_implementation` stays the default a save records (choose another at load
         with `from_pretrained(..., sparse_implementation=...)`). The strategies compute the same function; `generate`
-        stores the weights a strategy reads by blocks in its decoding layout. The small-batch plan carries over.
+        stores the weights a strategy reads by blocks in its decoding layout. The small-batch plan carries over. A
+        strategy chosen here runs its own plans on every device: the measured-fastest plans of an accelerator
+        (`mohd_strategies.DEVICE_DEFAULT_PLANS`) are the default of a model built from its config only.
 
         Raises:
             ValueError: `implementation` is not registered in `MoHDSparseInterface`.
         """
         strategy = sparse_strategy(implementation, self.config)
+        if hasattr(strategy, "device_defaults"):
+            strategy.device_defaults = False
         for module in self.modules():
             if isinstance(module, MoHDSubDimensions):
                 small_batch_plan = getattr(module.strategy, "small_batch_plan", None)

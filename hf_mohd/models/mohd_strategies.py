@@ -86,6 +86,13 @@ def small_gemms_compute_bound(dtype: torch.dtype, threads: int) -> bool:
     return median[8] > 2.0 * median[1]
 
 
+# The plan of each mode that the gather strategy of a model built from its config takes on an accelerator: the
+# strategy measured fastest there in that mode ("masked": dense products on the gated input, a few large kernels;
+# "sorted": `MoHDSortedPlan`; "gather": the gather strategy's own plans). Modes: "few_tokens" (decoding, up to
+# `few_tokens` tokens a step) and "many_tokens" (prefill, training). A device type not listed (the CPU) takes the
+# gather strategy's own plans; `MoHDPreTrainedModel.set_sparse_implementation` overrides the table for a model.
+DEVICE_DEFAULT_PLANS = {"cuda": {"few_tokens": "masked", "many_tokens": "masked"}}
+
 SMALL_BATCH_PLANS = ("auto", "union", "per_block")
 # An explicit choice of the small-batch plan for every MoHD model built in this process (`MoHDGatherStrategy`)
 SMALL_BATCH_PLAN_ENV = "HF_MOHD_SMALL_BATCH_PLAN"
@@ -251,13 +258,19 @@ class MoHDMaskedStrategy(MoHDStrategy):
 
     def plan(self, indices: torch.Tensor, weights: torch.Tensor) -> MoHDMaskedPlan:
         """(M, k) absolute block ids and their gates -> (M, N) gates and mask."""
-        g, m = self.geometry, indices.shape[0]
-        gates = torch.zeros(m, g.num_sub_dims, dtype=weights.dtype, device=weights.device)
-        gates[:, : g.num_shared] = 1
-        mask = gates.clone()
-        gates = gates.scatter(1, indices, weights)
-        mask = mask.scatter(1, indices, torch.ones_like(weights))
-        return MoHDMaskedPlan(g, gates, mask)
+        return masked_plan(self.geometry, indices, weights)
+
+
+def masked_plan(geometry: MoHDSubDimGeometry, indices: torch.Tensor, weights: torch.Tensor) -> MoHDMaskedPlan:
+    """The masked plan of the router's (M, k) absolute block ids and their gates: (M, N) input gates (1 on the shared
+    blocks, the gate on the picked ones, 0 elsewhere) and the (M, N) binary mask of the active blocks."""
+    g, m = geometry, indices.shape[0]
+    gates = torch.zeros(m, g.num_sub_dims, dtype=weights.dtype, device=weights.device)
+    gates[:, : g.num_shared] = 1
+    mask = gates.clone()
+    gates = gates.scatter(1, indices, weights)
+    mask = mask.scatter(1, indices, torch.ones_like(weights))
+    return MoHDMaskedPlan(g, gates, mask)
 
 
 class MoHDGatherStrategy(MoHDStrategy):
@@ -281,7 +294,13 @@ class MoHDGatherStrategy(MoHDStrategy):
     each weight actually has, so any layout is exact, only slower or faster: row-major input weights take the dense
     product in the few-token plans.
 
+    On an accelerator listed in `DEVICE_DEFAULT_PLANS`, a strategy built from the config (`device_defaults`) takes
+    that table's plan of the mode instead: the device's measured-fastest strategy becomes its default without being
+    saved in the config, as this strategy is the CPU's.
+
     Attributes:
+        device_defaults: whether `DEVICE_DEFAULT_PLANS` applies (True when built from the config; False once a user
+            chose a strategy by name, `set_sparse_implementation`).
         few_tokens: most tokens of an index-tensor plan, N_r // k (while the blocks read are fewer than the routed
             blocks, reading each token's k blocks beats sorting: the grouped path would run mostly empty groups).
         host_tokens: most tokens of a spans plan, max(few_tokens, 8) (each picked block is read once for all tokens,
@@ -298,11 +317,12 @@ class MoHDGatherStrategy(MoHDStrategy):
         self.few_tokens = max(1, self.geometry.num_routed // max(self.geometry.top_k, 1))
         self.host_tokens = max(self.few_tokens, 8)
         self.small_batch_plan = default_small_batch_plan()
+        self.device_defaults = True
 
     def with_top_k(self, top_k: int) -> "MoHDGatherStrategy":
-        """The same strategy (and small-batch plan) for plans of `top_k` routed blocks per token."""
+        """The same strategy (small-batch plan, device defaults) for plans of `top_k` routed blocks per token."""
         strategy = type(self)(None, self.geometry._replace(top_k=top_k))
-        strategy.small_batch_plan = self.small_batch_plan
+        strategy.small_batch_plan, strategy.device_defaults = self.small_batch_plan, self.device_defaults
         return strategy
 
     def route(self, sublayer, hidden_states: torch.Tensor, projections, **kwargs) -> MoHDPlan:
@@ -322,6 +342,13 @@ class MoHDGatherStrategy(MoHDStrategy):
     def plan(self, indices: torch.Tensor, weights: torch.Tensor) -> MoHDPlan:
         """(M, k) absolute block ids and their gates -> the plan for M tokens (see the class docstring)."""
         g, m = self.geometry, indices.shape[0]
+        device_plans = DEVICE_DEFAULT_PLANS.get(indices.device.type) if self.device_defaults else None
+        if device_plans is not None:
+            form = device_plans["few_tokens" if m <= self.few_tokens else "many_tokens"]
+            if form == "masked":
+                return masked_plan(g, indices, weights)
+            if form == "sorted":
+                return MoHDSortedPlan.of_routes(g, indices, weights)
         if m <= self.host_tokens and indices.device.type == "cpu" and not torch.compiler.is_compiling():
             spans = contiguous_spans(g.num_shared, indices.view(-1).tolist())
             shared = F.pad(weights.new_ones(m, g.num_shared), (0, g.num_routed))  # 1 on the shared blocks
@@ -359,7 +386,12 @@ class MoHDSortedStrategy(MoHDGatherStrategy):
     sorted by block once, one grouped product per side and projection (one for all the input projections where
     they share a block-major storage), and no atomic accumulation forward or backward. The gather strategy's
     grouped plan instead loops over the k routing slots and scatters each slot's products back with `index_add_`,
-    an atomic kernel on accelerators."""
+    an atomic kernel on accelerators. Chosen by name, it runs its own plans on every device (`DEVICE_DEFAULT_PLANS`
+    is the gather strategy's)."""
+
+    def __init__(self, config, geometry: MoHDSubDimGeometry | None = None):
+        super().__init__(config, geometry)
+        self.device_defaults = False
 
     def many_token_plan(self, indices: torch.Tensor, weights: torch.Tensor) -> MoHDSortedPlan:
         """(M, k) absolute block ids and their gates -> the sorted plan of the M * k pairs."""

@@ -184,6 +184,26 @@ def test_routing_replay_reproduces_logits_and_keeps_indices(family):
     assert any(not torch.equal(own.routing_record[key].indices, entry.indices) for key, entry in record.items())
 
 
+def test_generate_under_inference_mode_leaves_a_trainable_model(family):
+    """`generate` stores each family's decoding layout (MoHD's block-major input projections, LatentMoE's
+    expert-input-major experts with the gather kernel) by replacing parameter data; under `torch.inference_mode()`
+    those would be inference tensors, which autograd refuses to save for backward ever after. The layouts are made
+    outside inference mode: no parameter is an inference tensor, and a training step then runs and gives the same
+    gradients as the model that never generated."""
+    model, reference = family.model(experts_implementation="gather"), family.model(experts_implementation="gather")
+    prompt = input_ids(1, 4)
+    with torch.inference_mode():
+        model.eval().generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert not any(param.is_inference() for param in model.parameters())
+    assert any(not param.is_contiguous() for param in model.parameters())  # the decoding layout is stored
+    ids = input_ids(2, 6)
+    for trained in (model, reference):
+        trained.train()(input_ids=ids, labels=ids).loss.backward()
+    expected = gradients(reference)
+    for name, grad in gradients(model).items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_sampling_beam_search_and_static_cache_equal_no_cache(family):
     """Seeded sampling, beam search (3 beams, 2 returned) and a static cache give what the uncached model gives."""
     model = family.model()
