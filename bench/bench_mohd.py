@@ -15,8 +15,9 @@
 
 Models (fp32, CPU, sdpa attention), all built in this run from the fixed bench shape:
 - `llama`: transformers' `LlamaForCausalLM` of the same total width (the baseline);
-- `mohd_gather` / `mohd_masked`: MoHD at the 50% compression preset (16 blocks, 6 shared, top-2), same weights
-  (the gather model as `__init__` builds it: contiguous, row-major weights);
+- `mohd_gather` / `mohd_sorted` / `mohd_masked`: MoHD at the 50% compression preset (16 blocks, 6 shared, top-2),
+  same weights, on the gather strategy (the CPU default), the sorted one (the accelerators' many-token plan: one
+  sort of the pairs, no atomics) and the masked reference (as `__init__` builds them: contiguous, row-major weights);
 - `llama_active`: `LlamaForCausalLM` at the activated width (hidden 512, same heads and FFN; reference only).
 
 Ceilings come from `hf_mohd.models.accounting.model_accounting`: forward FLOPs per token (decoder at the mean causal context
@@ -60,7 +61,7 @@ def llama_config(shape: dict, hidden_size: int | None = None) -> LlamaConfig:
 
 
 def build_models(shape: dict, blocks: dict | None = None) -> tuple[dict, dict]:
-    """The four models of the comparison and their configs; MoHD gather and masked share one set of weights.
+    """The models of the comparison and their configs; MoHD gather, sorted and masked share one set of weights.
     `blocks` overrides the preset's sub-dimension fields (`num_sub_dims`, `num_shared_sub_dims`,
     `num_routed_sub_dims_per_tok`)."""
     base = llama_config(shape)
@@ -71,6 +72,9 @@ def build_models(shape: dict, blocks: dict | None = None) -> tuple[dict, dict]:
         "mohd_gather": MoHDConfig.from_llama_config(
             base, PRESET, sparse_implementation="gather", attn_implementation="sdpa", **blocks
         ),
+        "mohd_sorted": MoHDConfig.from_llama_config(
+            base, PRESET, sparse_implementation="sorted", attn_implementation="sdpa", **blocks
+        ),
         "mohd_masked": MoHDConfig.from_llama_config(
             base, PRESET, sparse_implementation="masked", attn_implementation="sdpa", **blocks
         ),
@@ -79,16 +83,18 @@ def build_models(shape: dict, blocks: dict | None = None) -> tuple[dict, dict]:
     models = {
         "llama": LlamaForCausalLM(base),
         "mohd_gather": MoHDForCausalLM(configs["mohd_gather"]),
+        "mohd_sorted": MoHDForCausalLM(configs["mohd_sorted"]),
         "mohd_masked": MoHDForCausalLM(configs["mohd_masked"]),
         "llama_active": LlamaForCausalLM(active),
     }
+    models["mohd_sorted"].load_state_dict(models["mohd_gather"].state_dict())
     models["mohd_masked"].load_state_dict(models["mohd_gather"].state_dict())
     return {name: model.eval() for name, model in models.items()}, configs
 
 
 MODELS_PER_MODE = {
-    "prefill": ("llama", "mohd_gather", "mohd_masked", "llama_active"),
-    "train": ("llama", "mohd_gather", "mohd_masked", "llama_active"),
+    "prefill": ("llama", "mohd_gather", "mohd_sorted", "mohd_masked", "llama_active"),
+    "train": ("llama", "mohd_gather", "mohd_sorted", "mohd_masked", "llama_active"),
 }
 
 
@@ -248,7 +254,7 @@ def plot(payload: dict, path: Path) -> None:
     results, clock = payload["results"], payload["clock_for_ratios"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     ax = axes[0]
-    names = ["llama", "mohd_gather", "mohd_masked", "llama_active"]
+    names = ["llama", "mohd_gather", "mohd_sorted", "mohd_masked", "llama_active"]
     width = 0.35
     for i, mode in enumerate(("prefill", "train")):
         if not results[mode]:
