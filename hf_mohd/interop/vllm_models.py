@@ -157,8 +157,7 @@ class MoHDForCausalLM(TransformersForCausalLM):
     """MoHD in vLLM: the Transformers backend with the projections of MoHD's sparse sublayers left as `nn.Linear`
     (without tensor parallelism or quantisation), so that `config.sparse_implementation` reads only the active
     sub-dimension blocks (block-major, fused per sublayer; "gather" served as "sorted" on the CPU, see the module
-    docstring);
-    with either, the backend's parallel or quantised linears and the masked strategy."""
+    docstring); with either, the backend's parallel or quantised linears and the masked strategy."""
 
     def recursive_replace(self):
         keep = self.tp_group.world_size == 1 and self.quant_config is None

@@ -110,9 +110,9 @@ class MoHDConfig(AccountingMixin, PreTrainedConfig):
     sparse_implementation (`str`, *optional*, defaults to `"gather"`):
         The execution strategy, by its name in `MoHDSparseInterface` (`mohd_strategies.py`): "masked", dense
         matmuls with the mask (reference); "gather", only active blocks are computed; "sorted", the gather strategy
-        with the (token, block) pairs of many tokens sorted once and no atomic accumulation; or a strategy registered with
-        `MoHDSparseInterface.register(name, cls)` before the model is built (checked then: the config does not know
-        the registry).
+        with the (token, block) pairs of many tokens sorted once and no atomic accumulation; or a strategy
+        registered with `MoHDSparseInterface.register(name, cls)` before the model is built (checked then: the
+        config does not know the registry).
     sparse_sides (`str`, *optional*, defaults to `"both"`):
         Which side of a sparsified sublayer is sparse: "both" (the paper's MoHD: it reads and writes only the
         active blocks), "input" (it reads only the active blocks, with their gates, and writes every block, unscaled)

@@ -319,6 +319,12 @@ class MoHDSortedPlan(MoHDPlan):
         tokens = torch.div(order, top_k, rounding_mode="floor")
         return cls(g, gates, order=order, inverse=inverse, tokens=tokens, blocks=sorted_blocks, offsets=offsets)
 
+    def input_block_rows(self) -> torch.Tensor:
+        """(P,) the rows of the (M * N, s) blocks of a (M, D) input (or of `project_out`'s (M, N, s) output) that
+        hold each sorted pair's routed block: token * N + N_s + block."""
+        g = self.geometry
+        return self.tokens * g.num_sub_dims + g.num_shared + self.blocks
+
     def pair_sums(self, products: torch.Tensor) -> torch.Tensor:
         """(P, C) products in sorted order -> (M, C), the sum of each token's k rows (a permutation back to the
         router's order, then a reshape: no scatter)."""
@@ -329,9 +335,8 @@ class MoHDSortedPlan(MoHDPlan):
         """(M, D) -> one (M, out) tensor per linear: shared columns dense, routed columns one grouped product."""
         g, m = self.geometry, hidden_states.shape[0]
         shared = hidden_states[:, : g.shared_width]
-        rows = self.tokens * g.num_sub_dims + g.num_shared + self.blocks
         blocks = hidden_states.reshape(m * g.num_sub_dims, g.block)
-        routed = MoHDDistinctRows.apply(blocks, rows) * self.gates  # (P, s) gated input blocks, sorted
+        routed = MoHDDistinctRows.apply(blocks, self.input_block_rows()) * self.gates  # (P, s) gated blocks, sorted
         fused = fused_block_major_weight(linears)
         if fused is not None and fused.dtype == routed.dtype and autocast_dtype(routed) in (None, routed.dtype):
             # all the linears at once: block j of the routed columns is rows D_s + j s .. of the (D, sum out) storage
@@ -373,8 +378,7 @@ class MoHDSortedPlan(MoHDPlan):
         blocks are zero outside the shared blocks and the pairs)."""
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
-        g = self.geometry
-        return self.tokens * g.num_sub_dims + g.num_shared + self.blocks
+        return self.input_block_rows()
 
 
 @dataclasses.dataclass(slots=True)
