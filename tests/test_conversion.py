@@ -566,8 +566,8 @@ def test_cli_output_budgets_resume_from_the_progress_file(tmp_path):
     holds every batch with one sublayer's sums made prohibitive gives the greedy of that table, not of the measured
     one; the file is gone once the folder is written."""
     from hf_mohd.conversion import calibration_token_ids, greedy_budgets, load_dense_llama
-    from hf_mohd.conversion.budgets import block_params, sublayer_output_errors
-    from hf_mohd.conversion.convert import allocation_progress_file
+    from hf_mohd.conversion.mohd.budgets import block_params, sublayer_output_errors
+    from hf_mohd.conversion.mohd.convert import allocation_progress_file
 
     save_tiny_llama(tmp_path / "llama", tied=True, sharded=False)
     src, out, uniform, text, args = uniform_budget_conversion(tmp_path)

@@ -140,7 +140,7 @@ def test_fitted_compensation_is_the_mean_contribution_of_skipped_blocks(tmp_path
     """`fit_dropped_block_compensation` on a 1-layer model whose FFN alone is sparse: the tables equal the
     hand-computed W[:, block j] @ mean(x_j over tokens skipping j) (input side) and W_o[block j] @ mean(h over those
     tokens) + bias (output side); zero-initialised tables change nothing; the fitted model saves and reloads."""
-    from hf_mohd.conversion.compensation import fit_dropped_block_compensation
+    from hf_mohd.conversion.mohd.compensation import fit_dropped_block_compensation
     from hf_mohd.conversion.source import ConversionError
 
     # attention sparse too (q and k/v of different widths), its compensation checked through the gather/masked match
@@ -357,7 +357,7 @@ def test_sublayer_errors_are_each_sublayer_lowered_alone():
     `per_layer_config`, the others at N_r) run on the same ids, its sublayer output against the full model's, over
     the residual stream the sublayer adds to (the layer input for attention, plus the attention output for the
     FFN), summed over the batches."""
-    from hf_mohd.conversion.budgets import sublayer_errors
+    from hf_mohd.conversion.mohd.budgets import sublayer_errors
 
     model = build(2, routed_gate="unit")
     ids = torch.randint(3, 61, (5, 6), generator=torch.Generator().manual_seed(3))
@@ -395,7 +395,7 @@ def test_sublayer_output_errors_are_the_output_kl_with_each_sublayer_lowered_alo
     (through `per_layer_config`, the others at N_r) run whole on all the ids at once, its next-token distribution
     against the full model's, KL(full || lowered) averaged over tokens; a lowered layer-0 sublayer reaches the output
     through layer 1, so a re-run that skipped the later layers would fail it."""
-    from hf_mohd.conversion.budgets import sublayer_output_errors
+    from hf_mohd.conversion.mohd.budgets import sublayer_output_errors
 
     model = build(2, routed_gate="unit")
     ids = torch.randint(3, 61, (5, 6), generator=torch.Generator().manual_seed(3))
@@ -422,7 +422,7 @@ def test_sublayer_output_errors_resume_from_their_progress_file(tmp_path):
     progress file to exactly the uninterrupted result, re-running only what the file does not hold (counted in calls
     of the last decoder layer: per batch one full forward plus N_r - 1 per sublayer); a file of other weights is
     refused by name, and so is `progress` with the residual measure."""
-    from hf_mohd.conversion.budgets import allocate_routed_sub_dims, sublayer_output_errors
+    from hf_mohd.conversion.mohd.budgets import allocate_routed_sub_dims, sublayer_output_errors
     from hf_mohd.conversion.source import ConversionError
 
     model = build(2, routed_gate="unit")
@@ -460,7 +460,7 @@ def test_sublayer_output_errors_resume_from_their_progress_file(tmp_path):
 def test_allocation_on_the_output_error_follows_its_table():
     """`error="output"` allocates on `sublayer_output_errors`' table: the same budgets as `greedy_budgets` on that
     table (and the recorded measure is "output"); an unknown measure is refused by name."""
-    from hf_mohd.conversion.budgets import allocate_routed_sub_dims, greedy_budgets, sublayer_output_errors
+    from hf_mohd.conversion.mohd.budgets import allocate_routed_sub_dims, greedy_budgets, sublayer_output_errors
     from hf_mohd.conversion.source import ConversionError
 
     model = build(2, routed_gate="unit")
@@ -477,7 +477,7 @@ def test_allocation_on_the_output_error_follows_its_table():
 def test_greedy_budgets_on_a_hand_table():
     """Two units, N_r = 3, w = 1 and 2, budget 2 (1 + 2) = 6: from (3, 3) = 9, lowering B 3 -> 2 costs 0.05 / 2 =
     0.025 per parameter against A's 0.1, then B 2 -> 1 costs 0.15 / 2 = 0.075 against 0.1: (3, 1) = 5 <= 6."""
-    from hf_mohd.conversion.budgets import greedy_budgets
+    from hf_mohd.conversion.mohd.budgets import greedy_budgets
 
     errors = {"A": [0.5, 0.1, 0.0], "B": [0.2, 0.05, 0.0]}
     assert greedy_budgets(errors, {"A": 1, "B": 2}, 6.0) == ({"A": 3, "B": 1}, ["B", "B"])
@@ -488,7 +488,7 @@ def test_greedy_budgets_on_a_hand_table():
 def test_allocation_keeps_the_parameter_budget_and_is_saved(tmp_path):
     """The allocation reads at most the parameters per token of the uniform model at the mean k (the accounting of
     the applied config against the uniform one), is uneven on this model, and a save and reload keeps it."""
-    from hf_mohd.conversion.budgets import allocate_routed_sub_dims, apply_routed_budgets
+    from hf_mohd.conversion.mohd.budgets import allocate_routed_sub_dims, apply_routed_budgets
 
     model = build(2, routed_gate="unit")
     ids = torch.randint(3, 61, (4, 8), generator=torch.Generator().manual_seed(4))
@@ -510,7 +510,7 @@ def test_recorded_allocation_rebuilds_the_same_model():
     """An allocation written with `as_dict` and read back with `BudgetAllocation.from_budgets` on a fresh copy of the
     student gives the same k in every sublayer, the same parameter count and budget, and the same logits as the
     allocation it was recorded from; a record that does not fit the model is refused by name."""
-    from hf_mohd.conversion.budgets import BudgetAllocation, allocate_routed_sub_dims, apply_routed_budgets
+    from hf_mohd.conversion.mohd.budgets import BudgetAllocation, allocate_routed_sub_dims, apply_routed_budgets
     from hf_mohd.conversion.source import ConversionError
 
     ids = torch.randint(3, 61, (4, 8), generator=torch.Generator().manual_seed(4))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Held-out perplexity of SmolLM2-135M carved into a LatentMoE (`hf_mohd.conversion.carve`), training-free.
+"""Held-out perplexity of SmolLM2-135M carved into a LatentMoE (`hf_mohd.conversion.latent_moe.carve`), training-free.
 
 Each arm carves the dense FFNs (shared expert = the m_s neurons of highest mean |h|, N routed experts by balanced
 spherical k-means, `router_gate="unit"`) and runs top-K routing with the ridge-fitted routers ("fitted") and with the
@@ -8,7 +8,7 @@ partition); the fitted arm also records the routers' recall of the oracle's top-
 held-out tokens (`routing_analysis.carved_routing_recall`, chance K / N). Perplexity is `hf_mohd.evaluation.perplexity` on the same
 held-out text as `experiments/smollm2/results/smollm2_perplexity*.json`: the last 8 articles of gensim's Wikipedia
 sample (`hf_mohd.corpora`, layout "lines"), 4,096 tokens in windows of 256. Calibration (partition and router fit):
-`carving_calibration_ids`, the first 8 articles, `--calibration-tokens` tokens (default 8,192), disjoint from the
+`hf_mohd.conversion.calibration`, the first 8 articles, `--calibration-tokens` tokens (default 8,192), disjoint from the
 held-out text.
 
 FFN active fraction a = f + (1 - f) K / N (f = m_s / I shared, I = 1536). With N a power of two, I - m_s must split
@@ -84,7 +84,7 @@ REFERENCE = {
 @contextlib.contextmanager
 def shared_ffn_inputs():
     """Within the block, `carve.ffn_inputs` (what `carve_llama` calls) returns the first result for the same ids."""
-    from hf_mohd.conversion import carve
+    from hf_mohd.conversion.latent_moe import carve
 
     original, cache = carve.ffn_inputs, {}
 
@@ -160,12 +160,9 @@ def main(argv=None) -> int:
     from experiments.smollm2.expert_budgets import allocate_experts_per_tok, apply_expert_budgets, carved_layer_errors
     from experiments.smollm2.routing_analysis import carved_routing_recall, oracle_routing
     from hf_mohd.conversion import carve_llama, load_dense_llama
-    from hf_mohd.conversion.carve import (
-        CALIBRATION_ARTICLES,
-        HELD_OUT_ARTICLES,
-        carve_sizes,
-        carving_calibration_ids,
-    )
+    from hf_mohd.conversion.calibration import CALIBRATION_ARTICLES, HELD_OUT_ARTICLES
+    from hf_mohd.conversion.calibration import calibration_ids as read_calibration
+    from hf_mohd.conversion.latent_moe.carve import carve_sizes
 
     options = {
         "experts": args.experts,
@@ -194,9 +191,7 @@ def main(argv=None) -> int:
     recall_rows = max(1, args.recall_tokens // args.window)
     calibration_titles, _ = ep.wikipedia_articles(CALIBRATION_ARTICLES, first=True)
     assert not set(calibration_titles) & set(titles), "calibration and held-out articles overlap"
-    calibration_ids, calibration = carving_calibration_ids(
-        source, max_tokens=args.calibration_tokens, window=args.window
-    )
+    calibration_ids, calibration = read_calibration(source, max_tokens=args.calibration_tokens, window=args.window)
 
     planned = []
     for label in args.fractions:  # by value: 75% at every N first
@@ -239,7 +234,7 @@ def main(argv=None) -> int:
                 "disjoint_from_held_out": True,
             },
             "method": {
-                "carving": "hf_mohd.conversion.carve.carve_llama: shared expert = m_s neurons of highest mean |h|, "
+                "carving": "hf_mohd.conversion.latent_moe.carve.carve_llama: shared expert = m_s neurons of highest mean |h|, "
                 "routed experts by balanced spherical k-means of the others, router_gate 'unit' (every selected "
                 "expert at gate 1), routers ridge-fitted (ridge 0.1) on centred log expert masses, softmax scores",
                 "oracle": "routing_analysis.oracle_routing: top-K experts by true mass sum |h_i| per token, gate 1",

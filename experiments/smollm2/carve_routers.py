@@ -63,7 +63,7 @@ def fitting_ids(tokenizer, corpus: Path, tokens: int) -> torch.Tensor:
 @torch.no_grad()
 def ffn_inputs(model, blocks: list, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
     """layer -> (M, D) inputs of its MoE block at LAYERS, with every expert active (the dense function)."""
-    from hf_mohd.conversion.carve import every_expert_active
+    from hf_mohd.conversion.latent_moe.routers import every_expert_active
 
     store: dict[int, list[torch.Tensor]] = {layer: [] for layer in LAYERS}
     handles = [
@@ -111,7 +111,7 @@ def train(parameters, loss_fn, steps: int, lr: float, rows: int, generator: torc
 
 def layer_variants(block, x: torch.Tensor, x_held: torch.Tensor, sizes: list[int]) -> dict[str, float]:
     """Oracle recall of every variant at one layer (module docstring)."""
-    from hf_mohd.conversion.carve import MASS_FLOOR, _log_mass_target, expert_mass
+    from hf_mohd.conversion.latent_moe.routers import MASS_FLOOR, _log_mass_target, expert_mass
     from hf_mohd.models.modeling_common import topk_lower_index
 
     k = block.gate.top_k
@@ -155,7 +155,8 @@ def layer_variants(block, x: torch.Tensor, x_held: torch.Tensor, sizes: list[int
 def grouping_variants(weights: dict, layer: int, x: torch.Tensor, x_held: torch.Tensor, k: int, n: int) -> dict:
     """Recall and relative FFN output error of the groupings of the module docstring at one layer, from the dense
     FFN's `weights` (safetensors names); the shared neurons are the carving's rule (highest mean |h|, a third)."""
-    from hf_mohd.conversion.carve import MASS_FLOOR, _log_mass_target, balanced_spherical_kmeans
+    from hf_mohd.conversion.latent_moe.carve import balanced_spherical_kmeans
+    from hf_mohd.conversion.latent_moe.routers import MASS_FLOOR, _log_mass_target
     from hf_mohd.models.modeling_common import topk_lower_index
 
     prefix = f"model.layers.{layer}.mlp."
@@ -207,7 +208,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from experiments.smollm2.heal_carved import load
-    from hf_mohd.conversion.carve import moe_blocks
+    from hf_mohd.conversion.latent_moe.routers import moe_blocks
 
     if not (args.teacher / "model.safetensors").exists():
         sys.exit(f"{args.teacher}: no dense model; run python -m experiments.smollm2.heal prepare first.")

@@ -115,12 +115,14 @@ def wikipedia_articles(num_articles: int, first: bool = False) -> tuple[list[str
 
 
 def token_windows(tokenizer, texts: list[str], window: int, max_tokens: int) -> torch.Tensor:
-    """(W, window) non-overlapping windows of the concatenated token stream (documents joined by a blank line)."""
-    ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
-    count = min(len(ids), max_tokens) // window
-    if count == 0:
-        sys.exit(f"Only {len(ids)} tokens of text; need at least one window of {window}.")
-    return torch.tensor(ids[: count * window]).view(count, window)
+    """(W, window) non-overlapping windows of the concatenated token stream (`hf_mohd.corpora.token_windows`: documents
+    joined by a blank line); exits with its message when the text holds less than one window."""
+    from hf_mohd.corpora import token_windows as windows
+
+    try:
+        return windows(tokenizer, texts, window, max_tokens)
+    except ValueError as error:
+        sys.exit(str(error))
 
 
 def machine() -> dict:

@@ -15,7 +15,7 @@
 text without training, under the per-token parameter budget of a uniform K. An analysis of the SmolLM2 carving
 experiments (`experiments.smollm2.carve --expert-budgets`); no conversion option reaches it.
 
-The rule is the MoHD budgets' (`hf_mohd.conversion.budgets`, after TEAL, Liu et al., arXiv 2408.14690, section 4.2)
+The rule is the MoHD budgets' (`hf_mohd.conversion.mohd.budgets`, after TEAL, Liu et al., arXiv 2408.14690, section 4.2)
 with a MoE layer as the unit: its step K -> K - 1 drops the router's lowest-ranked picked expert, its cost w is a
 routed expert's parameters, and its error is measured after the norm that reads the layer's output
 (`carved_layer_errors`); the same greedy (`budgets.greedy_budgets`) allocates (`allocate_experts_per_tok`), and the
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_mohd.conversion.budgets import greedy_budgets
-from hf_mohd.conversion.carve import every_expert_active, moe_blocks
+from hf_mohd.conversion.latent_moe.routers import every_expert_active, moe_blocks
+from hf_mohd.conversion.mohd.budgets import greedy_budgets
 from hf_mohd.conversion.source import ConversionError
 from hf_mohd.models.modeling_common import topk_lower_index
 from hf_mohd.models.modeling_latent_moe import LatentMoEBlock, LatentMoEForCausalLM
@@ -81,7 +81,7 @@ def carved_layer_errors(
     """e_l(K) for every MoE layer l of a carved model and K in [1, N]: the local error of keeping the router's top K
     experts, as the next layer sees it.
 
-    The model runs with every expert active (`carve.every_expert_active`: for an exact carving, the dense source);
+    The model runs with every expert active (`routers.every_expert_active`: for an exact carving, the dense source);
     each MoE block's input x (M, D) is kept with the residual stream r it adds to (the input of
     `post_attention_layernorm`). Each token's N experts are ranked by the router's selection scores (ties to the
     lower index, as routing does), every expert's output is computed alone at gate 1, and with y(K) the routed output

@@ -3,7 +3,7 @@
 
 The carvings are `experiments.smollm2.carve`'s best granularity, N = 128 routed experts per layer with the shared
 third of each FFN (f = 1/3, `router_gate="unit"`, routers fitted on 4,096 tokens of the first 8 Wikipedia articles,
-the default calibration text of `hf_mohd.conversion.carve`), at K = 80 (75% of each FFN active) and K = 32 (50%).
+the default calibration text of `hf_mohd.conversion.latent_moe.carve`), at K = 80 (75% of each FFN active) and K = 32 (50%).
 Healing: `hf-mohd train`'s trainer with a `distill` section (KL to the dense teacher at T = 1, no LM loss) and
 `model.trainable: ffn`: only the feed-forward sublayers train (shared and routed experts and the routers; a unit
 gate, s - s.detach() + 1, passes a router the straight-through gradient of its K selected scores only); attention,
@@ -65,7 +65,7 @@ ARMS = {
 
 def measure(model, windows: dict[str, torch.Tensor], every_expert: bool) -> dict:
     """Held-out perplexity per source at the model's K and, with `every_expert`, at K = N (the same weights)."""
-    from hf_mohd.conversion.carve import every_expert_active
+    from hf_mohd.conversion.latent_moe.routers import every_expert_active
 
     result = {"target": {s: perplexity(model, w, 4, desc=f"K {s}") for s, w in windows.items()}}
     if every_expert:

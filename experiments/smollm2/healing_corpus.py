@@ -53,8 +53,8 @@ HELD_OUT_ONLY = ("kjv",)
 HELD_OUT_TOKENS = 4096  # at least, per source
 CALIBRATION_TOKENS = 4096  # per healing source: 16,384 in all
 MIN_HEALING_TOKENS = 3_000_000
-CALIBRATION_ARTICLES = 8  # = hf_mohd.conversion.carve.CALIBRATION_ARTICLES (checked in `main`)
-HELD_OUT_ARTICLES = 8  # = hf_mohd.conversion.carve.HELD_OUT_ARTICLES
+CALIBRATION_ARTICLES = 8  # = hf_mohd.conversion.calibration.CALIBRATION_ARTICLES (checked in `main`)
+HELD_OUT_ARTICLES = 8  # = hf_mohd.conversion.calibration.HELD_OUT_ARTICLES
 POSITIONAL = {"wikipedia": (CALIBRATION_ARTICLES, HELD_OUT_ARTICLES)}
 JOIN = "\n\n"
 SPLIT_RULE = (
@@ -249,9 +249,12 @@ def main(argv=None) -> int:
 
     from experiments.smollm2.corpora import CorpusNotInstalled, source_documents, source_provenance
     from hf_mohd.atomic_folder import write_json_atomically, write_text_atomically
-    from hf_mohd.conversion import carve
+    from hf_mohd.conversion import calibration
 
-    assert (carve.CALIBRATION_ARTICLES, carve.HELD_OUT_ARTICLES) == (CALIBRATION_ARTICLES, HELD_OUT_ARTICLES)
+    assert (calibration.CALIBRATION_ARTICLES, calibration.HELD_OUT_ARTICLES) == (
+        CALIBRATION_ARTICLES,
+        HELD_OUT_ARTICLES,
+    )
     names = (*HEALING_SOURCES, *HELD_OUT_ONLY)
     try:
         sources = {name: source_documents(name) for name in names}

@@ -7,7 +7,7 @@ corpus, and the KJV bible, which no calibration or healing text ever came from. 
 tokens in windows of 256 (`evaluate_perplexity.token_windows`; the tokenizer of the dense teacher).
 
 The models (whatever exists; the rest is skipped and listed): the dense teacher and the students and healed arms of
-`experiments.smollm2.ladder` (`--work-dir`), and the SmolLM2 carvings at N = 128 (`hf_mohd.conversion.carve`,
+`experiments.smollm2.ladder` (`--work-dir`), and the SmolLM2 carvings at N = 128 (`hf_mohd.conversion.latent_moe.carve`,
 fitted routers, 75% and 50% of each FFN active, 4,096 calibration tokens as in `experiments.smollm2.carve`).
 Resumable: each (model, source) is written as soon as it is measured.
 
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
 
     import hf_mohd  # noqa: F401
     from hf_mohd.conversion import carve_llama, load_dense_llama
-    from hf_mohd.conversion.carve import carving_calibration_ids
+    from hf_mohd.conversion.calibration import calibration_ids as read_calibration
 
     windows = source_windows(args.corpus_dir, AutoTokenizer.from_pretrained(args.work_dir / "teacher"))
     report = heal.read_json(args.output, None) or {
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
             continue
         measure(name, lambda path=path: AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32))
     source = load_dense_llama(ep.default_source(), dtype=torch.float32)
-    calibration_ids, _ = carving_calibration_ids(source, max_tokens=4096, window=256)
+    calibration_ids, _ = read_calibration(source, max_tokens=4096, window=256)
     for name, k in CARVINGS.items():
         measure(
             name,

@@ -6,12 +6,12 @@ Builds on `experiments.smollm2.heal` (its teacher, text split, held-out windows 
 
 - students converted with `--routed-gate unit` (the router only selects, so every block active is the dense source
   exactly), and copies of each student with dropped-block compensation fitted on the calibration text
-  (`hf_mohd.conversion.compensation`), whose training-free gain `prepare` records;
+  (`hf_mohd.conversion.mohd.compensation`), whose training-free gain `prepare` records;
 - a ladder of healing arms at 75%, each adding one lever to the previous one (see `ARMS`): unit gates, nested
   healing at the target k and at full activation (`distill.active_sub_dims`), a gradual schedule, compensation,
   uneven budgets, intermediate (residual-stream) distillation;
 - uneven budgets (`budgets`): each unit-gate student with every layer and sublayer kind at its own k, allocated by
-  `hf_mohd.conversion.budgets` on the calibration text under the per-token parameter budget of its uniform k (from
+  `hf_mohd.conversion.mohd.budgets` on the calibration text under the per-token parameter budget of its uniform k (from
   each sublayer's residual-stream error, and again from the model's output KL), and the held-out perplexity of the
   result, training-free; and (`sides`) the same students with only one side of each
   sublayer sparse (`sparse_sides` "input": it reads only the active blocks; "output": it writes only them);
@@ -69,7 +69,7 @@ from experiments.smollm2 import MODEL_CARDS_DIR, RESULTS_DIR, heal
 from experiments.smollm2 import evaluate_perplexity as ep
 from experiments.smollm2.held_out_sources import source_windows
 from hf_mohd.atomic_folder import write_folder_atomically, write_json_atomically
-from hf_mohd.conversion.budgets import BUDGET_ERRORS
+from hf_mohd.conversion.mohd.budgets import BUDGET_ERRORS
 from hf_mohd.evaluation.perplexity import perplexity
 
 
@@ -87,7 +87,7 @@ STUDENTS = {
 }
 # budgeted student -> (the unit-gate student it is allocated from, the allocation's error measure) (`budgets`):
 # "residual", each sublayer's local residual-stream error; "output", the model's output KL with only that sublayer
-# lowered (`hf_mohd.conversion.budgets`, `BUDGET_ERRORS`)
+# lowered (`hf_mohd.conversion.mohd.budgets`, `BUDGET_ERRORS`)
 BUDGETED = {
     "mohd75ub": ("mohd75u", "residual"),
     "mohd50ub": ("mohd50u", "residual"),
@@ -163,7 +163,7 @@ def prepare(work: Path) -> None:
 
     import hf_mohd  # noqa: F401
     from hf_mohd.cli import main as cli
-    from hf_mohd.conversion.compensation import fit_dropped_block_compensation
+    from hf_mohd.conversion.mohd.compensation import fit_dropped_block_compensation
 
     heal.prepare(work)
     info = heal.read_json(work / "ladder_prepare.json", {})
@@ -215,7 +215,7 @@ def budgets(work: Path, output: Path | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_mohd  # noqa: F401
-    from hf_mohd.conversion.budgets import BudgetAllocation, allocate_routed_sub_dims, apply_routed_budgets
+    from hf_mohd.conversion.mohd.budgets import BudgetAllocation, allocate_routed_sub_dims, apply_routed_budgets
 
     path = work / "ladder_budgets.json"
     info = heal.read_json(path, {})
@@ -306,7 +306,7 @@ def oracle(work: Path) -> None:
     import hf_mohd  # noqa: F401
     from experiments.smollm2.routing_analysis import oracle_routing_record
     from hf_mohd.conversion import load_dense_llama, rotate_llama
-    from hf_mohd.conversion.rotation import calibration_token_ids
+    from hf_mohd.conversion.calibration import calibration_token_ids
 
     path = work / "ladder_oracle.json"
     info = heal.read_json(path, {})
@@ -945,7 +945,7 @@ def model_card(work: Path, result: dict):
         " Then every layer and sublayer kind got its own k (`per_layer_config`), allocated greedily on "
         f"{allocation['allocation_tokens']:,} calibration tokens from "
         f"{BUDGET_ERRORS[allocation['allocation_error']]} at every k, under the per-token parameter budget of the "
-        "uniform k (`hf_mohd.conversion.budgets`; TEAL's greedy, arXiv 2408.14690)."
+        "uniform k (`hf_mohd.conversion.mohd.budgets`; TEAL's greedy, arXiv 2408.14690)."
         if "budgets" in allocation
         else ""
     )

@@ -16,10 +16,10 @@
 The oracle of a sparse layer picks, per token, the routed units that matter most by a measure the router cannot see
 at inference, and so bounds what any router over the same units can do:
 
-- Carved LatentMoE (`hf_mohd.conversion.carve`): the top-K experts by true activation mass
-  sum_{i in S_e} |h_i(x)| at the block's own input (`carve.expert_mass`), gate 1 (`oracle_routing`);
+- Carved LatentMoE (`hf_mohd.conversion.latent_moe.carve`): the top-K experts by true activation mass
+  sum_{i in S_e} |h_i(x)| at the block's own input (`hf_mohd.conversion.latent_moe.routers.expert_mass`), gate 1 (`oracle_routing`);
   `carved_routing_recall` measures |router top-K ∩ oracle top-K| / K on held-out tokens (a random router: K / N).
-- MoHD (`hf_mohd.conversion.routers`): the top-k routed blocks by the energy of the dense (rotated) model's
+- MoHD (`hf_mohd.conversion.mohd.routers`): the top-k routed blocks by the energy of the dense (rotated) model's
   normalised input (`routers.block_energies`), as a routing record in `RoutingCache.routing_record`'s format
   (`oracle_routing_record`); passed as `routing_replay=` it makes every router use those blocks. With zero router
   weights and `routed_gate="normalized"` the recomputed gates are exactly k (1 / N_r) / (k / N_r) = 1, so the oracle
@@ -36,9 +36,9 @@ from collections.abc import Iterator
 
 import torch
 
-from hf_mohd.conversion.carve import every_expert_active, expert_mass, moe_blocks
-from hf_mohd.conversion.rotation import for_each_sublayer_input
-from hf_mohd.conversion.routers import block_energies, mohd_routers
+from hf_mohd.conversion.latent_moe.routers import every_expert_active, expert_mass, moe_blocks
+from hf_mohd.conversion.mohd.rotation import for_each_sublayer_input
+from hf_mohd.conversion.mohd.routers import block_energies, mohd_routers
 from hf_mohd.conversion.source import ConversionError, DenseLlamaSource
 from hf_mohd.models.modeling_common import topk_lower_index
 from hf_mohd.models.modeling_latent_moe import LatentMoEForCausalLM

@@ -22,6 +22,7 @@ interrupt never leaves a half-written model folder under the destination name.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..atomic_folder import write_folder_atomically
-from .source import ConversionError, DenseLlamaSource
+from .source import ConversionError, DenseLlamaSource, load_dense_llama
 
 
 logger = logging.getLogger(__name__)
@@ -159,7 +160,41 @@ def save_converted(
     return output
 
 
-__all__ = ["build_model_card", "check_destination", "save_converted"]
+@dataclasses.dataclass
+class ConversionResult:
+    """What `convert_mohd`, `convert_latent_moe` or `convert_carved_latent_moe` wrote.
+
+    Attributes:
+        path: the written model folder (resolved).
+        model: the converted model (eval mode), as saved.
+        max_logit_difference: with `verify=True`, max |logits(exact model) - logits(source)| on 2 x 32 random
+            tokens (fp32 logits; see `verify_logits`); None without.
+        calibration_tokens: calibration tokens used (rows x window), None without calibration text.
+    """
+
+    path: Path
+    model: object
+    max_logit_difference: float | None = None
+    calibration_tokens: int | None = None
+
+
+# Options of `convert_*` that concern the written folder (`save_converted`, the model card), not the conversion.
+SAVE_OPTIONS = ("base_model", "perplexity_json", "overwrite", "max_shard_size")
+
+
+def load_checked(
+    source, output_dir, gguf_file, dtype, perplexity_json=None, base_model=None, overwrite=False, max_shard_size="5GB"
+):
+    """(source, `save_converted` keyword arguments): the perplexity JSON files read (`card_perplexities`) and the
+    destination checked (`check_destination`) before the (possibly long) load (`load_dense_llama`) and conversion.
+
+    Raises:
+        ConversionError: as those three.
+    """
+    save_options = {"base_model": base_model, "overwrite": overwrite, "max_shard_size": max_shard_size}
+    save_options.update(card_perplexities([str(path) for path in perplexity_json] if perplexity_json else None))
+    check_destination(output_dir, overwrite)
+    return load_dense_llama(source, gguf_file=gguf_file, dtype=dtype), save_options
 
 
 def card_perplexities(paths: list[str] | None) -> dict:
@@ -200,3 +235,14 @@ def card_perplexities(paths: list[str] | None) -> dict:
             + f". Command: `{report.get('command', '?')}`."
         )
     return {"perplexities": perplexities, "perplexity_note": "\n\n".join(notes)}
+
+
+__all__ = [
+    "SAVE_OPTIONS",
+    "ConversionResult",
+    "build_model_card",
+    "card_perplexities",
+    "check_destination",
+    "load_checked",
+    "save_converted",
+]

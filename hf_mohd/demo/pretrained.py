@@ -12,7 +12,7 @@ dequantised to float32 as a `LlamaForCausalLM`). Two sparse versions, each writt
 2. MoHD: `convert_mohd` with the `compression_75` preset (75% of the residual width active per token), PCA rotation
    of the residual stream, routers fitted on the same calibration text, unit gates (the router only selects).
 
-Calibration: the first 8 articles of the Wikipedia sample of the `gensim` wheel (`carve.default_calibration_text`).
+Calibration: the first 8 articles of the Wikipedia sample of the `gensim` wheel (`hf_mohd.conversion.calibration.default_calibration_text`).
 Held-out text, each source cut into windows of 256 tokens: the last 8 Wikipedia articles (layout "lines", the text
 of the committed SmolLM2 results), and the Python Language Reference that every CPython ships as
 `pydoc_data.topics` (a second source; no calibration text comes from it). Each model also gets a short lm-eval run
@@ -96,21 +96,17 @@ def held_out_ids(tokenizer, tokens: int) -> dict[str, torch.Tensor]:
     """
     import pydoc_data.topics
 
-    from ..conversion.carve import HELD_OUT_ARTICLES
-    from ..corpora import wikipedia_articles
+    from ..conversion.calibration import HELD_OUT_ARTICLES
+    from ..corpora import token_windows, wikipedia_articles
 
     texts = {
         "wikipedia": [article.text for article in wikipedia_articles("lines")[-HELD_OUT_ARTICLES:]],
         "python_reference": [pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics)],
     }
-    windows = {}
-    for source, documents in texts.items():
-        ids = tokenizer("\n\n".join(documents), add_special_tokens=False)["input_ids"]
-        count = min(len(ids), tokens) // HELD_OUT_WINDOW
-        if count == 0:
-            raise ValueError(f"held-out source {source!r}: {len(ids)} tokens, less than one window of 256.")
-        windows[source] = torch.tensor(ids[: count * HELD_OUT_WINDOW]).view(count, HELD_OUT_WINDOW)
-    return windows
+    return {
+        source: token_windows(tokenizer, documents, HELD_OUT_WINDOW, tokens, name=f"held-out source {source!r}")
+        for source, documents in texts.items()
+    }
 
 
 def decode_tokens_per_s(models: dict, prompt: torch.Tensor, new_tokens: int, reps: int) -> dict[str, float]:
@@ -152,7 +148,7 @@ def run_pretrained_stage(folder: str | os.PathLike, stage: PretrainedStageConfig
     from transformers import AutoModelForCausalLM
 
     from ..conversion import convert_carved_latent_moe, convert_mohd, load_dense_llama
-    from ..conversion.carve import default_calibration_text
+    from ..conversion.calibration import default_calibration_text
     from ..evaluation import evaluate, summarize
     from ..evaluation.perplexity import perplexity
 
@@ -163,7 +159,8 @@ def run_pretrained_stage(folder: str | os.PathLike, stage: PretrainedStageConfig
     started = time.perf_counter()
     source = load_dense_llama(stage.source or smollm2_gguf(), dtype=torch.float32)
     tokenizer = source.tokenizer
-    calibration, _ = default_calibration_text(folder)
+    calibration = folder / "calibration.txt"  # what both conversions calibrate on, kept with their folders
+    calibration.write_text(default_calibration_text()[0], encoding="utf-8")
     held_out = held_out_ids(tokenizer, stage.held_out_tokens)
     seconds["load"] = time.perf_counter() - started
 

@@ -104,7 +104,7 @@ class LatentMoEConfig(AccountingMixin, PreTrainedConfig):
         `norm_topk_prob`, times `routed_scaling_factor`), the usual MoE gate. "unit": exactly 1 for every selected
         expert (`norm_topk_prob` and `routed_scaling_factor` do not apply), so the routed output is the plain sum of
         the K chosen experts, as in MoEfication (arXiv 2110.01786, section 3) and CMoE (arXiv 2502.04416): a dense
-        FFN carved into experts (`hf_mohd.conversion.carve`) is then the source FFN at K = N. The gradient reaches the
+        FFN carved into experts (`hf_mohd.conversion.latent_moe.carve`) is then the source FFN at K = N. The gradient reaches the
         router through a straight-through estimator (gate = s - stop_gradient(s) + 1 for the selected score s).
     initializer_range (`float`, *optional*, defaults to 0.02):
         The std of every random initialisation, per projection: the token embedding, the attention projections

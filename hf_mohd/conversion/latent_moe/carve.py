@@ -40,7 +40,7 @@ included), h = act(W_gate x) * (W_up x) (I,) the FFN's intermediate activation, 
    (arXiv 2601.18089: `fc1_latent_proj` D -> l before the routed experts, `fc2_latent_proj` l -> D after their
    combine; the router and the shared expert keep reading the full-width x). Per layer, two orthonormal bases from
    the calibration text (`latent_basis`: the top-l eigenvectors of an **uncentred** second moment, float64, signs
-   fixed as in `rotation.pca_rotation`): the input basis V (D, l) of the FFN inputs x, C = (1/M) sum_t x_t x_t^T,
+   fixed as in `pca.pca_rotation`): the input basis V (D, l) of the FFN inputs x, C = (1/M) sum_t x_t x_t^T,
    and the output basis U (D, l) of the routed experts' summed output y_t = W_{down,R} h_R(x_t) (R: every routed
    neuron, all experts active). Then `fc1_latent_proj.weight` = V^T (l, D), `fc2_latent_proj.weight` = U (D, l),
    and expert e reads in V and writes in U: gate / up rows W_{gate,S_e} V, W_{up,S_e} V (m, l), down
@@ -59,48 +59,42 @@ included), h = act(W_gate x) * (W_up x) (I,) the FFN's intermediate activation, 
    pretrained LLaMAs' FFN inputs can carry a large part of E||x||^2 = ||mu||^2 + tr(C - mu mu^T). The reported
    shares `latent_explained` (V, inputs) and `latent_output_explained` (U, routed outputs) = (sum of the top-l
    eigenvalues) / trace = 1 - E||x - V V^T x||^2 / E||x||^2 (the uncentred analogue of explained variance; 1 at
-   l = D). SliceGPT's rotation (`rotation.py`, arXiv 2401.15024 section 3.3) uses the same uncentred second moment.
-5. Router (`fit_carved_routers`), fitted without training: per layer, ridge least squares from x onto the centred
+   l = D). MoHD's rotation (`mohd/rotation.py`, SliceGPT, arXiv 2401.15024 section 3.3) uses the same uncentred second moment.
+5. Router (`routers.fit_carved_routers`), fitted without training: per layer, ridge least squares from x onto the centred
    log activation mass of each expert, y_e = log(sum_{i in S_e} |h_i| + eps) - mean over experts (float64):
    W_r^T = (X^T X + lambda I)^{-1} X^T Y, lambda = `ridge` * trace(X^T X) / D, eps = 1e-6 * mean mass. The top-K
    of W_r x then predicts the K experts of largest mass (MoEfication's "MLP selection" trains a small network to
    predict each expert's activation sum; this is a linear, closed-form version). Softmax (or sigmoid) scores keep the order of the logits.
-6. `every_expert_active` runs a carved model at K = N (the dense source's function, `hf-mohd convert --carve`'s
+6. `routers.every_expert_active` runs a carved model at K = N (the dense source's function, `hf-mohd convert --carve`'s
    check). The oracle arm (the top-K experts by true mass `expert_mass`, the upper bound of any router over this
    partition) and the routers' recall of it are analyses of the SmolLM2 experiments
    (`experiments/smollm2/routing_analysis.py`).
 
-Default calibration text (`carving_calibration_ids`): the first `CALIBRATION_ARTICLES` articles of the English
-Wikipedia sample that `hf_mohd.corpora.wikipedia_corpus` reads from the PyPI `gensim` wheel (CC BY-SA); the held-out
-text of the conversion evaluations (`experiments/smollm2/evaluate_perplexity.py`) is the *last* `HELD_OUT_ARTICLES` articles.
+Default calibration text (`calibration.calibration_ids`): the first `CALIBRATION_ARTICLES` articles of the English
+Wikipedia sample of the PyPI `gensim` wheel (CC BY-SA), in memory; evaluations hold out the *last*
+`HELD_OUT_ARTICLES` articles.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from transformers.activations import ACT2FN
 from transformers.initialization import no_init_weights
 
-from ..models.configuration_latent_moe import LatentMoEConfig
-from ..models.modeling_latent_moe import LatentMoEBlock, LatentMoEForCausalLM, LatentMoERouter
-from .latent_moe import COPIED_FIELDS
-from .rotation import calibration_token_ids, pca_rotation
-from .source import ConversionError, DenseLlamaSource, load_dense_llama
+from ...models.configuration_latent_moe import LatentMoEConfig
+from ...models.modeling_latent_moe import LatentMoEBlock, LatentMoEForCausalLM
+from ..calibration import calibration_ids as read_calibration
+from ..pca import principal_basis
+from ..source import ConversionError, DenseLlamaSource, load_dense_llama
+from .routers import fit_carved_routers, moe_blocks
+from .upcycle import COPIED_FIELDS
 
 
 logger = logging.getLogger(__name__)
-
-CALIBRATION_ARTICLES = 8  # first articles of the Wikipedia sample: the default calibration text
-HELD_OUT_ARTICLES = 8  # last articles of the sample: what the conversion evaluations hold out
-MASS_FLOOR = 1e-6  # eps of the log-mass target, relative to the mean expert mass of the layer
 
 
 @dataclasses.dataclass
@@ -169,28 +163,46 @@ class CarveReport:
 # ---------------------------------------------------------------------------------------------- options and sizes
 
 
-def check_carve_options(
-    num_experts: int, num_experts_per_tok: int, shared_fraction: float, latent_size: int | None = None
-) -> None:
-    """Checks the carving options that do not depend on the source.
+@dataclasses.dataclass(frozen=True)
+class CarveOptions:
+    """The carving settings that do not depend on the source, checked once, when built (before any weight is read).
+
+    Attributes:
+        num_experts: N routed experts per layer, a positive integer.
+        num_experts_per_tok: K experts per token, 1 <= K <= N (K = N computes the source exactly).
+        shared_fraction: share of the I neurons in the shared expert, in [0, 1).
+        latent_size: None (full-width routed experts) or a positive integer l (checked against the source's
+            hidden_size by `carved_config_from_llama`).
+        router_score_func: "softmax" or "sigmoid" (checked by `LatentMoEConfig`).
 
     Raises:
         ConversionError (a ValueError): `num_experts` not a positive integer, `num_experts_per_tok` outside
             [1, num_experts], `shared_fraction` outside [0, 1), `latent_size` neither None nor a positive integer;
-            the message names the input.
+            the message names the field.
     """
-    for name, value in (("num_experts", num_experts), ("num_experts_per_tok", num_experts_per_tok)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConversionError(f"`{name}` must be a positive integer, got {value!r}.")
-    if num_experts_per_tok > num_experts:
-        raise ConversionError(
-            f"`num_experts_per_tok` (K = {num_experts_per_tok}) must be <= `num_experts` (N = {num_experts})."
-        )
-    if isinstance(shared_fraction, bool) or not isinstance(shared_fraction, (int, float)):
-        raise ConversionError(f"`shared_fraction` must be a number in [0, 1), got {shared_fraction!r}.")
-    if not 0 <= shared_fraction < 1:
-        raise ConversionError(f"`shared_fraction` must be in [0, 1), got {shared_fraction!r}.")
-    _check_positive_latent_size(latent_size)
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    shared_fraction: float = 0.25
+    latent_size: int | None = None
+    router_score_func: str = "softmax"
+
+    def __post_init__(self):
+        for name in ("num_experts", "num_experts_per_tok"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConversionError(f"`{name}` must be a positive integer, got {value!r}.")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConversionError(
+                f"`num_experts_per_tok` (K = {self.num_experts_per_tok}) must be <= `num_experts` "
+                f"(N = {self.num_experts})."
+            )
+        fraction = self.shared_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise ConversionError(f"`shared_fraction` must be a number in [0, 1), got {fraction!r}.")
+        if not 0 <= fraction < 1:
+            raise ConversionError(f"`shared_fraction` must be in [0, 1), got {fraction!r}.")
+        _check_positive_latent_size(self.latent_size)
 
 
 def _check_positive_latent_size(latent_size) -> None:
@@ -207,7 +219,7 @@ def check_latent_size(latent_size: int | None, hidden_size: int) -> None:
     """Checks a carve's latent width l against the source: None (full width) or 1 <= l <= hidden_size.
 
     Raises:
-        ConversionError: l not a positive integer (`check_carve_options`) or l > hidden_size (a latent space wider
+        ConversionError: l not a positive integer (`CarveOptions`) or l > hidden_size (a latent space wider
             than x has no orthonormal basis in it); the message names `latent_size` and the source's hidden_size.
     """
     _check_positive_latent_size(latent_size)
@@ -238,24 +250,15 @@ def carve_sizes(intermediate_size: int, num_experts: int, shared_fraction: float
     return shared, rest // num_experts
 
 
-def carved_config_from_llama(
-    llama_config,
-    *,
-    num_experts: int,
-    num_experts_per_tok: int,
-    shared_fraction: float,
-    router_score_func: str = "softmax",
-    latent_size: int | None = None,
-) -> LatentMoEConfig:
+def carved_config_from_llama(llama_config, options: CarveOptions) -> LatentMoEConfig:
     """LatentMoE config of a carved LLaMA: the source's shapes, routed experts of width m at full width
-    (`moe_latent_size=None`) or at latent width `latent_size` (`moe_latent_size=latent_size`, module docstring step
-    4b), a shared expert of width m_s (`carve_sizes`), `router_gate="unit"`, every layer MoE.
+    (`moe_latent_size=None`) or at latent width `options.latent_size` (module docstring step 4b), a shared expert of
+    width m_s (`carve_sizes`), `router_gate="unit"`, every layer MoE. The checks against the source, once per carve.
 
     Raises:
         ConversionError: a source that is not a gated (SwiGLU-style) LLaMA without MLP biases, or sizes that do not
-            fit (`check_carve_options`, `carve_sizes`, `check_latent_size`).
+            fit it (`carve_sizes`, `check_latent_size`).
     """
-    check_carve_options(num_experts, num_experts_per_tok, shared_fraction, latent_size)
     if getattr(llama_config, "model_type", None) != "llama":
         raise ConversionError(
             f"`source` must be a LLaMA-style checkpoint (model_type 'llama'), got {llama_config.model_type!r}.",
@@ -267,8 +270,8 @@ def carved_config_from_llama(
             "one neuron and LatentMoE experts hold none), so only sources with mlp_bias=False can be carved.",
             kind="wrong_type",
         )
-    shared, width = carve_sizes(llama_config.intermediate_size, num_experts, shared_fraction)
-    check_latent_size(latent_size, llama_config.hidden_size)
+    shared, width = carve_sizes(llama_config.intermediate_size, options.num_experts, options.shared_fraction)
+    check_latent_size(options.latent_size, llama_config.hidden_size)
     fields = {name: getattr(llama_config, name) for name in COPIED_FIELDS if hasattr(llama_config, name)}
     fields["head_dim"] = getattr(llama_config, "head_dim", None) or (
         llama_config.hidden_size // llama_config.num_attention_heads
@@ -276,12 +279,12 @@ def carved_config_from_llama(
     fields.update(
         mlp_gated=True,
         mixer_type="moe",
-        num_experts=num_experts,
-        num_experts_per_tok=num_experts_per_tok,
+        num_experts=options.num_experts,
+        num_experts_per_tok=options.num_experts_per_tok,
         moe_intermediate_size=width,
-        moe_latent_size=latent_size,
+        moe_latent_size=options.latent_size,
         moe_shared_expert_intermediate_size=shared,
-        router_score_func=router_score_func,
+        router_score_func=options.router_score_func,
         router_gate="unit",
     )
     try:
@@ -291,67 +294,6 @@ def carved_config_from_llama(
 
 
 # ------------------------------------------------------------------------------------------------- calibration
-
-
-def default_calibration_text(folder: str | Path, num_articles: int = CALIBRATION_ARTICLES) -> tuple[Path, str]:
-    """Write the first `num_articles` articles of the Wikipedia sample (`hf_mohd.corpora.wikipedia_corpus`, the
-    package's real-text reader) to `folder`/calibration.txt, one blank line between articles.
-
-    Returns:
-        (path of the text file, description naming the articles).
-
-    Raises:
-        ConversionError: `gensim` (which ships the sample) is not installed, or `num_articles` would reach the
-            last `HELD_OUT_ARTICLES` articles that evaluations hold out.
-    """
-    try:
-        from ..corpora import wikipedia_corpus
-
-        corpus, _ = wikipedia_corpus(str(folder))
-    except (ImportError, FileNotFoundError) as err:
-        raise ConversionError(
-            f"The default calibration text is the Wikipedia sample of the `gensim` wheel ({err}): pip install gensim, "
-            "or give a calibration text file (`calibration_text`, --calibration-text)."
-        ) from err
-    with open(corpus, encoding="utf-8") as handle:
-        articles = [json.loads(line) for line in handle]
-    if not 1 <= num_articles <= len(articles) - HELD_OUT_ARTICLES:
-        raise ConversionError(
-            f"`calibration_articles` must be in [1, {len(articles) - HELD_OUT_ARTICLES}] (the sample has "
-            f"{len(articles)} articles; the last {HELD_OUT_ARTICLES} are held out for evaluation), got {num_articles}."
-        )
-    chosen = articles[:num_articles]
-    path = Path(folder) / "calibration.txt"
-    path.write_text("\n\n".join(article["text"] for article in chosen), encoding="utf-8")
-    titles = ", ".join(article["title"] for article in chosen)
-    return path, f"the first {num_articles} articles of gensim's English Wikipedia sample (CC BY-SA): {titles}"
-
-
-def carving_calibration_ids(
-    source: DenseLlamaSource,
-    calibration_text: str | Path | None = None,
-    *,
-    max_tokens: int = 8192,
-    window: int = 256,
-) -> tuple[torch.Tensor, str]:
-    """(rows, `window`) calibration token ids for carving and a line describing them.
-
-    Args:
-        source: the dense LLaMA (its tokenizer tokenizes the text).
-        calibration_text: a UTF-8 text file; None: `default_calibration_text` (first Wikipedia articles).
-        max_tokens, window: at most this many tokens, in non-overlapping rows of `window` tokens.
-
-    Raises:
-        ConversionError: an unreadable file, a source without tokenizer, or text shorter than
-            max(hidden_size, window) tokens (`calibration_token_ids`; the least-squares router needs >= D tokens).
-    """
-    if calibration_text is not None:
-        ids = calibration_token_ids(source, calibration_text, window, max_tokens)
-        return ids, f"`{calibration_text}`, {ids.numel()} tokens"
-    with tempfile.TemporaryDirectory(prefix="hf-mohd-calibration-") as folder:
-        path, description = default_calibration_text(folder)
-        ids = calibration_token_ids(source, path, window, max_tokens)
-    return ids, f"{description}; {ids.numel()} tokens"
 
 
 @torch.no_grad()
@@ -477,7 +419,7 @@ def latent_basis(inputs: torch.Tensor, latent_size: int) -> tuple[torch.Tensor, 
     Returns:
         (V, explained): V (D, l) float64 with orthonormal columns, the eigenvectors of C = (1/M) X^T X (in float64)
         of the l largest eigenvalues in decreasing order, each column's largest-magnitude entry positive
-        (`rotation.pca_rotation`); explained = (sum of the top-l eigenvalues) / tr(C) = 1 - ||X - X V V^T||_F^2 /
+        (`pca.principal_basis`); explained = (sum of the top-l eigenvalues) / tr(C) = 1 - ||X - X V V^T||_F^2 /
         ||X||_F^2, in [0, 1] (0 for all-zero inputs).
 
     Raises:
@@ -486,12 +428,7 @@ def latent_basis(inputs: torch.Tensor, latent_size: int) -> tuple[torch.Tensor, 
     if inputs.ndim != 2:
         raise ConversionError(f"`inputs` must be (tokens, hidden_size), got shape {tuple(inputs.shape)}.")
     check_latent_size(latent_size, inputs.shape[1])
-    x = inputs.double()
-    vectors, values = pca_rotation(x.T @ x / x.shape[0])
-    values = values.clamp_min(0)  # C is positive semi-definite: negative eigenvalues are rounding
-    total = values.sum().item()
-    explained = values[:latent_size].sum().item() / total if total > 0 else 0.0
-    return vectors[:, :latent_size].contiguous(), min(explained, 1.0)
+    return principal_basis(inputs, latent_size)
 
 
 def _fill_block(
@@ -522,89 +459,6 @@ def _fill_block(
         block.shared_experts.down_proj.weight.copy_(down[:, carving.shared])
 
 
-# ------------------------------------------------------------------------------------------------- routers
-
-
-def expert_mass(block: LatentMoEBlock, hidden_states: torch.Tensor) -> torch.Tensor:
-    """True activation mass of every routed expert: (..., D) FFN inputs -> (M, N), mass_e = sum over the expert's
-    neurons of |h_i| (the expert's intermediate activation, computed in at least fp32 at the block's latent input)."""
-    experts = block.experts
-    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-    latent = block.fc1_latent_proj(flat)
-    dtype = torch.promote_types(latent.dtype, torch.float32)
-    latent = latent.to(dtype)
-    if hasattr(experts, "gate_up_proj"):
-        gate, up = torch.einsum("md,ekd->mek", latent, experts.gate_up_proj.to(dtype)).chunk(2, dim=-1)
-        inner = experts.act_fn(gate.clone()) * up  # act_fn may work in place: on a copy
-    else:
-        inner = experts.act_fn(torch.einsum("md,ekd->mek", latent, experts.up_proj.to(dtype)).clone())
-    return inner.abs().sum(-1)
-
-
-def moe_blocks(model: LatentMoEForCausalLM) -> dict[int, LatentMoEBlock]:
-    """The MoE blocks of a LatentMoE model by decoder layer index, in layer order (dense layers left out)."""
-    return {idx: layer.mlp for idx, layer in enumerate(model.model.layers) if isinstance(layer.mlp, LatentMoEBlock)}
-
-
-def _log_mass_target(mass: torch.Tensor, floor: float) -> torch.Tensor:
-    logs = torch.log(mass + floor)
-    return logs - logs.mean(-1, keepdim=True)
-
-
-@torch.no_grad()
-def fit_carved_routers(model: LatentMoEForCausalLM, inputs: list[torch.Tensor], *, ridge: float = 0.1) -> list[float]:
-    """Set every router of a carved `model` to the ridge fit of the centred log expert masses onto the FFN input
-    (module docstring, step 5), in place.
-
-    Args:
-        model: a carved `LatentMoEForCausalLM` (its experts define the masses).
-        inputs: per MoE layer (every layer of a carved model) the (M, D) FFN inputs of the calibration tokens
-            (`ffn_inputs`), M >= D.
-        ridge: lambda relative to the mean eigenvalue of X^T X (> 0).
-
-    Returns:
-        The coefficient of determination R^2 of each layer's fit on the calibration tokens.
-
-    Raises:
-        ConversionError: `ridge` <= 0, or fewer calibration tokens than hidden_size.
-    """
-    if not ridge > 0:
-        raise ConversionError(f"`ridge` must be > 0, got {ridge!r}.")
-    r2 = []
-    for block, x in zip(moe_blocks(model).values(), inputs, strict=True):
-        width = x.shape[1]
-        if x.shape[0] < width:
-            raise ConversionError(
-                f"Fitting the carved routers needs at least hidden_size = {width} calibration tokens, got {x.shape[0]}."
-            )
-        mass = expert_mass(block, x).double()
-        x = x.double()
-        y = _log_mass_target(mass, MASS_FLOOR * mass.mean().item() + 1e-30)
-        gram = x.T @ x
-        lam = ridge * torch.trace(gram) / width
-        solution = torch.linalg.solve(gram + lam * torch.eye(width, dtype=gram.dtype), x.T @ y)  # (D, N)
-        block.gate.weight.copy_(solution.T.to(block.gate.weight.dtype))
-        residual = y - x @ solution
-        r2.append((1 - residual.pow(2).sum() / (y - y.mean(0)).pow(2).sum()).item())
-    return r2
-
-
-@contextlib.contextmanager
-def every_expert_active(model: LatentMoEForCausalLM) -> Iterator[LatentMoEForCausalLM]:
-    """Within the block, every router selects all N experts (K = N): with `router_gate="unit"` a carved model then
-    computes its source's function (at full width or latent width l = D; at l < D, the source with every routed
-    expert's input and output projected onto the latent basis). The routers' `top_k` is restored on exit."""
-    routers = [m for m in model.modules() if isinstance(m, LatentMoERouter)]
-    saved = [router.top_k for router in routers]
-    try:
-        for router in routers:
-            router.top_k = router.num_experts
-        yield model
-    finally:
-        for router, top_k in zip(routers, saved, strict=True):
-            router.top_k = top_k
-
-
 # ------------------------------------------------------------------------------------------------- carving
 
 
@@ -632,8 +486,8 @@ def carve_llama(
 
     Args:
         source: a `DenseLlamaSource` or anything `load_dense_llama` accepts (folder, .gguf file).
-        calibration_ids: (B, T) calibration token ids; None: tokenize `calibration_text` (`carving_calibration_ids`,
-            default the first Wikipedia articles).
+        calibration_ids: (B, T) calibration token ids; None: tokenize `calibration_text` (default the first
+            Wikipedia articles, `calibration.default_calibration_text`).
         num_experts: N routed experts per layer.
         num_experts_per_tok: K experts per token, 1 <= K <= N (K = N computes the source exactly).
         shared_fraction: share of the I neurons in the shared expert, in [0, 1); (I - m_s) must divide into N.
@@ -644,7 +498,8 @@ def carve_llama(
         iterations: most balanced k-means steps per layer.
         seed: seed of the k-means++ seeding.
         batch_size: rows per calibration forward.
-        calibration_text, calibration_tokens, calibration_window: see `carving_calibration_ids`.
+        calibration_text: a UTF-8 text file; None: the default calibration text (`calibration.calibration_ids`).
+        calibration_tokens, calibration_window: at most this many calibration tokens, in rows of this many.
         dtype: dtype of the carved model; None keeps the source's.
         gguf_file: GGUF file name inside the folder `source`.
 
@@ -654,33 +509,62 @@ def carve_llama(
         partition of every layer (and, with a latent width, the second-moment share its basis keeps).
 
     Raises:
-        ConversionError (a ValueError; the message names the input): bad options (`check_carve_options`), a source
+        ConversionError (a ValueError; the message names the input): bad options (`CarveOptions`), a source
             that is not a LLaMA-style checkpoint (`load_dense_llama`) or has MLP biases, an intermediate_size that
             does not split into N equal experts after the shared part (`carve_sizes`), a `latent_size` that is not
             None or in [1, hidden_size] (`check_latent_size`), calibration text or ids with fewer than
             max(hidden_size, window) tokens.
     """
-    check_carve_options(num_experts, num_experts_per_tok, shared_fraction, latent_size)
+    options = CarveOptions(num_experts, num_experts_per_tok, shared_fraction, latent_size, router_score_func)
     if not isinstance(source, (str, Path, DenseLlamaSource)):
         raise ConversionError(
             f"`source` must be a LLaMA folder, a .gguf file or a DenseLlamaSource, got {type(source).__name__}.",
             kind="wrong_type",
         )
     source = load_dense_llama(source, gguf_file=gguf_file, dtype=dtype)
-    config = carved_config_from_llama(
-        source.config,
-        num_experts=num_experts,
-        num_experts_per_tok=num_experts_per_tok,
-        shared_fraction=shared_fraction,
-        router_score_func=router_score_func,
-        latent_size=latent_size,
-    )
+    config = carved_config_from_llama(source.config, options)
     if calibration_ids is None:
-        calibration_ids, calibration = carving_calibration_ids(
-            source, calibration_text, max_tokens=calibration_tokens, window=calibration_window
+        calibration_ids, calibration = read_calibration(
+            source, calibration_text, window=calibration_window, max_tokens=calibration_tokens
         )
     else:
         calibration = f"{calibration_ids.numel()} given token ids"
+    return carve_source(
+        source, config, calibration_ids, calibration, ridge=ridge, iterations=iterations, seed=seed,
+        batch_size=batch_size,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def carve_source(
+    source: DenseLlamaSource,
+    config: LatentMoEConfig,
+    calibration_ids: torch.Tensor,
+    calibration: str,
+    *,
+    ridge: float = 0.1,
+    iterations: int = 30,
+    seed: int = 0,
+    batch_size: int = 4,
+) -> tuple[LatentMoEForCausalLM, CarveReport]:
+    """Carve a loaded source into the LatentMoE `config` of `carved_config_from_llama` (module docstring): what
+    `carve_llama` runs after its checks, and `convert_carved_latent_moe` after its own.
+
+    Args:
+        source: the dense LLaMA.
+        config: its carved config (N, K, widths, latent width).
+        calibration_ids: (B, T) calibration token ids, at least hidden_size of them.
+        calibration: a line saying what the calibration text is (for the report and the model card).
+        ridge, iterations, seed, batch_size: as in `carve_llama`.
+
+    Returns:
+        (model, report) as `carve_llama`.
+
+    Raises:
+        ConversionError: `calibration_ids` not (B, T) or fewer than hidden_size tokens, or source tensors that do
+            not fit the config.
+    """
+    num_experts, latent_size = config.num_experts, config.moe_latent_size
     if calibration_ids.ndim != 2 or calibration_ids.numel() < config.hidden_size:
         raise ConversionError(
             f"`calibration_ids` must be (batch, seq) with at least hidden_size = {config.hidden_size} tokens, got "
@@ -796,24 +680,18 @@ def describe_carving(config: LatentMoEConfig, report: CarveReport, seed: int = 0
 
 
 __all__ = [
-    "CALIBRATION_ARTICLES",
-    "HELD_OUT_ARTICLES",
     "CarveReport",
     "LayerCarving",
     "balanced_assignment",
     "balanced_spherical_kmeans",
     "carve_llama",
+    "carve_source",
     "carve_sizes",
     "carved_config_from_llama",
-    "carving_calibration_ids",
-    "check_carve_options",
+    "CarveOptions",
     "check_latent_size",
-    "default_calibration_text",
     "describe_carving",
-    "every_expert_active",
-    "expert_mass",
     "ffn_inputs",
-    "fit_carved_routers",
     "intermediate_activation",
     "latent_basis",
     "partition_neurons",

@@ -23,8 +23,8 @@ gather strategy reads its weight instead, which no hook sees.
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..models.modeling_mohd import MoHDForCausalLM, MoHDSubDimensions
-from .source import ConversionError
+from ...models.modeling_mohd import MoHDForCausalLM, MoHDSubDimensions
+from ..source import ConversionError
 
 
 class _BlockStatistics:

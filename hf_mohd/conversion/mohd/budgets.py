@@ -45,11 +45,11 @@ from pathlib import Path
 
 import torch
 
-from ..atomic_folder import write_json_atomically
-from ..models.accounting import MOHD_SUBLAYERS
-from ..models.modeling_common import at_least_fp32
-from ..models.modeling_mohd import MoHDForCausalLM, MoHDSubDimensions
-from .source import ConversionError
+from ...atomic_folder import write_json_atomically
+from ...models.accounting import MOHD_SUBLAYERS
+from ...models.modeling_common import at_least_fp32
+from ...models.modeling_mohd import MoHDForCausalLM, MoHDSubDimensions
+from ..source import ConversionError
 
 
 # `convert_mohd(routed_budgets=...)`: every sublayer at the uniform k, or the greedy allocation of this module on the

@@ -36,9 +36,9 @@ import logging
 
 import torch
 
-from ..models.modeling_mohd import MoHDForCausalLM, MoHDRouter
+from ...models.modeling_mohd import MoHDForCausalLM, MoHDRouter
+from ..source import ConversionError, DenseLlamaSource
 from .rotation import for_each_sublayer_input
-from .source import ConversionError, DenseLlamaSource
 
 
 logger = logging.getLogger(__name__)

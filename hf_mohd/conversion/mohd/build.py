@@ -42,11 +42,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.configuration_mohd import MOHD_PRESETS, SPARSITY_FIELDS, MoHDConfig
-from ..models.modeling_mohd import MoHDForCausalLM, MoHDGroupFusion, MoHDRouter
+from ...models.configuration_mohd import MOHD_PRESETS, SPARSITY_FIELDS, MoHDConfig
+from ...models.modeling_mohd import MoHDForCausalLM, MoHDGroupFusion, MoHDRouter
+from ..source import ConversionError, DenseLlamaSource, load_dense_llama
 from .rotation import ROTATIONS, rotate_llama
 from .routers import ROUTER_INITS, fit_routers
-from .source import ConversionError, DenseLlamaSource, load_dense_llama
 
 
 logger = logging.getLogger(__name__)
@@ -327,6 +327,36 @@ def llama_to_mohd(
     source = load_dense_llama(source, gguf_file=gguf_file, dtype=dtype)
     if rotation == "pca":
         source, _ = rotate_llama(source, calibration_ids)
+    return build_mohd(
+        source, preset, seed=seed, channel_order=channel_order, routers=routers, calibration_ids=calibration_ids,
+        ridge=ridge, **sparsity,
+    )  # fmt: skip
+
+
+def build_mohd(
+    source: DenseLlamaSource,
+    preset: str | None,
+    *,
+    seed: int,
+    channel_order: str | Sequence[int],
+    routers: str,
+    calibration_ids: torch.Tensor | None,
+    ridge: float = 1e-3,
+    **sparsity,
+) -> MoHDForCausalLM:
+    """The MoHD model of a loaded (and, for a rotation, already rotated) source: `llama_to_mohd` after its option
+    check (`check_mohd_options`), which `convert_mohd` runs once per conversion before reading any weight.
+
+    Args:
+        source, preset, seed, channel_order, routers, calibration_ids, ridge, sparsity: as in `llama_to_mohd`.
+
+    Returns:
+        `MoHDForCausalLM` (eval mode) whose `generation_config` is the source's.
+
+    Raises:
+        ConversionError: the settings do not fit the source, a bad `channel_order` permutation, or too short
+            calibration text for fitted routers.
+    """
     config = mohd_config_from_llama(source.config, preset, **sparsity)
     logger.info(
         "MoHD: %d of %d sub-dimensions of width %d active per token (%d shared, %d routed of %d), sparse modules %s",
@@ -429,6 +459,7 @@ __all__ = [
     "CONVERSION_PRESETS",
     "calibrated_channel_importance",
     "channel_importance",
+    "build_mohd",
     "check_mohd_options",
     "describe_mohd_conversion",
     "llama_to_mohd",

@@ -39,10 +39,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.configuration_common import LLAMA_ARCHITECTURE_FIELDS
-from ..models.configuration_latent_moe import LatentMoEConfig
-from ..models.modeling_latent_moe import LatentMoEForCausalLM
-from .source import ConversionError, DenseLlamaSource, load_dense_llama
+from ...models.configuration_common import LLAMA_ARCHITECTURE_FIELDS
+from ...models.configuration_latent_moe import LatentMoEConfig
+from ...models.modeling_latent_moe import LatentMoEForCausalLM
+from ..source import ConversionError, DenseLlamaSource, load_dense_llama
 
 
 logger = logging.getLogger(__name__)

@@ -43,11 +43,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from .source import ConversionError, DenseLlamaSource
+from ..pca import pca_rotation
+from ..source import ConversionError, DenseLlamaSource
 
 
 logger = logging.getLogger(__name__)
@@ -197,52 +197,6 @@ def hidden_state_second_moment(source: DenseLlamaSource, input_ids: torch.Tensor
     return moment / count
 
 
-def pca_rotation(second_moment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Q, eigenvalues): eigenvectors of the symmetric (D, D) `second_moment` as columns of Q, sorted by decreasing
-    eigenvalue (D,), float64; each column's sign makes its largest-magnitude entry positive."""
-    values, vectors = torch.linalg.eigh(second_moment.double())
-    order = torch.argsort(values, descending=True)
-    values, vectors = values[order], vectors[:, order]
-    pivots = vectors.abs().argmax(0)
-    signs = torch.sign(vectors[pivots, torch.arange(vectors.shape[1])])
-    return vectors * signs, values
-
-
-def calibration_token_ids(
-    source: DenseLlamaSource, text_file: str | Path, window: int = 256, max_tokens: int = 16384
-) -> torch.Tensor:
-    """(rows, `window`) token ids of a UTF-8 text file, tokenized with the source tokenizer (no special tokens), cut
-    into non-overlapping rows, at most `max_tokens` tokens.
-
-    Raises:
-        ConversionError: the file cannot be read, the source has no tokenizer, `window` < 1, or the text holds fewer
-            than max(hidden_size, `window`) tokens (the PCA and the router fit need at least hidden_size).
-    """
-    path = Path(text_file)
-    if source.tokenizer is None:
-        raise ConversionError(
-            f"{source.path} has no tokenizer, so calibration text {path} cannot be tokenized.", "wrong_type"
-        )
-    if window < 1:
-        raise ConversionError(f"The calibration window must be >= 1 token, got {window}.")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        kind = "missing" if isinstance(err, FileNotFoundError) else "damaged"
-        raise ConversionError(f"Calibration text {path}: cannot read it as UTF-8 ({err}).", kind) from err
-    ids = source.tokenizer(text, add_special_tokens=False)["input_ids"]
-    needed = max(source.config.hidden_size, window)
-    rows = min(len(ids), max_tokens) // window
-    if rows * window < needed:
-        raise ConversionError(
-            f"Calibration text {path} holds {len(ids)} tokens ({rows} rows of {window} within max_tokens={max_tokens}); "
-            f"the PCA rotation and the router fit need at least hidden_size = {source.config.hidden_size} tokens "
-            "(thousands are better).",
-            "damaged",
-        )
-    return torch.tensor(ids[: rows * window]).view(rows, window)
-
-
 def rotate_llama(
     source: DenseLlamaSource,
     calibration_ids: torch.Tensor | None = None,
@@ -309,12 +263,10 @@ def rotate_llama(
 
 __all__ = [
     "ROTATIONS",
-    "calibration_token_ids",
     "SUBLAYER_NORMS",
     "fold_rmsnorm_weights",
     "for_each_sublayer_input",
     "hidden_state_second_moment",
-    "pca_rotation",
     "rotate_hidden_basis",
     "rotate_llama",
 ]
