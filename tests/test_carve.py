@@ -568,3 +568,35 @@ def test_smollm2_carved_is_exact_and_its_routers_beat_chance(float64_llama, tmp_
     recall = carved_routing_recall(model, source.tokenizer(text, return_tensors="pt").input_ids[:, :1024].view(4, 256))
     print(f"SmolLM2 N = 8, K = 2 routers: recall {recall['mean']:.3f} (chance {recall['chance']})")
     assert recall["mean"] >= 2 * recall["chance"], recall  # measured 0.62 (1024 calibration tokens)
+
+
+def test_a_carve_checks_its_options_once_and_its_fit_to_the_source_once(tiny_folder, tmp_path, monkeypatch):
+    """`convert_carved_latent_moe` validates the source-independent options once (`CarveOptions`, before loading)
+    and the settings against the source once (`carved_config_from_llama`): counted by wrapping both."""
+    from hf_mohd.conversion.latent_moe import carve, convert
+
+    counts = {"options": 0, "source": 0}
+    check, config_of = carve.CarveOptions.__post_init__, carve.carved_config_from_llama
+
+    def counted_check(self):
+        counts["options"] += 1
+        check(self)
+
+    def counted_config(*args, **kwargs):
+        counts["source"] += 1
+        return config_of(*args, **kwargs)
+
+    monkeypatch.setattr(carve.CarveOptions, "__post_init__", counted_check)
+    monkeypatch.setattr(convert, "carved_config_from_llama", counted_config)
+    monkeypatch.setattr(carve, "carved_config_from_llama", counted_config)
+    text = tmp_path / "calibration.txt"
+    words = torch.randint(3, VOCAB, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+    text.write_text(" ".join(f"w{i}" for i in words))
+    convert_carved_latent_moe(
+        tiny_folder, tmp_path / "out", num_experts=4, num_experts_per_tok=2, calibration_text=text
+    )
+    assert counts == {"options": 1, "source": 1}
+    counts.update(options=0, source=0)
+    with pytest.raises(ValueError, match="must be <= `num_experts`"):  # refused before the source is read
+        convert_carved_latent_moe(tmp_path / "missing", tmp_path / "bad", num_experts=4, num_experts_per_tok=5)
+    assert counts == {"options": 1, "source": 0}

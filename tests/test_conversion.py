@@ -786,6 +786,32 @@ def test_convert_mohd_from_python_writes_the_cli_folder(tmp_path):
     assert result.max_logit_difference == expected and 0 < expected <= 1e-4
 
 
+def test_convert_mohd_checks_its_options_once(tmp_path, monkeypatch):
+    """`check_mohd_options` runs once per `convert_mohd`, before the source is read (the verify and final builds
+    take the checked options as they are)."""
+    from hf_mohd.conversion.mohd import build, convert
+
+    calls = []
+    check = build.check_mohd_options
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(convert, "check_mohd_options", counted)
+    monkeypatch.setattr(build, "check_mohd_options", counted)
+    save_tiny_llama(tmp_path / "llama", tied=True, sharded=False)
+    text = tmp_path / "calibration.txt"
+    words = torch.randint(3, VOCAB, (400,), generator=torch.Generator().manual_seed(3)).tolist()
+    text.write_text(" ".join(f"w{i}" for i in words))
+    options = {"rotation": "pca", "routers": "fitted", "calibration_text": text, "calibration_window": 50}
+    convert_mohd(tmp_path / "llama", tmp_path / "out", "compression_75", verify=True, **options)
+    assert len(calls) == 1
+    with pytest.raises(ConversionError, match="channel_order"):
+        convert_mohd(tmp_path / "missing", tmp_path / "bad", rotation="pca", channel_order="importance")
+    assert len(calls) == 2 and not (tmp_path / "bad").exists()
+
+
 def test_convert_latent_moe_from_python_writes_the_cli_folder(tmp_path):
     save_tiny_llama(tmp_path / "llama", tied=True, sharded=False)
     oracle = LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval()  # transformers' own reader
