@@ -66,7 +66,7 @@ def test_block_major_mohd_decode_step_compiles_fullgraph_on_its_fused_weights():
     step reads a sublayer's input projections through that one storage (`fused_block_major_weight` decides on strides
     alone while compiling, `block_major_fused_views`), with no graph break and the eager greedy tokens."""
     model = build(FAMILIES["mohd"])
-    model.to_weight_layout("block_major")
+    model.to_weight_layout("column_major")
     groups = [group for layer in model.model.layers for group in (
         [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
         [layer.mlp.gate_proj, layer.mlp.up_proj],
@@ -109,7 +109,7 @@ def test_sorted_batched_decode_step_compiles_once():
     tokens (eager takes the host-ids plan for 4 tokens: two forms of the same function)."""
     model = build(FAMILIES["mohd"])
     model.set_sparse_implementation("sorted")
-    model.to_weight_layout("block_major")
+    model.to_weight_layout("column_major")
     prompt = input_ids(batch=4, length=5, seed=3)
     steps = 7
 

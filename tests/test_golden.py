@@ -55,8 +55,8 @@ MOHD_CONFIGS = {
 # (sparse_implementation, weight layout, small-batch plan, index-tensor plan forced)
 MOHD_STRATEGIES = [
     ("masked", "row_major", "auto", False),
-    *[("gather", layout, plan, False) for layout in ("block_major", "row_major") for plan in ("union", "per_block")],
-    *[("gather", layout, "union", True) for layout in ("block_major", "row_major")],
+    *[("gather", layout, plan, False) for layout in ("column_major", "row_major") for plan in ("union", "per_block")],
+    *[("gather", layout, "union", True) for layout in ("column_major", "row_major")],
 ]
 LATENT_MOE_CONFIGS = {
     "latent_shared": dict(

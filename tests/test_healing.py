@@ -215,7 +215,7 @@ def test_accounting_counts_the_compensation_tables():
 
     for sparse_modules in (["attention", "ffn"], ["ffn"]):
         model = build(2, dropped_block_compensation=True, sparse_modules=sparse_modules).to_weight_layout(
-            "block_major"
+            "column_major"
         )
         assert model.config.num_parameters() == sum(p.numel() for p in model.parameters())
         plain = build(2, sparse_modules=sparse_modules)

@@ -184,7 +184,7 @@ def test_few_tokens_path_equal_masked_with_gradients(tokens):
     assert_same_training_step(gather, masked, input_ids(1, tokens))
 
 
-@pytest.mark.parametrize("layout", ["row_major", "block_major"])
+@pytest.mark.parametrize("layout", ["row_major", "column_major"])
 @pytest.mark.parametrize("small_batch_plan", ["union", "per_block"])
 @pytest.mark.parametrize("batch", [1, 3, 9], ids=["batch1-few-tokens", "batch3-few-tokens", "batch9-grouped"])
 def test_cached_decoding_equals_masked_step_by_step(batch, small_batch_plan, layout):
@@ -215,7 +215,7 @@ def test_native_one_token_plan_runs_where_it_applies_and_yields_to_observers(mon
     the torch form instead, with the same logits, and autograd through the spans plan."""
     gather, masked = pair(routed_gate=routed_gate)
     gather.eval(), masked.eval()
-    gather.to_weight_layout("block_major")
+    gather.to_weight_layout("column_major")
     plans, router_calls = [], []
     route = modeling_mohd.MoHDSubDimensions.route
 
@@ -256,7 +256,7 @@ def test_native_one_token_plan_runs_where_it_applies_and_yields_to_observers(mon
         run("MoHDTokenPlan", routing_replay=replay)
         gather.to_weight_layout("row_major")
         run("MoHDTokenPlan")
-        gather.to_weight_layout("block_major")
+        gather.to_weight_layout("column_major")
     out_g = gather(input_ids=x)  # autograd on
     assert set(plans[-4:]) == {"MoHDSpansPlan"}
     out_g.logits.sum().backward()
@@ -269,7 +269,7 @@ def test_one_token_path_lists_why_a_faster_form_is_refused(monkeypatch):
     refuses it with its reason: more tokens or autograd (the general plans), the switch, the row-major layout, a hook
     on the router, missing kernels (the torch form of `MoHDTokenPlan`)."""
     gather = make_model(sparse_implementation="gather").eval()
-    gather.to_weight_layout("block_major")
+    gather.to_weight_layout("column_major")
     attention = gather.model.layers[0].self_attn
     sub_dims, projections = (
         attention.sub_dims,
@@ -327,13 +327,13 @@ def test_generate_equals_masked():
     assert torch.equal(gather.generate(prompt, **kwargs), masked.generate(prompt, **kwargs))
 
 
-@pytest.mark.parametrize("layout", ["block_major", "row_major"])
+@pytest.mark.parametrize("layout", ["column_major", "row_major"])
 def test_weight_layouts_keep_results(layout):
     """Both input-projection layouts give the masked path's logits and gradients; shapes and state dict stay."""
     gather, masked = pair(attention_bias=True)
     gather.to_weight_layout(layout)
     q_proj = gather.model.layers[0].self_attn.q_proj.weight
-    assert q_proj.shape == (64, 64) and q_proj.stride() == ((1, 64) if layout == "block_major" else (64, 1))
+    assert q_proj.shape == (64, 64) and q_proj.stride() == ((1, 64) if layout == "column_major" else (64, 1))
     assert gather.model.layers[0].self_attn.o_proj.weight.is_contiguous()  # output side stays row-major
     assert_same_training_step(gather, masked, input_ids(2, 5))
     gather.eval()
@@ -371,25 +371,27 @@ def test_contiguous_until_generate_then_block_major_and_invisible_on_disk(tmp_pa
     reloaded.to_weight_layout("row_major")
     reloaded.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert reloaded.model.layers[0].self_attn.k_proj.weight.is_contiguous()  # the layout chosen is kept
-    reloaded.to_weight_layout("block_major")
+    reloaded.to_weight_layout("column_major")
     # q (64) / k, v (2 kv heads of 16 each) fused into one (64, 128) storage
     assert reloaded.model.layers[0].self_attn.k_proj.weight.stride() == (1, 128)
     with torch.no_grad():
         x = input_ids(1, 1, seed=5)
         torch.testing.assert_close(reloaded(input_ids=x).logits, masked(input_ids=x).logits, rtol=1e-10, atol=1e-10)
-    with pytest.raises(ValueError, match="layout must be one of"):
-        gather.to_weight_layout("column")
+    with pytest.raises(
+        ValueError, match=r"`layout` must be one of \('column_major', 'row_major'\), got 'block_major'"
+    ):
+        gather.to_weight_layout("block_major")  # the former name: one vocabulary with LatentMoE now
 
 
 def test_fused_input_projections_share_one_storage_and_equal_masked(monkeypatch, tmp_path):
-    """`to_weight_layout("block_major")` stores q/k/v and gate/up of each sublayer as column ranges of one tensor
+    """`to_weight_layout("column_major")` stores q/k/v and gate/up of each sublayer as column ranges of one tensor
     (`fuse_block_major_`): values, shapes and the state dict unchanged; without autograd, one token on the host and
     few tokens by index tensors compute them with one product per span (counted: the fused tensor is handed out),
     several tokens per linear, all equal to the masked path; with autograd the per-linear products run and every
     weight gets its own gradient; a cast ends the fusion by itself."""
     gather, masked = pair()
     before = {name: tensor.clone() for name, tensor in gather.state_dict().items()}
-    gather.to_weight_layout("block_major")
+    gather.to_weight_layout("column_major")
     attention, mlp = gather.model.layers[0].self_attn, gather.model.layers[0].mlp
     qkv, gate_up = [attention.q_proj, attention.k_proj, attention.v_proj], [mlp.gate_proj, mlp.up_proj]
     assert mohd_layout.shares_block_major_storage(qkv) and mohd_layout.shares_block_major_storage(gate_up)
@@ -445,7 +447,7 @@ def test_fused_input_projections_share_one_storage_and_equal_masked(monkeypatch,
     assert not any(handed_out)
     assert gather.has_fused_input_projections()
     gather.save_pretrained(tmp_path)  # written row-major one sublayer at a time, then fused again
-    assert mohd_layout.shares_block_major_storage(qkv) and gather.decoding_weight_layout == "block_major"
+    assert mohd_layout.shares_block_major_storage(qkv) and gather.decoding_weight_layout == "column_major"
     from safetensors.torch import load_file
 
     saved = load_file(tmp_path / "model.safetensors")
@@ -454,7 +456,7 @@ def test_fused_input_projections_share_one_storage_and_equal_masked(monkeypatch,
     assert not mohd_layout.shares_block_major_storage(qkv)  # a cast copies each weight: the fusion ends by itself
 
 
-@pytest.mark.parametrize("layout", ["block_major", "row_major"])
+@pytest.mark.parametrize("layout", ["column_major", "row_major"])
 @pytest.mark.parametrize("tokens", [1, 2], ids=["one-token", "two-tokens"])
 def test_few_tokens_reads_by_index_tensors_equal_masked(monkeypatch, tokens, layout):
     """Under `torch.compile` (and on accelerators) the few-tokens plan reads the blocks through index tensors
@@ -478,7 +480,7 @@ def test_block_token_spans_group_blocks_by_their_tokens():
     assert block_token_spans(3, [[5, 6], [6, 5]]) == (((0, 3), (5, 7)), (slice(None), slice(None)))
 
 
-@pytest.mark.parametrize("layout", ["block_major", "row_major"])
+@pytest.mark.parametrize("layout", ["column_major", "row_major"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("tokens", [2, 3, 8])
 def test_per_block_small_batch_plan_equals_masked(tokens, bias, layout):
@@ -699,7 +701,7 @@ AUTOCAST_PLANS = {
 }
 
 
-@pytest.mark.parametrize("layout", ["block_major", "row_major"])
+@pytest.mark.parametrize("layout", ["column_major", "row_major"])
 @pytest.mark.parametrize("plan", list(AUTOCAST_PLANS))
 def test_gather_plans_under_bf16_autocast_follow_masked(monkeypatch, plan, layout):
     """On a float32 model under CPU bf16 autocast, every gather plan runs a forward (8 tokens, 1 token), `generate`
@@ -811,7 +813,7 @@ def grouped_kernel_parts(offsets: torch.Tensor) -> list[MoHDGroupPart]:
 
 
 @pytest.mark.parametrize("path", ["fused-per-group", "fused-grouped-kernel", "autograd-views"])
-@pytest.mark.parametrize("layout", ["block_major", "row_major"])
+@pytest.mark.parametrize("layout", ["column_major", "row_major"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("case", GROUPED_CASES, ids=["f64", "f32", "f32-unaligned"])
 def test_grouped_projection_gradients_equal_dense(monkeypatch, case, bias, layout, path):
@@ -932,7 +934,7 @@ def saved_bytes(run) -> tuple[object, int]:
     return result, total
 
 
-@pytest.mark.parametrize("layout", ["block_major", "row_major"])
+@pytest.mark.parametrize("layout", ["column_major", "row_major"])
 def test_grouped_projections_under_autocast_keep_less_and_match_autocast_linear(monkeypatch, layout):
     """Under CPU bf16 autocast (a bf16 Trainer run) the grouped path's projections still run as one autograd Function
     each, on operands cast as `F.linear` under autocast would cast them: the same bf16 output and gradients as the
@@ -1228,11 +1230,11 @@ def test_sorted_training_step_equals_masked(monkeypatch, overrides):
 
 
 def test_sorted_plan_reads_fused_input_projections_with_one_product():
-    """With the input projections in one block-major storage (`to_weight_layout("block_major")`) and autograd off,
+    """With the input projections in one block-major storage (`to_weight_layout("column_major")`) and autograd off,
     each sublayer's input side is one grouped product for q/k/v (gate/up) together and its output side one: 4
     grouped products per layer, and logits equal the masked path's in float64 (batched decoding steps too)."""
     sorted_model, masked = pair(implementation="sorted")
-    sorted_model.eval().to_weight_layout("block_major"), masked.eval()
+    sorted_model.eval().to_weight_layout("column_major"), masked.eval()
     assert sorted_model.has_fused_input_projections()
     calls = []
     original = mohd_plans.grouped_matmul

@@ -158,7 +158,7 @@ def _step(model, input_ids):
     fields=mohd_configs(),
     batch=st.integers(1, 2),
     length=st.integers(1, 9),
-    layout=st.sampled_from(["block_major", "row_major"]),
+    layout=st.sampled_from(["column_major", "row_major"]),
 )
 def test_mohd_gather_paths_equal_masked_in_float64_and_float32(fields, batch, length, layout):
     note(f"MoHDConfig(**{fields}); batch={batch}, length={length}, layout={layout}")

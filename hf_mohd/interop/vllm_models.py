@@ -182,7 +182,7 @@ class MoHDForCausalLM(TransformersForCausalLM):
         blocks, contiguously, as `generate` stores them before decoding."""
         loaded = super().load_weights(weights)
         if self.kept_sparse_linears:
-            self.model.to_weight_layout("block_major")
+            self.model.to_weight_layout("column_major")
             logger.info_once("MoHD: input projections stored block-major (fused q/k/v and gate/up)")
             if self.text_config.sparse_implementation == "gather" and current_platform.is_cpu():
                 self.model.set_sparse_implementation("sorted")

@@ -45,6 +45,18 @@ from transformers.utils.output_capturing import capture_outputs
 from .routing_cache import RoutingCache
 
 
+# How a family stores the weights its sparse kernels read (`to_weight_layout` of both families): "column_major", each
+# weight (out, in) / expert weight (E, out, in) stored transposed (input-major), what decoding reads; "row_major", the
+# plain contiguous layout `__init__` and `from_pretrained` give. Values, shapes and checkpoints are the same for both.
+WEIGHT_LAYOUTS = ("column_major", "row_major")
+
+
+def check_weight_layout(layout: str) -> None:
+    """Raises ValueError naming `layout` and `WEIGHT_LAYOUTS` when it is not one of them."""
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"to_weight_layout: `layout` must be one of {WEIGHT_LAYOUTS}, got {layout!r}.")
+
+
 try:  # the context variable transformers' output-capturing hooks read (private: absent, every such hook counts)
     from transformers.utils.output_capturing import _active_collector
 except ImportError:  # pragma: no cover - other transformers versions

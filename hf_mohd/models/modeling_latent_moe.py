@@ -49,6 +49,7 @@ from .modeling_common import (
     TopKRouter,
     activation,
     cast_to,
+    check_weight_layout,
     load_balancing_loss,
     replayed_routes,
 )
@@ -257,9 +258,9 @@ def stored_transposed(weight: torch.Tensor) -> bool:
     )
 
 
-def experts_in_decoding_layout(experts: nn.Module) -> bool:
-    """Whether the experts' fused weights are stored expert-input-major (`LatentMoEPreTrainedModel.
-    to_experts_layout("decoding")`): `gate_up_proj` / `up_proj` (E, o, l) with `transpose(1, 2)` contiguous, and
+def experts_column_major(experts: nn.Module) -> bool:
+    """Whether the experts' fused weights are stored column-major, expert-input-major (`LatentMoEPreTrainedModel.
+    to_weight_layout("column_major")`): `gate_up_proj` / `up_proj` (E, o, l) with `transpose(1, 2)` contiguous, and
     `down_proj` (E, l, m) likewise, so that one expert's weights for one input scalar (a row of o) and for one hidden
     unit (a row of l) are contiguous rows of an embedding table."""
     first = experts.gate_up_proj if experts.has_gate else experts.up_proj
@@ -281,7 +282,7 @@ def gather_experts_forward(
     """`experts_implementation="gather"`: only the picked experts' weights are read, planned by the number of tokens M
     (as MoHD's gather strategy plans its blocks).
 
-    - Few tokens on a CPU (M <= `GATHER_FEW_TOKENS`, eager, no autograd, weights in the decoding layout that
+    - Few tokens on a CPU (M <= `GATHER_FEW_TOKENS`, eager, no autograd, weights in the column-major layout that
       `generate` sets; the decoding case, memory-bound): both products read exactly the K picked experts' weights
       once and copy none, by the native loops of `native_gather` (each picked expert's block streamed), or, where
       those are not built or the dtypes differ, as `embedding_bag` over the weights' rows. Up side: row (e l + i)
@@ -305,7 +306,7 @@ def gather_experts_forward(
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
         and not (self.has_bias or self.is_transposed or self.has_post_expert_norm)
-        and experts_in_decoding_layout(self)
+        and experts_column_major(self)
     )
     if not direct:
         # torch's grouped kernel on CPU is a loop over every expert, so there the dense form wins from K = E / 4
@@ -501,18 +502,18 @@ class LatentMoEPreTrainedModel(PreTrainedModel):
             self._keep_in_fp32_modules_strict = ["e_score_correction_bias"]
         super().post_init()
 
-    def to_experts_layout(self, layout: str = "decoding"):
+    def to_weight_layout(self, layout: str = "column_major"):
         """Stores every routed experts module's fused weights in `layout` (same values, shapes and names; only the
-        strides change) and returns the model. "decoding": expert-input-major (`experts_in_decoding_layout`), which
-        the gather kernel's direct read of few tokens needs; "default": contiguous, as `__init__` and
-        `from_pretrained` give them (what sharding, training wrappers and the other kernels expect). `generate` with
-        the gather kernel stores the decoding layout first.
+        strides change) and returns the model, like MoHD's `to_weight_layout`. "column_major": each expert's
+        (out, in) weight stored transposed, expert-input-major (`experts_column_major`), which the gather kernel's
+        direct read of few tokens needs; "row_major": contiguous, as `__init__` and `from_pretrained` give them (what
+        sharding, training wrappers and the other kernels expect). `generate` with the gather kernel stores the
+        column-major layout first.
 
         Raises:
-            ValueError: `layout` is not "decoding" or "default".
+            ValueError: `layout` is not one of `WEIGHT_LAYOUTS` ("column_major", "row_major").
         """
-        if layout not in ("decoding", "default"):
-            raise ValueError(f"`layout` must be 'decoding' or 'default', got {layout!r}.")
+        check_weight_layout(layout)
         # the new storages are plain tensors even when called under `torch.inference_mode()` (`generate` there):
         # inference tensors as parameter data could never be saved for a backward again
         with torch.inference_mode(False):
@@ -521,7 +522,7 @@ class LatentMoEPreTrainedModel(PreTrainedModel):
                     for param in module.parameters(recurse=False):
                         if param.dim() == 3:
                             stored = param.data.transpose(1, 2).contiguous().transpose(1, 2)
-                            param.data = stored if layout == "decoding" else param.data.contiguous()
+                            param.data = stored if layout == "column_major" else param.data.contiguous()
         return self
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
@@ -572,11 +573,11 @@ class LatentMoEForCausalLM(RoutedCausalLMMixin, LatentMoEPreTrainedModel, Genera
         self.post_init()
 
     def generate(self, *args, **kwargs):
-        """`GenerationMixin.generate`, after storing the experts' weights in the decoding layout when the experts
-        kernel is "gather" (`to_experts_layout`), whose direct read of each decoded token's experts needs it."""
-        # CODEPATH: the "gather" experts kernel (a carved checkpoint's, or chosen at load) reads the decoding layout.
+        """`GenerationMixin.generate`, after storing the experts' weights column-major when the experts kernel is
+        "gather" (`to_weight_layout`), whose direct read of each decoded token's experts needs it."""
+        # CODEPATH: the "gather" experts kernel (a carved checkpoint's, or chosen at load) reads the column-major layout.
         if self.config._experts_implementation == "gather":
-            self.to_experts_layout("decoding")
+            self.to_weight_layout("column_major")
         return super().generate(*args, **kwargs)
 
     def routers(self) -> list[LatentMoERouter]:

@@ -47,12 +47,12 @@ from .modeling_common import (
     TopKRouter,
     autocast_off,
     cast_to,
+    check_weight_layout,
     eager_attention_forward,
     load_balancing_loss,
     replayed_routes,
 )
 from .mohd_layout import (
-    WEIGHT_LAYOUTS,
     fuse_block_major_,
     fused_projection_groups,
     set_linear_layout_,
@@ -406,14 +406,14 @@ class MoHDPreTrainedModel(PreTrainedModel):
     }
 
     # The layout `generate` stores the input-side weights in before decoding; `to_weight_layout` sets it.
-    decoding_weight_layout = "block_major"
+    decoding_weight_layout = "column_major"
 
-    def to_weight_layout(self, layout: str = "block_major"):
+    def to_weight_layout(self, layout: str = "column_major"):
         """Stores the input-side projections that each sublayer's strategy reads by blocks (the gather strategy: q/k/v,
         gate/up) in `layout`, in place, like `Module.to(memory_format=...)`: a storage format, not a hyperparameter
         (results do not depend on it), and the layout `generate` keeps from then on.
 
-        "block_major": column-major, so each s-column sub-dimension block is one contiguous span and batch-1
+        "column_major": column-major, so each s-column sub-dimension block is one contiguous span and batch-1
         decoding streams only the active blocks; the input projections of a sublayer (q/k/v, gate/up) share one
         (D, sum of widths) storage (`fuse_block_major_`), so that the gather plans compute them with one product per
         span of blocks (each weight is the transpose of a column range of it, strides (1, sum of widths)). `generate`
@@ -425,10 +425,9 @@ class MoHDPreTrainedModel(PreTrainedModel):
         tensor-parallel ones are left alone.
 
         Raises:
-            ValueError: `layout` is not one of "block_major", "row_major".
+            ValueError: `layout` is not one of `WEIGHT_LAYOUTS` ("column_major", "row_major").
         """
-        if layout not in WEIGHT_LAYOUTS:
-            raise ValueError(f"to_weight_layout: layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
+        check_weight_layout(layout)
         self.decoding_weight_layout = layout
         # the new storages are plain tensors even when called under `torch.inference_mode()` (`generate` there):
         # inference tensors as parameter data could never be saved for a backward again
@@ -438,7 +437,7 @@ class MoHDPreTrainedModel(PreTrainedModel):
                 if isinstance(sub_dims, MoHDSubDimensions):
                     for name in sub_dims.strategy.block_major_projections:
                         set_linear_layout_(getattr(module, name, None), layout)
-                    if layout == "block_major":
+                    if layout == "column_major":
                         for linears in fused_projection_groups(module, sub_dims.strategy.fused_projections):
                             fuse_block_major_(linears)
         return self

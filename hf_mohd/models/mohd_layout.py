@@ -14,7 +14,7 @@
 """How MoHD's projection weights are stored for the gather strategy: block-major layout and fused storages.
 
 An input-side sub-dimension block (s columns of a (out, in) `nn.Linear` weight) is s strided floats per row in the
-row-major layout; stored column-major ("block_major", `set_linear_layout_`) it is s contiguous rows of `weight.T`,
+row-major layout; stored column-major ("column_major", `set_linear_layout_`) it is s contiguous rows of `weight.T`,
 which a decoding step streams at full bandwidth. A sublayer's input projections (q/k/v, gate/up) can also share one
 (in, sum of out) storage (`fuse_block_major_`), so that one product per span of blocks computes all of them. The layout
 is read from each tensor's strides, never from a flag: any layout computes the same values.
@@ -29,7 +29,6 @@ from torch import nn
 from .mohd_tensor_parallel import DTensor
 
 
-WEIGHT_LAYOUTS = ("block_major", "row_major")
 # the input projections the gather strategy reads by column blocks (`set_linear_layout_`), and the groups of them
 # that share one block-major storage (`fuse_block_major_`): q/k/v of attention, gate/up of the MLP
 BLOCK_MAJOR_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -37,7 +36,7 @@ FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def is_block_major(weight: torch.Tensor) -> bool:
-    """Whether a (out, in) weight holds the "block_major" layout of `set_linear_layout_` (column-major, stride
+    """Whether a (out, in) weight holds the "column_major" layout of `set_linear_layout_` (column-major, stride
     (1, out)), in which each input-side block of s columns is s contiguous rows of `weight.T`.
 
     The layout is a property of the tensor, read where a path chooses how to read the weight, not a flag kept beside
@@ -48,7 +47,7 @@ def is_block_major(weight: torch.Tensor) -> bool:
 
 
 def set_linear_layout_(linear: nn.Module, layout: str) -> None:
-    """Stores a plain `nn.Linear` weight (out, in) column-major ("block_major") or row-major, in place.
+    """Stores a plain `nn.Linear` weight (out, in) column-major ("column_major") or row-major, in place.
 
     Values and shape are unchanged; only the strides change ((1, out) or (in, 1)). A weight sharded by a tensor-parallel
     plan (a `DTensor` on a 1-D mesh, in a module that `from_pretrained(tp_plan=...)` hooked) gets its local shard
@@ -64,7 +63,7 @@ def set_linear_layout_(linear: nn.Module, layout: str) -> None:
         return
     if type(weight.data) is not torch.Tensor or weight.is_meta:
         return
-    if layout == "block_major" and not is_block_major(weight):
+    if layout == "column_major" and not is_block_major(weight):
         weight.data = weight.data.t().contiguous().t()
     elif layout == "row_major" and not weight.is_contiguous():
         weight.data = weight.data.contiguous()
@@ -201,7 +200,7 @@ def _set_local_shard_layout_(weight: nn.Parameter, layout: str) -> None:
     local = weight.to_local()
     if local.is_meta or local.dim() != 2:
         return
-    if layout == "block_major" and not is_block_major(local):
+    if layout == "column_major" and not is_block_major(local):
         local, stride = local.t().contiguous().t(), (1, weight.shape[0])
     elif layout == "row_major" and not local.is_contiguous():
         local, stride = local.contiguous(), (weight.shape[1], 1)

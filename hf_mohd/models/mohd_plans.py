@@ -412,7 +412,7 @@ class MoHDIndexedPlan(MoHDPlan):
         for linear in linears:
             weight = linear.weight
             if is_block_major(weight) and weight.dtype == values.dtype:
-                # column-major ("block_major"): the shared columns are one contiguous span, and each active column
+                # column-major ("column_major"): the shared columns are one contiguous span, and each active column
                 # is a contiguous row of weight.T that embedding_bag scales by its input and sums, reading no other
                 routed = F.embedding_bag(
                     columns, weight.t(), self.token_starts, mode="sum", per_sample_weights=flat_values

@@ -288,7 +288,7 @@ class MoHDGatherStrategy(MoHDStrategy):
 
     Weight layout: the input side (q/k/v, gate/up) reads column blocks; in the row-major `nn.Linear` layout a block
     is s contiguous floats per row, which a CPU streams at a fraction of the contiguous bandwidth. MoHD models
-    therefore decode with those weights column-major (`MoHDPreTrainedModel.to_weight_layout("block_major")`, which
+    therefore decode with those weights column-major (`MoHDPreTrainedModel.to_weight_layout("column_major")`, which
     `generate` applies before decoding: same values and shapes, `weight.t()` contiguous), which makes every block
     contiguous; after `__init__` and `from_pretrained` they are plain contiguous tensors. The plans follow the layout
     each weight actually has, so any layout is exact, only slower or faster: row-major input weights take the dense

@@ -117,10 +117,10 @@ def test_dense_masked_experts_equal_the_eager_loop_in_float64_here_and_in_mixtra
 @pytest.mark.parametrize("read", ["native", "embedding_bag"])
 @pytest.mark.parametrize("mlp_gated", [True, False])
 def test_gather_experts_read_only_the_picked_experts_and_equal_the_eager_loop(mlp_gated, read, tmp_path, monkeypatch):
-    """The gather kernel's direct read (few tokens, no autograd, decoding layout; the native kernels of
+    """The gather kernel's direct read (few tokens, no autograd, column-major layout; the native kernels of
     `native_gather`, or two `embedding_bag` calls where they are not built) is the eager loop's sum to float64
     rounding at 1 to 8 tokens; with more tokens it takes the dense masked form when tokens pick at least a quarter of
-    the experts on CPU (else the grouped kernel); `generate` stores the decoding layout, gives the eager model's greedy
+    the experts on CPU (else the grouped kernel); `generate` stores the column-major layout, gives the eager model's greedy
     tokens, and the model still saves and reloads to the same logits."""
     from hf_mohd.models import modeling_latent_moe
     from hf_mohd.models.native_gather import native_gather
@@ -153,7 +153,7 @@ def test_gather_experts_read_only_the_picked_experts_and_equal_the_eager_loop(ml
     with torch.no_grad():
         for tokens in (1, 4, 8, 9):
             ids = input_ids(batch=1, length=tokens)
-            model.to_experts_layout("decoding" if tokens <= 8 else "default")
+            model.to_weight_layout("column_major" if tokens <= 8 else "row_major")
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(modeling_latent_moe, "dense_masked_experts_forward", spy)
                 logits = model(ids).logits
@@ -164,25 +164,25 @@ def test_gather_experts_read_only_the_picked_experts_and_equal_the_eager_loop(ml
             # native: both layers' up and down products at 1-8 tokens, none at 9
             assert len(native_calls) == (4 if read == "native" and tokens <= 8 else 0), (tokens, native_calls)
             native_calls.clear()
-    model.to_experts_layout("default")
+    model.to_weight_layout("row_major")
     experts = model.model.layers[1].mlp.experts
-    assert not modeling_latent_moe.experts_in_decoding_layout(experts)
+    assert not modeling_latent_moe.experts_column_major(experts)
     prompt = input_ids(batch=1, length=5)
     generated = model.generate(prompt, max_new_tokens=6, do_sample=False)
-    assert modeling_latent_moe.experts_in_decoding_layout(experts)
+    assert modeling_latent_moe.experts_column_major(experts)
     expected = reference.generate(prompt, max_new_tokens=6, do_sample=False)
     assert torch.equal(generated, expected)
     model.save_pretrained(tmp_path / "saved")
     reloaded = LatentMoEForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float64)
     reloaded.set_experts_implementation("eager")
     torch.testing.assert_close(reloaded(prompt).logits, reference(prompt).logits, atol=1e-12, rtol=1e-10)
-    with pytest.raises(ValueError, match="layout"):
-        model.to_experts_layout("column_major")
+    with pytest.raises(ValueError, match=r"`layout` must be one of \('column_major', 'row_major'\), got 'decoding'"):
+        model.to_weight_layout("decoding")
     # an expert-parallel off-rank id (>= E, weight 0 in transformers' AllReduceEP) adds nothing; transformers marks
     # experts it has split (`MoEParamShard` sets `_is_expert_parallel`), and only those check the ids
     states = torch.randn(2, experts.hidden_dim, dtype=torch.float64)
     index, weight = torch.tensor([[0, 5], [8, 1]]), torch.rand(2, 2, dtype=torch.float64)
-    model.to_experts_layout("decoding")
+    model.to_weight_layout("column_major")
     experts._is_expert_parallel = True
     with torch.no_grad():
         torch.testing.assert_close(

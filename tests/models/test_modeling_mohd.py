@@ -287,7 +287,7 @@ def test_flops_per_token_equal_counted_matmuls_of_each_decoding_step(overrides):
     first, as `generate` does."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    model = make_model(sparse_implementation="gather", **overrides).to_weight_layout("block_major")
+    model = make_model(sparse_implementation="gather", **overrides).to_weight_layout("column_major")
     model.set_attn_implementation("eager")
     ids = input_ids(batch=1, length=4)
     cache = RoutingCache(config=model.config)
