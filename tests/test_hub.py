@@ -84,11 +84,12 @@ def test_prepare_files_completes_a_bare_folder(tmp_path):
 
     files = prepare_files(folder, "tester/mohd-tiny", card_kwargs={"eval_results": LM_EVAL_OUTPUT})
     auto_map, code = remote_code_files("mohd")
-    # accounting.py through the configs' accounting methods; no LatentMoE file (the per-layer field list lives in
-    # accounting.py); the native decoding kernels both families share
+    # accounting.py through the configs' accounting methods; no LatentMoE file (the per-layer schema of both families
+    # lives in configuration_layers.py); the native decoding kernels both families share
     assert set(code) == {
         "accounting.py",
         "configuration_common.py",
+        "configuration_layers.py",
         "configuration_mohd.py",
         "modeling_mohd.py",
         "modeling_common.py",

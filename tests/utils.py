@@ -187,6 +187,7 @@ FAMILIES = {
             "modeling_mohd.py",
             "configuration_mohd.py",
             "accounting.py",
+            "configuration_layers.py",
             "mohd_geometry.py",
             "mohd_layout.py",
             "mohd_plans.py",
@@ -228,7 +229,13 @@ FAMILIES = {
         fast_and_reference=({"experts_implementation": "grouped_mm"}, {"experts_implementation": "eager"}),
         prepare=_prepare_latent_moe,
         assistant_fields={"num_hidden_layers": 1, "per_layer_config": None},
-        code_files=("modeling_latent_moe.py", "configuration_latent_moe.py", "accounting.py", "native_gather.py"),
+        code_files=(
+            "modeling_latent_moe.py",
+            "configuration_latent_moe.py",
+            "accounting.py",
+            "configuration_layers.py",
+            "native_gather.py",
+        ),
         saved_fields={
             "tie_word_embeddings": True,
             "router_score_func": "sigmoid",

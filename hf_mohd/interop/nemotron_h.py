@@ -42,8 +42,8 @@ import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
 from ..atomic_folder import write_folder_atomically
-from ..models.accounting import MOE_SHAPE_FIELDS
 from ..models.configuration_latent_moe import LatentMoEConfig
+from ..models.configuration_layers import MOE_SHAPE_FIELDS
 from ..models.modeling_latent_moe import LatentMoEForCausalLM
 
 

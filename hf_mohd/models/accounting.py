@@ -56,32 +56,21 @@ Everything takes plain numbers, or a config-like object: a `PreTrainedConfig` (L
 through `config.per_layer_config[i]`), any object with the field names as attributes, or a plain `dict` such as a
 parsed `config.json` (its `per_layer_config` maps layer indices, int or zero-padded str, to field overrides).
 
-This file is copied next to the weights of both families as remote code: it imports only the standard library at
-module level (the check of a dict's per-layer overrides imports `configuration_latent_moe` when it runs).
+This file is copied next to the weights of both families as remote code: it imports only the standard library and the
+per-layer schema (`configuration_layers.py`) at module level.
 """
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-
-MIXER_TYPES = ("moe", "mlp")
-# The fields that shape a LatentMoE block (experts, widths, routed scale): what may differ between two MoE layers.
-MOE_SHAPE_FIELDS = (
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "moe_latent_size",
-    "moe_shared_expert_intermediate_size",
-    "routed_scaling_factor",
+from .configuration_layers import (
+    MIXER_TYPES,
+    MOHD_PER_LAYER_FIELDS,
+    MOHD_SUBLAYERS,
+    PER_LAYER_FIELDS,
+    check_layer_overrides,
 )
-# Fields a `per_layer_config` entry may override: the mixer of the layer, the dense width and the MoE shape;
-# everything else (width, attention, `mlp_gated`, `mlp_bias`, routing function) is one value for the whole model.
-# `LatentMoEConfig` and the accounting of config dicts check overrides against this one list (`check_layer_overrides`).
-PER_LAYER_FIELDS = ("mixer_type", "intermediate_size", *MOE_SHAPE_FIELDS)
-# MoHD's sublayer kinds, and the fields a MoHD `per_layer_config` entry may override: the routed sub-dimensions per
-# token of each kind (`routed_sub_dims_per_tok`); the block geometry and the default k are one value for the model.
-MOHD_SUBLAYERS = ("attention", "ffn")
-MOHD_PER_LAYER_FIELDS = tuple(f"{kind}_routed_sub_dims_per_tok" for kind in MOHD_SUBLAYERS)
+
 
 # LatentMoE fields the accounting of a layer reads, with the value used when a config lacks them.
 LAYER_FIELD_DEFAULTS = {
@@ -103,24 +92,6 @@ LAYER_FIELD_DEFAULTS = {
 
 # Fields that mark a config of another mixture-of-experts family, whose experts these formulas do not describe.
 _FOREIGN_MOE_FIELDS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
-
-
-def check_layer_overrides(layer_idx, overrides: Mapping, allowed: tuple[str, ...] = PER_LAYER_FIELDS) -> None:
-    """Rejects a `per_layer_config` entry that overrides a field outside `allowed` (LatentMoE: `PER_LAYER_FIELDS`;
-    MoHD: `MOHD_PER_LAYER_FIELDS`).
-
-    Used by both configs' `validate_architecture` and by the accounting of config dicts and other config-like objects,
-    so all give the same message.
-
-    Raises:
-        ValueError: naming the layer, the fields that cannot vary per layer and the allowed ones.
-    """
-    unknown = sorted(set(overrides) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"`per_layer_config[{layer_idx}]` overrides {unknown}, which cannot vary per layer; "
-            f"allowed fields: {list(allowed)}."
-        )
 
 
 def _check_positive(name: str, value, where: str = "") -> int:

@@ -22,7 +22,7 @@ from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils import auto_docstring
 from transformers.utils.type_validators import interval
 
-from .accounting import MIXER_TYPES, PER_LAYER_FIELDS, check_layer_overrides, layer_accounting
+from .accounting import layer_accounting
 from .configuration_common import (
     LLAMA_PP_PLAN,
     LLAMA_TP_PLAN,
@@ -33,6 +33,7 @@ from .configuration_common import (
     default_head_dim,
     raise_value_errors,
 )
+from .configuration_layers import MIXER_TYPES, PER_LAYER_FIELDS, check_layer_overrides
 
 
 # Every parallel rule a LatentMoE can need, keyed by the kind of module it names; a config's plans hold the rules of

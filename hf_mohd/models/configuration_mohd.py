@@ -19,7 +19,7 @@ from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils import auto_docstring
 from transformers.utils.type_validators import interval
 
-from .accounting import MOHD_PER_LAYER_FIELDS, MOHD_SUBLAYERS, check_layer_overrides, routed_sub_dims_per_tok
+from .accounting import routed_sub_dims_per_tok
 from .configuration_common import (
     LLAMA_PP_PLAN,
     LLAMA_TP_PLAN,
@@ -30,6 +30,7 @@ from .configuration_common import (
     default_head_dim,
     raise_value_errors,
 )
+from .configuration_layers import MOHD_PER_LAYER_FIELDS, MOHD_SUBLAYERS, check_layer_overrides
 
 
 SPARSE_MODULES = ("attention", "ffn")

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from ...atomic_folder import write_json_atomically
-from ...models.accounting import MOHD_SUBLAYERS
+from ...models.configuration_layers import MOHD_SUBLAYERS
 from ...models.modeling_common import at_least_fp32
 from ...models.modeling_mohd import MoHDForCausalLM, MoHDSubDimensions
 from ..source import ConversionError
