@@ -1,5 +1,6 @@
 """Trainer tests: exact resumption, config errors, packing, and two processes ending with identical weights."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -541,3 +542,31 @@ def test_train_cli_refuses_other_model_in_a_run_folder_and_leaves_a_finished_run
     assert "already complete (2 of 2 steps)" in capsys.readouterr().out
     with open(os.path.join(final, "README.md")) as handle:
         assert handle.read() == "my model card\n"
+
+
+def test_model_support_reads_each_familys_declared_flags_and_nothing_of_llama():
+    """The trainer asks a model what it supports through its class flags (`ModelSupport.of`), not by probing for
+    methods: MoHD has layouts, strategies and several activations; LatentMoE layouts and router-bias updates; a
+    LLaMA none. Each flag names a method the family really has."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_mohd.training import ModelSupport
+    from tests.utils import FAMILIES
+
+    mohd, latent = FAMILIES["mohd"].build(0, torch.float32), FAMILIES["latent_moe"].build(0, torch.float32)
+    assert ModelSupport.of(mohd) == ModelSupport(
+        weight_layout=True, sparse_implementation=True, active_sub_dims=True, router_bias_update=False
+    )
+    assert ModelSupport.of(latent) == ModelSupport(weight_layout=True, router_bias_update=True)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2))  # fmt: skip
+    assert ModelSupport.of(llama) == ModelSupport()
+    methods = {
+        "weight_layout": "to_weight_layout",
+        "sparse_implementation": "set_sparse_implementation",
+        "active_sub_dims": "set_active_sub_dims",
+        "router_bias_update": "update_router_biases",
+    }
+    for model in (mohd, latent):
+        support = dataclasses.asdict(ModelSupport.of(model))
+        assert all(callable(getattr(model, methods[name], None)) == flag for name, flag in support.items()), support

@@ -492,6 +492,9 @@ class LatentMoEPreTrainedModel(PreTrainedModel):
         "attentions": Attention,
     }
 
+    # What the model lets a training loop do (read by `hf_mohd.training.ModelSupport`): `to_weight_layout`.
+    supports_weight_layout = True
+
     def post_init(self):
         """Lists `e_score_correction_bias` in `_keep_in_fp32_modules_strict` only for sigmoid routing, the only routing
         that builds the buffer: `from_pretrained(dtype=torch.bfloat16)` then loads it in fp32 (steps of gamma = 1e-3 on
@@ -565,6 +568,9 @@ class LatentMoEModel(RoutedDecoderMixin, LatentMoEPreTrainedModel):
 
 @auto_docstring
 class LatentMoEForCausalLM(RoutedCausalLMMixin, LatentMoEPreTrainedModel, GenerationMixin):
+    # `update_router_biases` after every optimizer step (aux-loss-free balancing; `hf_mohd.training.ModelSupport`)
+    supports_router_bias_update = True
+
     def __init__(self, config: LatentMoEConfig):
         super().__init__(config)
         self.model = LatentMoEModel(config)

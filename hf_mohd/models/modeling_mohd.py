@@ -405,6 +405,11 @@ class MoHDPreTrainedModel(PreTrainedModel):
         "attentions": Attention,
     }
 
+    # What the model lets a training loop do (read by `hf_mohd.training.ModelSupport`): `to_weight_layout`,
+    # `set_sparse_implementation`, `set_active_sub_dims`.
+    supports_weight_layout = True
+    supports_sparse_implementation = True
+    supports_active_sub_dims = True
     # The layout `generate` stores the input-side weights in before decoding; `to_weight_layout` sets it.
     decoding_weight_layout = "column_major"
 

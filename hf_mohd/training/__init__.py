@@ -11,7 +11,7 @@ from .config import (
     train_config_from_dict,
 )
 from .distill import distillation_loss, select_trainable
-from .trainer import TrainResult, evaluate_perplexity, exit_process, latest_checkpoint, train
+from .trainer import ModelSupport, TrainResult, evaluate_perplexity, exit_process, latest_checkpoint, train
 
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "distillation_loss",
     "select_trainable",
     "ModelConfig",
+    "ModelSupport",
     "OptimConfig",
     "TrainConfig",
     "TrainConfigError",

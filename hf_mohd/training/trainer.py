@@ -193,7 +193,7 @@ def build_model(config: TrainConfig, tokenizer):
         )
         model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32, **kwargs)
     if config.model.sparse_implementation:
-        if not hasattr(model, "set_sparse_implementation"):
+        if not ModelSupport.of(model).sparse_implementation:
             raise TrainConfigError(
                 f"`model.sparse_implementation` chooses a MoHD model's execution strategy; this model is "
                 f"{model.config.model_type!r}. Leave it empty."
@@ -520,18 +520,70 @@ def check_same_run(config: TrainConfig) -> None:
             )
 
 
-def train(config: TrainConfig) -> TrainResult:
-    """Run (or resume) one training run described by `config`; see `TrainConfig` for every knob."""
-    from accelerate.utils import DistributedType, set_seed
-    from tqdm.auto import tqdm
+@dataclass(frozen=True)
+class ModelSupport:
+    """What a model lets the trainer do, read once from its class flags (transformers' style, like
+    `supports_gradient_checkpointing`); a model without them (a LLaMA, any Hub model) supports none.
 
-    accelerator = make_accelerator(config)
-    os.makedirs(config.output_dir, exist_ok=True)
-    check_same_run(config)  # before any data is read
-    set_seed(config.seed)
+    Attributes:
+        weight_layout: `to_weight_layout("row_major")` stores the weights contiguous, as FSDP2 and DeepSpeed need
+            (both families, whose `generate` stores column-major weights).
+        sparse_implementation: `set_sparse_implementation(name)` chooses the execution strategy (MoHD).
+        active_sub_dims: `set_active_sub_dims(k)` runs the model at k routed sub-dimensions (MoHD): nested healing.
+        router_bias_update: `update_router_biases()` after every optimizer step (LatentMoE's aux-loss-free
+            balancing).
+    """
 
-    # Data and tokenizer. The main process goes first (it fills the `datasets` cache and saves the tokenizer), then
-    # the others read what it wrote, so every process holds the same tokenizer.
+    weight_layout: bool = False
+    sparse_implementation: bool = False
+    active_sub_dims: bool = False
+    router_bias_update: bool = False
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ModelSupport":
+        """The flags `supports_<name>` of `model` (unwrapped), False where the model does not declare one."""
+        return cls(**{f.name: bool(getattr(model, f"supports_{f.name}", False)) for f in dataclasses.fields(cls)})
+
+
+@dataclass
+class Run:
+    """Everything one `train` call works with: the prepared model and optimizer, the data, the log, and the running
+    window of the loop (losses since the last record, their timing)."""
+
+    config: TrainConfig
+    accelerator: object
+    tokenizer: object
+    batches: PackedBatches
+    eval_blocks: torch.Tensor
+    model: torch.nn.Module
+    unwrapped: torch.nn.Module
+    support: ModelSupport
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    state: TrainerState
+    log: "RunLog"
+    num_parameters: int
+    teacher: torch.nn.Module | None = None
+    hidden_basis_q: torch.Tensor | None = None
+    forward_kwargs: dict = field(default_factory=dict)
+    aux_coef: float = 0.0
+    tokens_per_step: int = 0
+    nested: bool = False
+    last_activations: list | None = None  # nested healing: the (k, weight) pairs of the last step
+    target_k: int | None = None
+    full_k: int | None = None
+    started: float = 0.0
+    steps_this_call: int = 0
+    window_kd: float = 0.0  # distillation KL since the last record (this process call)
+    window_kd_steps: int = 0
+    window_started: float = 0.0
+    window_resumed_steps: int = 0
+
+
+def prepare_data(config: TrainConfig, accelerator) -> tuple[object, PackedBatches, torch.Tensor]:
+    """(tokenizer, training batches, evaluation blocks). The main process goes first (it fills the `datasets` cache
+    and saves the tokenizer and the config), then the others read what it wrote, so every process holds the same
+    tokenizer."""
     with accelerator.main_process_first():
         documents = load_documents(config.data)
         train_texts, eval_texts = split_documents(documents, config.data.eval_fraction, config.seed)
@@ -546,9 +598,35 @@ def train(config: TrainConfig) -> TrainResult:
     batches = PackedBatches(
         train_blocks, config.micro_batch_size, config.seed, accelerator.process_index, accelerator.num_processes
     )
+    return tokenizer, batches, eval_blocks
 
-    # Model, optimizer, schedule.
+
+def resume_checkpoint(config: TrainConfig) -> str | None:
+    """The checkpoint folder `config.resume` asks for: the latest one ("auto"), none ("never") or the one named.
+
+    Raises:
+        TrainConfigError: `resume` is none of those.
+    """
+    if config.resume == "auto":
+        return latest_checkpoint(config.output_dir)
+    if config.resume == "never":
+        return None
+    if not os.path.isdir(config.resume):
+        raise TrainConfigError(f"`resume` {config.resume!r} is neither 'auto', 'never' nor a checkpoint folder.")
+    return config.resume
+
+
+def prepare_run(config: TrainConfig, accelerator, tokenizer, batches: PackedBatches, eval_blocks) -> Run:
+    """The model (`build_model`, the distillation teacher, the trainable selection), AdamW and its schedule prepared
+    by Accelerate, resumed from a checkpoint where `config.resume` says so, and the loop's constants.
+
+    Raises:
+        TrainConfigError: nested healing asked of a model that cannot run at several activations, or a bad `resume`.
+    """
+    from accelerate.utils import DistributedType
+
     model = build_model(config, tokenizer)
+    support = ModelSupport.of(model)
     num_parameters = sum(p.numel() for p in model.parameters())
     teacher = load_teacher(config.distill, model, accelerator.device, config.model.trust_remote_code)
     hidden_basis_q = None  # intermediate distillation: the student's residual-stream basis in the teacher's
@@ -557,11 +635,16 @@ def train(config: TrainConfig) -> TrainResult:
         # for the whole run, resumed or not
         hidden_basis_q = hidden_basis(teacher, model)
     model = select_trainable(model, config.model)
-    sharded = (DistributedType.FSDP, DistributedType.DEEPSPEED)
-    if accelerator.distributed_type in sharded and hasattr(model, "to_weight_layout"):
-        # FSDP2 shards and DeepSpeed flattens (and views as bytes to broadcast) contiguous parameters only: a MoHD
-        # model that has decoded (`generate` stores its input-side weights block-major) goes back to row-major.
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED) and support.weight_layout:
+        # FSDP2 shards and DeepSpeed flattens (and views as bytes to broadcast) contiguous parameters only: a model
+        # that has decoded (`generate` stores column-major weights) goes back to row-major.
         model.to_weight_layout("row_major")
+    nested = nested_healing(config.distill)
+    if nested and not support.active_sub_dims:
+        raise TrainConfigError(
+            "`distill.active_sub_dims`, `distill.random_active_weight` and `distill.schedule_fraction` train a "
+            f"MoHD model at several activations; this model is {type(model).__name__}."
+        )
     optim = config.optim
     optimizer = torch.optim.AdamW(
         param_groups(model, optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps
@@ -571,164 +654,206 @@ def train(config: TrainConfig) -> TrainResult:
     state = TrainerState()
     # The schedule is stepped by hand once per optimizer step (a prepared scheduler would step once per process).
     accelerator.register_for_checkpointing(scheduler, state)
-
-    # Resume.
-    resume_from = None
-    if config.resume == "auto":
-        resume_from = latest_checkpoint(config.output_dir)
-    elif config.resume != "never":
-        if not os.path.isdir(config.resume):
-            raise TrainConfigError(f"`resume` {config.resume!r} is neither 'auto', 'never' nor a checkpoint folder.")
-        resume_from = config.resume
+    resume_from = resume_checkpoint(config)
     if resume_from:
         load_checkpoint(accelerator, resume_from)
     log = RunLog(accelerator, os.path.join(config.output_dir, "log.jsonl"), state.step)
     scalars = {"seq_len": config.data.seq_len, "lr": optim.lr, "micro_batch_size": config.micro_batch_size}
     accelerator.init_trackers("train", config=scalars)
 
-    # The loop.
     unwrapped = accelerator.unwrap_model(model)
-    nested = nested_healing(config.distill)
-    if nested:
-        if not hasattr(unwrapped, "set_active_sub_dims"):
-            raise TrainConfigError(
-                "`distill.active_sub_dims`, `distill.random_active_weight` and `distill.schedule_fraction` train a "
-                f"MoHD model at several activations; this model is {type(unwrapped).__name__}."
-            )
-        # the model's own k: its config's default, which stands for its per-layer budgets when it has them
-        target_k, full_k = unwrapped.config.num_routed_sub_dims_per_tok, unwrapped.config.num_routed_sub_dims
-    extra = router_kwargs(unwrapped, config.router_aux_loss)
+    forward_kwargs = router_kwargs(unwrapped, config.router_aux_loss)
     if hidden_basis_q is not None:
-        extra = {**extra, "output_hidden_states": True}
-    aux_coef = float(getattr(unwrapped.config, "router_aux_loss_coef", 0.0) or 0.0)
+        forward_kwargs = {**forward_kwargs, "output_hidden_states": True}
     tokens_per_step = config.micro_batch_size * config.grad_accum_steps * accelerator.num_processes
-    tokens_per_step *= config.data.seq_len
-    stream = batches.iterate(state.epoch, state.index)
+    run = Run(
+        config=config,
+        accelerator=accelerator,
+        tokenizer=tokenizer,
+        batches=batches,
+        eval_blocks=eval_blocks,
+        model=model,
+        unwrapped=unwrapped,
+        support=support,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        state=state,
+        log=log,
+        num_parameters=num_parameters,
+        teacher=teacher,
+        hidden_basis_q=hidden_basis_q,
+        forward_kwargs=forward_kwargs,
+        aux_coef=float(getattr(unwrapped.config, "router_aux_loss_coef", 0.0) or 0.0),
+        tokens_per_step=tokens_per_step * config.data.seq_len,
+        nested=nested,
+    )
+    if nested:  # the model's own k: its config's default, which stands for its per-layer budgets when it has them
+        run.target_k, run.full_k = unwrapped.config.num_routed_sub_dims_per_tok, unwrapped.config.num_routed_sub_dims
+    return run
+
+
+def train_step(run: Run, stream) -> float | None:
+    """One optimizer step: `grad_accum_steps` micro-batches from `stream` (forward, objective, backward; nested
+    healing runs each at the step's activations), clipping, AdamW, the schedule and the model's post-step update.
+    Adds the micro-batches' losses to the state's window. Returns the gradient norm (None where DeepSpeed clips)."""
+    config, accelerator, model, state = run.config, run.accelerator, run.model, run.state
+    activations = None  # nested healing (`distill.active_sub_dims`, schedule): the (k, weight) of this step
+    if run.nested:
+        activations = step_activations(
+            config.distill, state.step, config.max_steps, run.target_k, run.full_k, config.seed
+        )
+    run.last_activations = activations
+    for micro in range(config.grad_accum_steps):
+        state.epoch, state.index, input_ids = next(stream)
+        input_ids = input_ids.to(accelerator.device)
+        sync = micro == config.grad_accum_steps - 1
+        with nullcontext() if sync else accelerator.no_sync(model):
+            teacher_logits = teacher_hidden = None
+            if run.teacher is not None:  # the teacher's logits of this micro-batch (kept in memory only)
+                with torch.no_grad():
+                    teacher_out = run.teacher(input_ids=input_ids, output_hidden_states=run.hidden_basis_q is not None)
+                    teacher_logits, teacher_hidden = teacher_out.logits, teacher_out.hidden_states
+
+            forward = functools.partial(model, input_ids=input_ids, labels=input_ids, **run.forward_kwargs)
+            objective_of = functools.partial(
+                student_objective,
+                teacher_logits=teacher_logits,
+                config=config.distill,
+                aux_coef=run.aux_coef,
+                teacher_hidden=teacher_hidden,
+                basis=run.hidden_basis_q,
+            )
+
+            def backward(objective):
+                accelerator.backward(objective / config.grad_accum_steps)
+
+            if activations is None:
+                outputs = forward()
+                objective, kd = objective_of(outputs)
+                backward(objective)
+            else:  # nested healing: the same weights at each k of this step, gradients summed
+                outputs, kd = nested_backward(
+                    run.unwrapped, activations, forward, objective_of, backward, own_k=run.target_k
+                )
+            run.window_kd += kd / config.grad_accum_steps
+        aux = getattr(outputs, "aux_loss", None)
+        aux = aux.detach().item() if aux is not None else 0.0
+        state.window_loss += (outputs.loss.item() - run.aux_coef * aux) / config.grad_accum_steps
+        state.window_aux += aux / config.grad_accum_steps
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.optim.grad_clip or float("inf"))
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.support.router_bias_update:  # aux-loss-free balancing (LatentMoE)
+        run.unwrapped.update_router_biases()
+    state.step += 1
+    state.tokens += run.tokens_per_step
+    run.steps_this_call += 1
+    state.window_steps += 1
+    run.window_kd_steps += 1
+    return grad_norm
+
+
+def log_window(run: Run, grad_norm) -> dict:
+    """Writes the record of the steps since the last one (mean loss and aux loss over every process, learning rate,
+    gradient norm, tokens, tokens/s of this process call; the distillation KL and the step's activations where they
+    apply), opens the next window, and returns the record."""
+    state, accelerator = run.state, run.accelerator
+    timed_steps = state.window_steps - run.window_resumed_steps  # steps run (and timed) in this process call
+    elapsed = time.perf_counter() - run.window_started
+    window = torch.tensor([state.window_loss, state.window_aux], dtype=torch.float64) / state.window_steps
+    loss, aux_loss = accelerator.reduce(window.to(accelerator.device), "mean").tolist()  # all processes
+    record = {
+        "step": state.step,
+        "loss": loss,
+        "aux_loss": aux_loss,
+        "lr": run.scheduler.get_last_lr()[0],
+        "grad_norm": float("nan") if grad_norm is None else float(grad_norm),  # None: DeepSpeed clips
+        "tokens": state.tokens,
+        "tokens_per_s": timed_steps * run.tokens_per_step / max(elapsed, 1e-9),
+    }
+    if run.teacher is not None:
+        record["distill_kl"] = run.window_kd / max(run.window_kd_steps, 1)
+        run.window_kd, run.window_kd_steps = 0.0, 0
+    if run.last_activations is not None:
+        record["active_sub_dims"] = [k for k, _ in run.last_activations]
+    run.log.write(record)
+    state.window_loss, state.window_aux, state.window_steps = 0.0, 0.0, 0
+    run.window_started, run.window_resumed_steps = time.perf_counter(), 0
+    return record
+
+
+def evaluate_and_log(run: Run) -> None:
+    """Held-out loss and perplexity on at most `eval_batches` batches, written to the log; its time is not counted
+    in the window's tokens/s."""
+    eval_started = time.perf_counter()
+    config = run.config
+    eval_loss, ppl = evaluate_perplexity(
+        run.model, run.eval_blocks, config.micro_batch_size, run.accelerator, config.eval_batches
+    )
+    run.log.write({"step": run.state.step, "eval_loss": eval_loss, "eval_perplexity": ppl})
+    run.window_started += time.perf_counter() - eval_started  # tokens/s counts training time only
+
+
+def run_steps(run: Run) -> None:
+    """The loop: optimizer steps until `max_steps` (or `stop_after_steps` in this call), with records every
+    `log_every`, evaluations every `eval_every` and checkpoints every `save_every` steps and at an interruption."""
+    from tqdm.auto import tqdm
+
+    config, state = run.config, run.state
+    stream = run.batches.iterate(state.epoch, state.index)
     bar = tqdm(
         total=config.max_steps,
         initial=state.step,
-        disable=not (accelerator.is_main_process and config.progress_bar),
+        disable=not (run.accelerator.is_main_process and config.progress_bar),
         desc=os.path.basename(os.path.normpath(config.output_dir)),
     )
-    started, steps_this_call = time.perf_counter(), 0
-    window_kd, window_kd_steps = 0.0, 0  # distillation KL since the last record (this process call)
-    window_started, window_resumed_steps = time.perf_counter(), state.window_steps
-    model.train()
+    run.window_started, run.window_resumed_steps = time.perf_counter(), state.window_steps
+    run.model.train()
     while state.step < config.max_steps:
-        activations = None  # nested healing (`distill.active_sub_dims`, schedule): the (k, weight) of this step
-        if nested:
-            activations = step_activations(config.distill, state.step, config.max_steps, target_k, full_k, config.seed)
-        for micro in range(config.grad_accum_steps):
-            state.epoch, state.index, input_ids = next(stream)
-            input_ids = input_ids.to(accelerator.device)
-            sync = micro == config.grad_accum_steps - 1
-            with nullcontext() if sync else accelerator.no_sync(model):
-                teacher_logits = teacher_hidden = None
-                if teacher is not None:  # the teacher's logits of this micro-batch (kept in memory only)
-                    with torch.no_grad():
-                        teacher_out = teacher(input_ids=input_ids, output_hidden_states=hidden_basis_q is not None)
-                        teacher_logits, teacher_hidden = teacher_out.logits, teacher_out.hidden_states
-
-                forward = functools.partial(model, input_ids=input_ids, labels=input_ids, **extra)
-                objective_of = functools.partial(
-                    student_objective,
-                    teacher_logits=teacher_logits,
-                    config=config.distill,
-                    aux_coef=aux_coef,
-                    teacher_hidden=teacher_hidden,
-                    basis=hidden_basis_q,
-                )
-
-                def backward(objective):
-                    accelerator.backward(objective / config.grad_accum_steps)
-
-                if activations is None:
-                    outputs = forward()
-                    objective, kd = objective_of(outputs)
-                    backward(objective)
-                else:  # nested healing: the same weights at each k of this step, gradients summed
-                    outputs, kd = nested_backward(
-                        unwrapped, activations, forward, objective_of, backward, own_k=target_k
-                    )
-                window_kd += kd / config.grad_accum_steps
-            aux = getattr(outputs, "aux_loss", None)
-            aux = aux.detach().item() if aux is not None else 0.0
-            state.window_loss += (outputs.loss.item() - aux_coef * aux) / config.grad_accum_steps
-            state.window_aux += aux / config.grad_accum_steps
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), optim.grad_clip or float("inf"))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if hasattr(unwrapped, "update_router_biases"):  # aux-loss-free balancing (LatentMoE)
-            unwrapped.update_router_biases()
-        state.step += 1
-        state.tokens += tokens_per_step
-        steps_this_call += 1
-        state.window_steps += 1
-        window_kd_steps += 1
+        grad_norm = train_step(run, stream)
         bar.update(1)
-
         if state.step % config.log_every == 0 or state.step == config.max_steps:
-            timed_steps = state.window_steps - window_resumed_steps  # steps run (and timed) in this process call
-            elapsed = time.perf_counter() - window_started
-            window = torch.tensor([state.window_loss, state.window_aux], dtype=torch.float64) / state.window_steps
-            loss, aux_loss = accelerator.reduce(window.to(accelerator.device), "mean").tolist()  # all processes
-            record = {
-                "step": state.step,
-                "loss": loss,
-                "aux_loss": aux_loss,
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": float("nan") if grad_norm is None else float(grad_norm),  # None: DeepSpeed clips
-                "tokens": state.tokens,
-                "tokens_per_s": timed_steps * tokens_per_step / max(elapsed, 1e-9),
-            }
-            if teacher is not None:
-                record["distill_kl"] = window_kd / max(window_kd_steps, 1)
-                window_kd, window_kd_steps = 0.0, 0
-            if activations is not None:
-                record["active_sub_dims"] = [k for k, _ in activations]
-            log.write(record)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            state.window_loss, state.window_aux, state.window_steps = 0.0, 0.0, 0
-            window_started, window_resumed_steps = time.perf_counter(), 0
-        if config.eval_every and state.step % config.eval_every == 0 and len(eval_blocks):
-            eval_started = time.perf_counter()
-            eval_loss, ppl = evaluate_perplexity(
-                model, eval_blocks, config.micro_batch_size, accelerator, config.eval_batches
-            )
-            log.write({"step": state.step, "eval_loss": eval_loss, "eval_perplexity": ppl})
-            window_started += time.perf_counter() - eval_started  # tokens/s counts training time only
-        interrupted = config.stop_after_steps and steps_this_call >= config.stop_after_steps
+            record = log_window(run, grad_norm)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if config.eval_every and state.step % config.eval_every == 0 and len(run.eval_blocks):
+            evaluate_and_log(run)
+        interrupted = config.stop_after_steps and run.steps_this_call >= config.stop_after_steps
         if (config.save_every and state.step % config.save_every == 0) or interrupted:
-            save_checkpoint(accelerator, config.output_dir, state.step, config.keep_checkpoints)
+            save_checkpoint(run.accelerator, config.output_dir, state.step, config.keep_checkpoints)
         if interrupted and state.step < config.max_steps:
             break
     bar.close()
-    if nested:  # the final evaluation and the saved model run at the model's own k
-        unwrapped.set_active_sub_dims(None)
+    if run.nested:  # the final evaluation and the saved model run at the model's own k
+        run.unwrapped.set_active_sub_dims(None)
 
+
+def finish(run: Run) -> TrainResult:
+    """The result of the call; for a finished run also the final full evaluation (read back from the log when a
+    rerun trained nothing), the last checkpoint and the final model folder (`save_final`)."""
+    config, accelerator, state, log = run.config, run.accelerator, run.state, run.log
     result = TrainResult(
         output_dir=config.output_dir,
         final_model_dir=None,
         steps=state.step,
         tokens=state.tokens,
-        seconds=time.perf_counter() - started,
-        num_parameters=num_parameters,
+        seconds=time.perf_counter() - run.started,
+        num_parameters=run.num_parameters,
         train_log=[r for r in log.records if "loss" in r],
     )
     if state.step >= config.max_steps:
         # a rerun of a finished run trains nothing; its final evaluation is already in the log
         finals = [r for r in log.records if r.get("eval_full") and r.get("step") == state.step]
-        done = finals[-1] if finals and not steps_this_call else None
+        done = finals[-1] if finals and not run.steps_this_call else None
         if done:
             result.eval_loss, result.eval_perplexity = done["eval_loss"], done["eval_perplexity"]
             accelerator.print(
                 f"{config.output_dir}: already complete ({state.step} of {config.max_steps} steps); "
                 "final evaluation read from log.jsonl"
             )
-        elif len(eval_blocks):
+        elif len(run.eval_blocks):
             result.eval_loss, result.eval_perplexity = evaluate_perplexity(
-                model, eval_blocks, config.micro_batch_size, accelerator
+                run.model, run.eval_blocks, config.micro_batch_size, accelerator
             )
             final = {"eval_loss": result.eval_loss, "eval_perplexity": result.eval_perplexity, "eval_full": True}
             log.write({"step": state.step, **final})
@@ -740,8 +865,26 @@ def train(config: TrainConfig) -> TrainResult:
             result.final_model_dir = os.path.join(config.output_dir, "final")
             # a finished run's final folder stays as it is (a model card or results added there are kept)
             if not (done and os.path.isfile(os.path.join(result.final_model_dir, "config.json"))):
-                save_final_model(accelerator, model, tokenizer, result.final_model_dir)
-    result.model = accelerator.unwrap_model(model)
+                save_final_model(accelerator, run.model, run.tokenizer, result.final_model_dir)
+    result.model = accelerator.unwrap_model(run.model)
+    return result
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Run (or resume) one training run described by `config`; see `TrainConfig` for every knob: data and tokenizer
+    (`prepare_data`), model, optimizer and resumption (`prepare_run`), the loop (`run_steps`: `train_step`,
+    `log_window`, `evaluate_and_log`, checkpoints), the final evaluation and save (`finish`)."""
+    from accelerate.utils import set_seed
+
+    accelerator = make_accelerator(config)
+    os.makedirs(config.output_dir, exist_ok=True)
+    check_same_run(config)  # before any data is read
+    set_seed(config.seed)
+    tokenizer, batches, eval_blocks = prepare_data(config, accelerator)
+    run = prepare_run(config, accelerator, tokenizer, batches, eval_blocks)
+    run.started = time.perf_counter()
+    run_steps(run)
+    result = finish(run)
     # every rank's collectives (the final save's among them) finish before `end_training` destroys the process group;
     # a process of a multi-process run should then end through `exit_process` (gloo's teardown race, see there)
     accelerator.wait_for_everyone()
