@@ -812,6 +812,40 @@ def test_convert_mohd_checks_its_options_once(tmp_path, monkeypatch):
     assert len(calls) == 2 and not (tmp_path / "bad").exists()
 
 
+def test_dropped_block_compensation_is_a_conversion_option(tmp_path):
+    """`--dropped-block-compensation` converts and fits the tables on the calibration text after routers and budgets:
+    the same weights as the plain conversion reloaded with compensation tables and fitted afterwards (the experiments'
+    way), tables not zero, the card saying so; without calibration text it is refused before anything is written."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_mohd.conversion.mohd.compensation import fit_dropped_block_compensation
+
+    save_tiny_llama(tmp_path / "llama", tied=True, sharded=False)
+    text = tmp_path / "calibration.txt"
+    words = torch.randint(3, VOCAB, (400,), generator=torch.Generator().manual_seed(3)).tolist()
+    text.write_text(" ".join(f"w{i}" for i in words))
+    src = str(tmp_path / "llama")
+    args = ["--preset", "compression_50", "--routers", "fitted", "--calibration-text", str(text)]
+    args += ["--calibration-window", "50", "--routed-gate", "unit", "-q"]
+    assert cli_main(["convert", "mohd", src, str(tmp_path / "plain"), *args]) == 0
+    assert cli_main(["convert", "mohd", src, str(tmp_path / "comp"), *args, "--dropped-block-compensation"]) == 0
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "comp").eval()
+    assert converted.config.dropped_block_compensation
+    oracle = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dropped_block_compensation=True).eval()
+    calibration = calibration_token_ids(load_dense_llama(src), text, window=50)
+    fit_dropped_block_compensation(oracle, calibration)
+    state, expected = converted.state_dict(), oracle.state_dict()
+    assert state.keys() == expected.keys()
+    tables = [name for name in state if "compensation" in name]
+    assert tables and any(state[name].abs().max() > 0 for name in tables)
+    for name in state:
+        torch.testing.assert_close(state[name], expected[name], rtol=0, atol=0, msg=name)
+    assert "Dropped-block compensation" in (tmp_path / "comp" / "README.md").read_text()
+    with pytest.raises(ConversionError, match=r"dropped_block_compensation=True fits .* give `calibration_text`"):
+        convert_mohd(src, tmp_path / "none", "compression_50", dropped_block_compensation=True)
+    assert not (tmp_path / "none").exists()
+
+
 def test_convert_latent_moe_from_python_writes_the_cli_folder(tmp_path):
     save_tiny_llama(tmp_path / "llama", tied=True, sharded=False)
     oracle = LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval()  # transformers' own reader

@@ -481,7 +481,7 @@ def test_ladder_budgets_reuse_the_allocation_the_report_records(tmp_path, monkey
 
     from experiments.smollm2 import heal, ladder
     from hf_mohd import MoHDForCausalLM
-    from hf_mohd.conversion import budgets as budgets_module
+    from hf_mohd.conversion.mohd import budgets as budgets_module
 
     class Tokenizer:
         def save_pretrained(self, folder):

@@ -102,9 +102,17 @@ def add_mohd_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     parser.add_argument(
         "--sparse-implementation",
-        choices=("gather", "masked"),
-        help="Execution path: gather reads only the active blocks' weights, masked multiplies at full width and "
-        "zeroes the rest (default: gather).",
+        choices=("gather", "sorted", "masked"),
+        help="Execution strategy: gather reads only the active blocks' weights; sorted, the same with the (token, "
+        "block) pairs of many tokens sorted into one grouped product per side (no atomics); masked multiplies at "
+        "full width and zeroes the rest (default: gather).",
+    )
+    parser.add_argument(
+        "--dropped-block-compensation",
+        action="store_true",
+        default=None,
+        help="Add each skipped routed block's mean contribution back (FLAP-style bias compensation per block), fitted "
+        "on the calibration text after the routers and budgets; needs --calibration-text.",
     )
     parser.add_argument(
         "--channel-order",
@@ -276,6 +284,7 @@ MOHD_OPTIONS = (
     "group_fusion",
     "sparse_modules",
     "sparse_implementation",
+    "dropped_block_compensation",
 )
 LATENT_MOE_OPTIONS = (
     "expert_init",

@@ -53,6 +53,7 @@ SPARSITY_FIELDS = (
     "router_aux_loss_coef",
     "sparse_implementation",
     "sparse_sides",
+    "dropped_block_compensation",
 )
 
 # The paper's settings (arXiv 2412.05644 section 4) from a base LLaMA shape: (width multiplier, N, N_s, k).

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import torch
 
 from ...models.configuration_mohd import MOHD_PRESETS, SPARSITY_FIELDS, MoHDConfig
-from ...models.modeling_mohd import MoHDForCausalLM, MoHDGroupFusion, MoHDRouter
+from ...models.modeling_mohd import MoHDForCausalLM, MoHDGroupFusion, MoHDRouter, MoHDSubDimensions
 from ..source import ConversionError, DenseLlamaSource, load_dense_llama
 from .rotation import ROTATIONS, rotate_llama
 from .routers import ROUTER_INITS, fit_routers
@@ -53,7 +53,10 @@ logger = logging.getLogger(__name__)
 
 # "full": every sub-dimension shared, alpha = 1, no fusion: the exact LLaMA-equivalent model (section 3 invariant).
 CONVERSION_PRESETS = ("full", "compression_50", "compression_75")
-FRESH_PARAMETER_SUFFIXES = ("sub_dims.router.weight", "sub_dims.group_fusion.weight")
+# Parameters the source has no tensor for: routers and group fusion (initialised here), and the dropped-block
+# compensation tables (zero until `compensation.fit_dropped_block_compensation` fits them).
+FRESH_PARAMETER_SUFFIXES = ("sub_dims.router.weight", "sub_dims.group_fusion.weight", "sub_dims.output_compensation")
+FRESH_PARAMETER_PARTS = (".sub_dims.input_compensation.",)
 CHANNEL_ORDERS = ("original", "importance")
 # Per sublayer: (its norm, the projections that read the normed width-D input, the projections that write width D).
 SUBLAYERS = (
@@ -230,7 +233,8 @@ def _channel_order(source: DenseLlamaSource, channel_order) -> torch.Tensor | No
 
 
 def _init_fresh_parameters(model: MoHDForCausalLM, seed: int) -> None:
-    """Routers ~ N(0, initializer_range^2) from a generator seeded with `seed`; group fusion = identity."""
+    """Routers ~ N(0, initializer_range^2) from a generator seeded with `seed`; group fusion = identity; dropped-block
+    compensation tables 0 (the function without compensation until they are fitted)."""
     generator = torch.Generator().manual_seed(seed)
     std = model.config.initializer_range
     with torch.no_grad():
@@ -240,6 +244,10 @@ def _init_fresh_parameters(model: MoHDForCausalLM, seed: int) -> None:
                 module.weight.copy_(fresh.to(module.weight.dtype))
             elif isinstance(module, MoHDGroupFusion):
                 module.weight.copy_(torch.eye(module.weight.shape[0], dtype=module.weight.dtype))
+            elif isinstance(module, MoHDSubDimensions) and module.output_compensation is not None:
+                module.output_compensation.zero_()
+                for table in module.input_compensation.values():
+                    table.zero_()
 
 
 def check_mohd_options(rotation, routers, channel_order, calibration, calibration_field: str) -> None:
@@ -372,7 +380,11 @@ def build_mohd(
     state_dict = source.state_dict if order is None else permute_hidden_channels(source.state_dict, order)
     model = MoHDForCausalLM(config).to(source.dtype)
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    not_fresh = [name for name in missing if not name.endswith(FRESH_PARAMETER_SUFFIXES)]
+    not_fresh = [
+        name
+        for name in missing
+        if not name.endswith(FRESH_PARAMETER_SUFFIXES) and not any(part in name for part in FRESH_PARAMETER_PARTS)
+    ]
     if unexpected or not_fresh:
         raise ConversionError(
             f"Source tensors do not match MoHD's LLaMA names: unexpected {unexpected[:5]}, missing {not_fresh[:5]}."

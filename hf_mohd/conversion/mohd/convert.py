@@ -36,6 +36,7 @@ from ..source import ConversionError, DenseLlamaSource, load_dense_llama
 from ..verify import verify_logits
 from .budgets import BUDGET_ERRORS, ROUTED_BUDGETS, allocate_routed_sub_dims, apply_routed_budgets
 from .build import build_mohd, check_mohd_options, describe_mohd_conversion
+from .compensation import fit_dropped_block_compensation
 from .rotation import rotate_llama
 
 
@@ -129,6 +130,11 @@ def convert_mohd(
             f"routed_budgets={routed_budgets!r} allocates on calibration text: give `calibration_text` "
             "(--calibration-text)."
         )
+    if sparsity.get("dropped_block_compensation") and calibration_text is None:
+        raise ConversionError(
+            "dropped_block_compensation=True fits the compensation tables on calibration text: give "
+            "`calibration_text` (--calibration-text)."
+        )
     source, save_options = load_checked(
         source, output_dir, gguf_file, dtype, perplexity_json, base_model, overwrite, max_shard_size
     )
@@ -187,6 +193,15 @@ def convert_mohd(
             f"text from {measure} at every k (TEAL's greedy, arXiv 2408.14690 section 4.2), under the per-token "
             f"parameter budget of k = {allocation.mean_routed_sub_dims:g} everywhere: {shown}."
         )
+    compensation_note = None
+    if model.config.dropped_block_compensation:  # after routers and budgets: what the model skips is final
+        fit = fit_dropped_block_compensation(model, calibration_ids)
+        compensation_note = (
+            "Dropped-block compensation (FLAP's bias compensation, arXiv 2312.11983, per routed block): each "
+            "sublayer adds the mean contribution of the blocks a token skips, measured on the calibration text "
+            f"({fit['tokens']} tokens; {100 * fit['inactive_share']:.1f}% of the (token, routed block) pairs "
+            "inactive), without training."
+        )
     changes = describe_mohd_conversion(
         model.config,
         seed,
@@ -196,8 +211,9 @@ def convert_mohd(
         calibration=calibration,
         untied_parameters=info["untied_parameters"],
     )
-    if budget_note:
-        changes = f"{changes}\n\n{budget_note}"
+    for note in (budget_note, compensation_note):
+        if note:
+            changes = f"{changes}\n\n{note}"
     path = save_converted(model, output_dir, converted, changes, **save_options)
     if progress is not None:
         progress.unlink(missing_ok=True)  # the allocation is in the saved config now
