@@ -695,9 +695,9 @@ BF16_EPS = 2.0**-8
 AUTOCAST_PLANS = {
     "host-union": ({"small_batch_plan": "union"}, MoHDSpansPlan),
     "host-per-block": ({"small_batch_plan": "per_block"}, MoHDSpansPlan),
-    "few-tokens": ({"host_tokens": 0, "few_tokens": 8}, MoHDIndexedPlan),
-    "grouped": ({"host_tokens": 0, "few_tokens": 0}, MoHDGroupedPlan),
-    "sorted": ({"host_tokens": 0, "few_tokens": 0}, MoHDSortedPlan),  # on the sorted strategy
+    "few-tokens": ({"host_tokens": 0, "few_tokens": 8, "cpu_dense_tokens": 0}, MoHDIndexedPlan),
+    "grouped": ({"host_tokens": 0, "few_tokens": 0, "cpu_dense_tokens": 0}, MoHDGroupedPlan),
+    "sorted": ({"host_tokens": 0, "few_tokens": 0, "cpu_dense_tokens": 0}, MoHDSortedPlan),  # the sorted strategy
 }
 
 
@@ -1233,7 +1233,9 @@ def test_sorted_plan_reads_fused_input_projections_with_one_product():
     """With the input projections in one block-major storage (`to_weight_layout("column_major")`) and autograd off,
     each sublayer's input side is one grouped product for q/k/v (gate/up) together and its output side one: 4
     grouped products per layer, and logits equal the masked path's in float64 (batched decoding steps too)."""
-    sorted_model, masked = pair(implementation="sorted")
+    with pytest.MonkeyPatch.context() as patch:  # 18 tokens: the sorted plan, not the CPU's batched-decoding one
+        patch.setattr(mohd_strategies, "CPU_DENSE_TOKENS", 0)
+        sorted_model, masked = pair(implementation="sorted")
     sorted_model.eval().to_weight_layout("column_major"), masked.eval()
     assert sorted_model.has_fused_input_projections()
     calls = []
@@ -1314,12 +1316,43 @@ def test_sorted_plan_accumulates_nothing_atomically(bias):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def test_cpu_plans_by_tokens_without_autograd(monkeypatch):
+    """An eager CPU forward without autograd takes, past the few-token plans, the masked plan up to
+    `cpu_dense_tokens` tokens (batched decoding), the sorted plan up to `cpu_sorted_tokens` (short prefills) and the
+    grouped plan beyond; with autograd the grouped plan at every such M. Logits equal the masked strategy's in
+    float64 in every regime. Thresholds shrunk to 16 / 40 tokens here to keep the model small."""
+    fast, masked = pair()
+    fast.eval(), masked.eval()
+    for strategy in strategies(fast):
+        strategy.cpu_dense_tokens, strategy.cpu_sorted_tokens = 16, 40
+    plans = []
+    build = MoHDGatherStrategy.plan
+    monkeypatch.setattr(MoHDGatherStrategy, "plan", lambda self, *args: plans.append(build(self, *args)) or plans[-1])
+
+    def plan_type(ids, grad=False):
+        plans.clear()
+        with torch.set_grad_enabled(grad):
+            torch.testing.assert_close(fast(ids).logits, masked(ids).logits, rtol=1e-10, atol=1e-10)
+        assert len({type(plan) for plan in plans}) == 1, plans
+        return type(plans[0])
+
+    assert strategies(fast)[0].host_tokens == 8
+    assert plan_type(input_ids(2, 4)) is MoHDSpansPlan  # 8 tokens: decoding's spans plan
+    assert plan_type(input_ids(2, 8)) is MoHDMaskedPlan  # 16
+    assert plan_type(input_ids(2, 9)) is MoHDSortedPlan  # 18
+    assert plan_type(input_ids(4, 10)) is MoHDSortedPlan  # 40
+    assert plan_type(input_ids(3, 14)) is MoHDGroupedPlan  # 42
+    assert plan_type(input_ids(2, 8), grad=True) is MoHDGroupedPlan  # training: the same plans as before
+    assert mohd_strategies.CPU_DENSE_TOKENS == 32 and mohd_strategies.CPU_SORTED_TOKENS == 256  # the defaults
+
+
 def test_device_default_plans_apply_to_a_model_built_from_its_config(monkeypatch):
     """A device type listed in `DEVICE_DEFAULT_PLANS` (the CPU, patched in for this test; CUDA in the library) makes
     the gather strategy of a model built from its config take the table's plan of each mode there, with the masked
     path's logits; a strategy chosen by name (`set_sparse_implementation("gather")`) runs its own plans again, and
     the sorted strategy ignores the table."""
     monkeypatch.setitem(mohd_strategies.DEVICE_DEFAULT_PLANS, "cpu", {"few_tokens": "masked", "many_tokens": "sorted"})
+    monkeypatch.setattr(mohd_strategies, "CPU_DENSE_TOKENS", 0)  # 22 tokens: the grouped plan when chosen by name
     fast, masked = pair()
     fast.eval(), masked.eval()
     plans = []

@@ -93,6 +93,14 @@ def small_gemms_compute_bound(dtype: torch.dtype, threads: int) -> bool:
 # gather strategy's own plans; `MoHDPreTrainedModel.set_sparse_implementation` overrides the table for a model.
 DEVICE_DEFAULT_PLANS = {"cuda": {"few_tokens": "masked", "many_tokens": "masked"}}
 
+# Eager CPU forwards without autograd, by tokens M (`MoHDGatherStrategy.plan`; measured by `bench.bench_mohd_tokens`):
+# past the few-token plans and up to `CPU_DENSE_TOKENS` tokens (batched decoding) M tokens pick nearly every routed
+# block between them, so no plan reads fewer weight bytes than the dense one and the masked plan's few large products
+# are fastest; up to `CPU_SORTED_TOKENS` (short prefills) the sorted plan's one grouped product per side beats the
+# per-slot grouped plan, whose k * N_r products win only on more tokens. 0 turns both regimes off.
+CPU_DENSE_TOKENS = 32
+CPU_SORTED_TOKENS = 256
+
 SMALL_BATCH_PLANS = ("auto", "union", "per_block")
 # An explicit choice of the small-batch plan for every MoHD model built in this process (`MoHDGatherStrategy`)
 SMALL_BATCH_PLAN_ENV = "HF_MOHD_SMALL_BATCH_PLAN"
@@ -278,7 +286,9 @@ class MoHDGatherStrategy(MoHDStrategy):
 
     Plans by the number of tokens M (`plan`): up to `host_tokens` tokens on an eager CPU run, `MoHDSpansPlan` (the
     picked blocks' weight spans read once for all tokens: decoding, draft verification, the memory-bound case, as in
-    Deja Vu and PowerInfer); up to `few_tokens` tokens elsewhere, `MoHDIndexedPlan`; more tokens, `MoHDGroupedPlan`.
+    Deja Vu and PowerInfer); up to `few_tokens` tokens elsewhere, `MoHDIndexedPlan`; more tokens, `MoHDGroupedPlan`,
+    except on an eager CPU forward without autograd: up to `cpu_dense_tokens` tokens the masked plan (batched
+    decoding, where the tokens' union is every block), up to `cpu_sorted_tokens` `MoHDSortedPlan` (short prefills).
     One token without autograd on an eager CPU run (decoding at batch 1) takes `MoHDTokenPlan` instead, natively
     where the native kernels apply (`route`, `one_token_path`).
 
@@ -307,6 +317,9 @@ class MoHDGatherStrategy(MoHDStrategy):
             so the direct read stays ahead of the grouped path over the small batches of decoding).
         small_batch_plan: "union" or "per_block", the form of a spans plan of several tokens without autograd
             (`MoHDSpansPlan`; `default_small_batch_plan`).
+        cpu_dense_tokens, cpu_sorted_tokens: on an eager CPU forward without autograd, the most tokens of the masked
+            plan (past the few-token plans) and of the sorted plan (`CPU_DENSE_TOKENS`, `CPU_SORTED_TOKENS`; 0: the
+            grouped plan for every M past the few-token plans).
     """
 
     block_major_projections = BLOCK_MAJOR_PROJECTIONS
@@ -318,11 +331,13 @@ class MoHDGatherStrategy(MoHDStrategy):
         self.host_tokens = max(self.few_tokens, 8)
         self.small_batch_plan = default_small_batch_plan()
         self.device_defaults = True
+        self.cpu_dense_tokens, self.cpu_sorted_tokens = CPU_DENSE_TOKENS, CPU_SORTED_TOKENS
 
     def with_top_k(self, top_k: int) -> "MoHDGatherStrategy":
         """The same strategy (small-batch plan, device defaults) for plans of `top_k` routed blocks per token."""
         strategy = type(self)(None, self.geometry._replace(top_k=top_k))
         strategy.small_batch_plan, strategy.device_defaults = self.small_batch_plan, self.device_defaults
+        strategy.cpu_dense_tokens, strategy.cpu_sorted_tokens = self.cpu_dense_tokens, self.cpu_sorted_tokens
         return strategy
 
     def route(self, sublayer, hidden_states: torch.Tensor, projections, **kwargs) -> MoHDPlan:
@@ -357,6 +372,11 @@ class MoHDGatherStrategy(MoHDStrategy):
                 return MoHDSpansPlan(g, shared.scatter(1, indices, weights), None, spans, rows)
             keep = None if m == 1 else shared.scatter(1, indices, 1.0)
             return MoHDSpansPlan(g, shared.scatter(1, indices, weights), keep, spans)
+        if self.cpu_dense_tokens and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            if indices.device.type == "cpu" and max(self.host_tokens, self.few_tokens) < m <= self.cpu_dense_tokens:
+                return masked_plan(g, indices, weights)  # batched decoding: the union is every block
+            if indices.device.type == "cpu" and self.cpu_dense_tokens < m <= self.cpu_sorted_tokens:
+                return MoHDSortedPlan.of_routes(g, indices, weights)  # short prefills
         if m <= self.few_tokens:
             width = g.top_k * g.block
             columns = (indices[..., None] * g.block + torch.arange(g.block, device=indices.device)).view(m, -1)
