@@ -18,7 +18,8 @@ Models, each saved with `save_pretrained` and served from its folder as a user w
   `LlamaForCausalLM`;
 - `carved_75`, `carved_50`: its carvings into LatentMoE (`hf-mohd convert latent-moe --carve`: a shared expert of one
   third of each FFN, 64 routed experts, 40 or 16 active: 75% / 50% of each FFN per token; routers fitted on
-  calibration text, the first Wikipedia articles of the `gensim` wheel);
+  calibration text, the first Wikipedia articles of the `gensim` wheel); `carved_50_n16`: the same 50% with 16
+  coarser routed experts, 4 active (not in the default run: `--models carved_50_n16`);
 - `mohd_75`, `mohd_50`: its MoHD conversions (`hf-mohd convert mohd --rotate pca --routers fitted`, presets
   `compression_75` / `compression_50`);
 - `llama`, `mohd`: a random `LlamaForCausalLM` at the bench shape (`common.BENCH_SHAPE`) and a `MoHDForCausalLM` of
@@ -69,6 +70,7 @@ LOADS = (1, 16)
 DENSE_OF = {
     "carved_75": "dense",
     "carved_50": "dense",
+    "carved_50_n16": "dense",
     "mohd_75": "dense",
     "mohd_50": "dense",
     "mohd": "llama",
@@ -80,6 +82,8 @@ GOALS = {"vllm_over_transformers_at_16": 1.0, "sparse_over_dense_in_vllm": 1.0}
 
 
 MODELS = ("dense", "carved_75", "carved_50", "mohd_75", "mohd_50", "llama", "mohd")
+# run only when asked for by `--models`: expert granularity at the same active share (16 experts of 64 neurons)
+EXTRA_MODELS = ("carved_50_n16",)
 
 
 def selected_models(requested: str | None) -> tuple[str, ...]:
@@ -92,11 +96,11 @@ def selected_models(requested: str | None) -> tuple[str, ...]:
     if requested is None:
         return MODELS
     names = {name.strip() for name in requested.split(",") if name.strip()}
-    unknown = names - set(MODELS)
+    unknown = names - set(MODELS) - set(EXTRA_MODELS)
     if unknown:
-        raise SystemExit(f"--models: unknown {sorted(unknown)}; expected names from {list(MODELS)}")
+        raise SystemExit(f"--models: unknown {sorted(unknown)}; expected names from {list(MODELS + EXTRA_MODELS)}")
     names |= {DENSE_OF[name] for name in names if name in DENSE_OF}
-    return tuple(name for name in MODELS if name in names)
+    return tuple(name for name in MODELS + EXTRA_MODELS if name in names)
 
 
 def build_models(folder: Path, shape: dict, calibration_tokens: int, names=MODELS) -> dict[str, Path]:
@@ -111,6 +115,10 @@ def build_models(folder: Path, shape: dict, calibration_tokens: int, names=MODEL
                 built[f"carved_{label.rstrip('%')}"] = carve_llama(
                     source, calibration, num_experts=64, num_experts_per_tok=k, shared_fraction=1 / 3
                 )[0]
+        if "carved_50_n16" in names:  # 1/3 shared + 2/3 * 4/16 routed = 50% of each FFN
+            built["carved_50_n16"] = carve_llama(
+                source, calibration, num_experts=16, num_experts_per_tok=4, shared_fraction=1 / 3
+            )[0]
         for preset in ("compression_75", "compression_50"):
             if f"mohd_{preset.split('_')[1]}" in names:
                 built[f"mohd_{preset.split('_')[1]}"] = llama_to_mohd(
