@@ -1343,6 +1343,11 @@ def test_cpu_plans_by_tokens_without_autograd(monkeypatch):
     assert plan_type(input_ids(4, 10)) is MoHDSortedPlan  # 40
     assert plan_type(input_ids(3, 14)) is MoHDGroupedPlan  # 42
     assert plan_type(input_ids(2, 8), grad=True) is MoHDGroupedPlan  # training: the same plans as before
+    fast.to(torch.bfloat16), masked.to(torch.bfloat16)  # measured in float32: bf16 keeps the grouped plan
+    plans.clear()
+    with torch.no_grad():
+        fast(input_ids(2, 8))
+    assert {type(plan) for plan in plans} == {MoHDGroupedPlan}
     assert mohd_strategies.CPU_DENSE_TOKENS == 32 and mohd_strategies.CPU_SORTED_TOKENS == 256  # the defaults
 
 

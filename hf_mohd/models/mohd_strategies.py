@@ -98,8 +98,10 @@ DEVICE_DEFAULT_PLANS = {"cuda": {"few_tokens": "masked", "many_tokens": "masked"
 # block between them, so no plan reads fewer weight bytes than the dense one and the masked plan's few large products
 # are fastest; up to `CPU_SORTED_TOKENS` (short prefills) the sorted plan's one grouped product per side beats the
 # per-slot grouped plan, whose k * N_r products win only on more tokens. 0 turns both regimes off.
+# Measured in float32; other dtypes (bf16 sums in other places on each plan) keep the grouped plan until measured.
 CPU_DENSE_TOKENS = 32
 CPU_SORTED_TOKENS = 256
+CPU_PLAN_DTYPES = (torch.float32, torch.float64)
 
 SMALL_BATCH_PLANS = ("auto", "union", "per_block")
 # An explicit choice of the small-batch plan for every MoHD model built in this process (`MoHDGatherStrategy`)
@@ -287,8 +289,9 @@ class MoHDGatherStrategy(MoHDStrategy):
     Plans by the number of tokens M (`plan`): up to `host_tokens` tokens on an eager CPU run, `MoHDSpansPlan` (the
     picked blocks' weight spans read once for all tokens: decoding, draft verification, the memory-bound case, as in
     Deja Vu and PowerInfer); up to `few_tokens` tokens elsewhere, `MoHDIndexedPlan`; more tokens, `MoHDGroupedPlan`,
-    except on an eager CPU forward without autograd: up to `cpu_dense_tokens` tokens the masked plan (batched
-    decoding, where the tokens' union is every block), up to `cpu_sorted_tokens` `MoHDSortedPlan` (short prefills).
+    except on an eager float32 (or float64) CPU forward without autograd: up to `cpu_dense_tokens` tokens the masked
+    plan (batched decoding, where the tokens' union is every block), up to `cpu_sorted_tokens` `MoHDSortedPlan` (short
+    prefills).
     One token without autograd on an eager CPU run (decoding at batch 1) takes `MoHDTokenPlan` instead, natively
     where the native kernels apply (`route`, `one_token_path`).
 
@@ -372,7 +375,8 @@ class MoHDGatherStrategy(MoHDStrategy):
                 return MoHDSpansPlan(g, shared.scatter(1, indices, weights), None, spans, rows)
             keep = None if m == 1 else shared.scatter(1, indices, 1.0)
             return MoHDSpansPlan(g, shared.scatter(1, indices, weights), keep, spans)
-        if self.cpu_dense_tokens and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        measured = weights.dtype in CPU_PLAN_DTYPES
+        if self.cpu_dense_tokens and measured and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             if indices.device.type == "cpu" and max(self.host_tokens, self.few_tokens) < m <= self.cpu_dense_tokens:
                 return masked_plan(g, indices, weights)  # batched decoding: the union is every block
             if indices.device.type == "cpu" and self.cpu_dense_tokens < m <= self.cpu_sorted_tokens:
