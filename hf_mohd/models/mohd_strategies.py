@@ -375,12 +375,17 @@ class MoHDGatherStrategy(MoHDStrategy):
                 return MoHDSpansPlan(g, shared.scatter(1, indices, weights), None, spans, rows)
             keep = None if m == 1 else shared.scatter(1, indices, 1.0)
             return MoHDSpansPlan(g, shared.scatter(1, indices, weights), keep, spans)
-        measured = weights.dtype in CPU_PLAN_DTYPES
-        if self.cpu_dense_tokens and measured and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            if indices.device.type == "cpu" and max(self.host_tokens, self.few_tokens) < m <= self.cpu_dense_tokens:
-                return masked_plan(g, indices, weights)  # batched decoding: the union is every block
-            if indices.device.type == "cpu" and self.cpu_dense_tokens < m <= self.cpu_sorted_tokens:
-                return MoHDSortedPlan.of_routes(g, indices, weights)  # short prefills
+        cpu_inference = (  # the CPU plans by tokens (0 `cpu_dense_tokens`: off)
+            self.cpu_dense_tokens > 0
+            and indices.device.type == "cpu"
+            and weights.dtype in CPU_PLAN_DTYPES
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        )
+        if cpu_inference and max(self.host_tokens, self.few_tokens) < m <= self.cpu_dense_tokens:
+            return masked_plan(g, indices, weights)  # batched decoding: the union is every block
+        if cpu_inference and self.cpu_dense_tokens < m <= self.cpu_sorted_tokens:
+            return MoHDSortedPlan.of_routes(g, indices, weights)  # short prefills
         if m <= self.few_tokens:
             width = g.top_k * g.block
             columns = (indices[..., None] * g.block + torch.arange(g.block, device=indices.device)).view(m, -1)

@@ -665,7 +665,7 @@ def prepare_run(config: TrainConfig, accelerator, tokenizer, batches: PackedBatc
     forward_kwargs = router_kwargs(unwrapped, config.router_aux_loss)
     if hidden_basis_q is not None:
         forward_kwargs = {**forward_kwargs, "output_hidden_states": True}
-    tokens_per_step = config.micro_batch_size * config.grad_accum_steps * accelerator.num_processes
+    sequences_per_step = config.micro_batch_size * config.grad_accum_steps * accelerator.num_processes
     run = Run(
         config=config,
         accelerator=accelerator,
@@ -684,7 +684,7 @@ def prepare_run(config: TrainConfig, accelerator, tokenizer, batches: PackedBatc
         hidden_basis_q=hidden_basis_q,
         forward_kwargs=forward_kwargs,
         aux_coef=float(getattr(unwrapped.config, "router_aux_loss_coef", 0.0) or 0.0),
-        tokens_per_step=tokens_per_step * config.data.seq_len,
+        tokens_per_step=sequences_per_step * config.data.seq_len,
         nested=nested,
     )
     if nested:  # the model's own k: its config's default, which stands for its per-layer budgets when it has them
