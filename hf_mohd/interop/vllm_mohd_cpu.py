@@ -84,8 +84,8 @@ def project_in(
                 )
         return out
     runs, tokens, blocks = sorted_pairs(ids, num_shared)
-    positions = (blocks * block)[:, None] + torch.arange(block)
-    rows = gated.index_select(0, tokens).gather(1, positions)  # (M k, s): each pair's gated block
+    num_sub_dims = gated.shape[1] // block
+    rows = gated.reshape(m * num_sub_dims, block).index_select(0, tokens * num_sub_dims + blocks)  # each pair's block
     parts = gated.new_empty(rows.shape[0], width)
     for block_id, start, stop in runs:
         onednn_mm(parts[start:stop], rows[start:stop], handlers[2 + block_id])
