@@ -292,9 +292,10 @@ def test_each_family_runs_its_vllm_path(served):
 def test_mohd_prepacked_sublayers_equal_the_masked_strategy_with_the_plan_of_each_token_count():
     """MoHD's sublayers on vLLM's prepacked oneDNN products (`vllm_mohd_cpu`, run in `.venv-vllm` by
     `tests/vllm_onednn_check.py`): `project_in` and `project_out` (with activation scaling and group fusion) equal the
-    masked strategy's in float32 for 1 to 100 tokens, and the number of oneDNN products says which plan ran: per token
-    (1 + M k on the input side, M (1 + k) on the output side), dense (one per side) from 3 to 32 tokens, sorted by
-    block (1 + the distinct routed blocks, per side) beyond; the packed projections' weights are freed."""
+    masked strategy's in float32 for 1 to 200 tokens, and the number of oneDNN products says which plan ran: per token
+    (1 + M k products on the input side for 1-2 tokens, 1 + k on the output side for one), dense (one per side: 3-32
+    tokens in, 2-128 out), sorted by block beyond (1 + the distinct routed blocks, per side); the packed projections'
+    weights are freed."""
     done = subprocess.run(
         [str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_onednn_check.py"))],
         capture_output=True, text=True, timeout=600, check=True,
@@ -303,16 +304,13 @@ def test_mohd_prepacked_sublayers_equal_the_masked_strategy_with_the_plan_of_eac
     assert found["freed"] == {"attention": [0, 0, 0, 0], "mlp": [0, 0, 0]}
     k = 2
     for sublayer, by_tokens in found["sublayers"].items():
-        assert set(by_tokens) == {"1", "2", "3", "16", "32", "33", "100"}
+        assert set(by_tokens) == {"1", "2", "3", "16", "32", "33", "128", "129", "200"}
         for tokens, result in by_tokens.items():
             m = int(tokens)
             assert result["error"] <= 1e-5 * result["scale"], (sublayer, m, result)
-            if m < 3:
-                expected = 1 + m * k + m * (1 + k)
-            elif m <= 32:
-                expected = 2
-            else:
-                expected = 2 * (1 + result["distinct_blocks"])
+            expected_in = 1 + m * k if m < 3 else 1 if m <= 32 else 1 + result["distinct_blocks"]
+            expected_out = m * (1 + k) if m < 2 else 1 if m <= 128 else 1 + result["distinct_blocks"]
+            expected = expected_in + expected_out
             assert result["onednn_calls"] == expected, (sublayer, m, result)
 
 

@@ -2,7 +2,7 @@
 of `.venv-vllm` by test_vllm.py (vLLM's CPU operators exist only there): prints a JSON object.
 
 For both sublayers of a tiny MoHD layer (attention: q/k/v fused, o_proj; MLP: gate/up fused, down_proj) and M tokens
-across the plans (1 and 2: per token; 3 to 32: dense; 33 and 100: sorted by block), the sublayer's `project_in` and
+across the plans (per token, dense, sorted by block; `vllm_mohd_cpu.DENSE_TOKENS` per side), the sublayer's `project_in` and
 `project_out` (activation scaling, group fusion) on a plan of the packed strategy and on the masked strategy's plan of
 the same routes, in float32: {sublayer: {M: {"error", "scale", "onednn_calls", "distinct_blocks"}}}, with
 "onednn_calls" the `_C::onednn_mm` calls of the packed sublayer and "distinct_blocks" the routed blocks the M tokens
@@ -18,7 +18,7 @@ from hf_mohd import MoHDConfig, MoHDForCausalLM
 from hf_mohd.interop.vllm_mohd_cpu import pack_sublayer
 
 
-TOKENS = (1, 2, 3, 16, 32, 33, 100)
+TOKENS = (1, 2, 3, 16, 32, 33, 128, 129, 200)
 
 
 def main() -> None:

@@ -16,12 +16,14 @@ choices do not fit these families, and the classes here change exactly those:
 - MoHD (`MoHDForCausalLM`): the backend replaces every `nn.Linear` with vLLM's linear classes, which MoHD's gather
   strategy cannot read by blocks, so each sublayer falls back to its masked strategy (every block computed, then
   masked: exact, dense cost). Without tensor parallelism or quantisation the projections of MoHD's sparse sublayers
-  stay `nn.Linear` here, so that the configured strategy reads only the active blocks; after loading, their input
-  projections are stored block-major in one storage per sublayer (q/k/v, gate/up), as `generate` stores them, and on
-  the CPU a model configured with the gather strategy is served with the sorted one: the same plans for few tokens
-  (one decoded request), and for the many tokens of a continuous batch one sort of the (token, block) pairs and one
-  grouped product per side instead of one per routing slot and projection. On an accelerator the gather strategy
-  takes the device's default plans (`DEVICE_DEFAULT_PLANS` of the model's strategies file).
+  stay `nn.Linear` here. On the CPU their weights are then prepacked for vLLM's oneDNN products and each sublayer
+  computes through `vllm_mohd_cpu`'s operators, which plan by the step's tokens when they run (`HF_MOHD_VLLM_ONEDNN=0`
+  keeps the torch strategies). Elsewhere (and for a sublayer those operators do not take) the configured strategy
+  reads only the active blocks of the `nn.Linear` weights, the input projections stored block-major in one storage
+  per sublayer (q/k/v, gate/up), as `generate` stores them; on the CPU a model configured with the gather strategy is
+  served with the sorted one (one sort of the (token, block) pairs and one grouped product per side for the many
+  tokens of a continuous batch), on an accelerator with the device's default plans (`DEVICE_DEFAULT_PLANS` of the
+  model's strategies file).
 """
 
 import os
@@ -161,9 +163,10 @@ class LatentMoEForCausalLM(TransformersMoEForCausalLM):
 
 class MoHDForCausalLM(TransformersForCausalLM):
     """MoHD in vLLM: the Transformers backend with the projections of MoHD's sparse sublayers left as `nn.Linear`
-    (without tensor parallelism or quantisation), so that `config.sparse_implementation` reads only the active
-    sub-dimension blocks (block-major, fused per sublayer; "gather" served as "sorted" on the CPU, see the module
-    docstring); with either, the backend's parallel or quantised linears and the masked strategy."""
+    (without tensor parallelism or quantisation): on the CPU prepacked for vLLM's oneDNN products
+    (`vllm_mohd_cpu.MoHDOneDNNStrategy`), elsewhere read by blocks by `config.sparse_implementation` (block-major,
+    fused per sublayer; "gather" served as "sorted" on the CPU, see the module docstring); with either, the backend's
+    parallel or quantised linears and the masked strategy."""
 
     def recursive_replace(self):
         keep = self.tp_group.world_size == 1 and self.quant_config is None

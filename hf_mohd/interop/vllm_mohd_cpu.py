@@ -1,24 +1,25 @@
 """MoHD's sparse sublayers on vLLM's CPU matrix products: prepacked oneDNN weights, planned by tokens at run time.
 
-vLLM's CPU build computes its own linears with prepacked oneDNN products (`vllm._custom_ops.create_onednn_mm`, the
-weight reordered once into oneDNN's blocked layout), not with torch's `addmm`. MoHD's plans read the block-major
-`nn.Linear` weights with torch's products, which on CPUs where torch's BLAS is the slower library (measured on AMD
-Zen 4: 2-4x slower than the prepacked product on the same shapes) makes a sparse sublayer slower than the dense one it
-replaces. Here each sparse sublayer's weights are prepacked instead, and vLLM's one compiled graph calls two opaque
-operators per sublayer (`torch.ops.hf_mohd.mohd_onednn_in`, `mohd_onednn_out`) that choose the plan from the number
-of tokens M of the step when it runs (a compiled graph would fix the plan of the M it was traced with):
+vLLM's CPU build computes its own linears with prepacked oneDNN products (`vllm._custom_ops.create_onednn_mm`: the
+weight reordered once into oneDNN's blocked layout), not with torch's `addmm`, which MoHD's strategies call on the
+block-major `nn.Linear` weights; on CPUs where torch's BLAS is the slower of the two for these shapes (bench/README.md
+has the measurements) that alone made a sparse sublayer slower than the dense one it replaces. Here each sparse
+sublayer's weights are prepacked instead, and vLLM's one compiled graph calls two opaque operators per sublayer
+(`torch.ops.hf_mohd_vllm.mohd_onednn_in`, `mohd_onednn_out`) that choose the plan from the number of tokens M of the
+step when they run (a compiled graph would keep the plan of the M it was traced with):
 
-- few and many tokens (M <= `DENSE_TOKENS[0]`, decoding few requests; M > `DENSE_TOKENS[1]`, prefill): the shared
-  blocks as one product, and the (token, block) pairs of the routed blocks sorted by block, one product per picked
-  block over the tokens that picked it (each block prepacked on its own), so that only the active blocks are read
-  and computed (arXiv 2412.05644, section 3, steps 3-4);
-- in between (batched decoding, where the tokens' union covers nearly every routed block and no plan reads fewer
-  weight bytes than the dense one): one dense product on the gated input (input side) and one dense product masked
-  to the active blocks (output side), the masked strategy's computation on a prepacked copy of the whole weight.
+- one token, or two on the input side (decoding one or two requests): the shared blocks and each token's k picked blocks, one product
+  per block, so that only the active blocks are read (arXiv 2412.05644, section 3, steps 3-4);
+- `DENSE_TOKENS` (batched decoding, where the tokens' union covers nearly every routed block and no plan reads fewer
+  weight bytes than the dense one): one product of the whole weight on the gated input (input side), one masked to
+  the active blocks (output side), the masked strategy's computation;
+- more tokens (prefill; past 128 on the output side): the shared blocks as one product and the (token, block) pairs of the routed blocks sorted
+  by block, one product per block over the tokens that picked it (FLOPs of the active blocks only).
 
-Both plans are exact: the same sums as the masked strategy, in another order. The prepacked copies replace the
-`nn.Linear` weights (freed after packing, as vLLM frees its own linears' weights): per sublayer the whole weight and
-its shared and per-block parts, twice the sublayer's weight bytes.
+The gates and the output mask are computed in the compiled graph, the products in the operators. Every plan computes
+the masked strategy's sums, in another order. The prepacked copies replace the `nn.Linear` weights (freed after
+packing, as vLLM frees its own linears' weights): per sublayer the whole weight and its shared and per-block parts,
+twice the sublayer's weight bytes.
 """
 
 import torch
@@ -29,17 +30,20 @@ from vllm.logger import init_logger
 
 logger = init_logger(f"vllm.plugins.{__name__}")
 
-# (first, last) token counts M of a step that take the dense plan on the prepacked whole weight; the others take the
-# per-block plan. Measured with `python -m bench.bench_vllm --models mohd` and the operators alone (bench/README.md).
-DENSE_TOKENS = (3, 32)
+# side -> (first, last) token counts M of a step that take the dense plan on the prepacked whole weight; fewer take
+# the per-token plan, more the sorted one. From timings of the three forms at the bench shape (bench/README.md): the
+# output side's per-block products are narrower (s columns), so its dense range is wider.
+DENSE_TOKENS = {"in": (3, 32), "out": (2, 128)}
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN's primitive cache per prepacked weight (vLLM's own linears use 32): one primitive per distinct M
 PRIMITIVE_CACHE = 32
 
 
-def dense_plan(tokens: int) -> bool:
-    """Whether a step of `tokens` tokens takes the dense plan (`DENSE_TOKENS`)."""
-    return DENSE_TOKENS[0] <= tokens <= DENSE_TOKENS[1]
+def plan_of(tokens: int, side: str) -> str:
+    """The plan of a step of `tokens` tokens on `side` ("in" or "out"): "per_token", "dense" or "sorted"
+    (`DENSE_TOKENS`)."""
+    first, last = DENSE_TOKENS[side]
+    return "per_token" if tokens < first else "dense" if tokens <= last else "sorted"
 
 
 def onednn_mm(out: torch.Tensor, x: torch.Tensor, handler: torch.Tensor) -> torch.Tensor:
@@ -70,11 +74,12 @@ def project_in(
     rows (`pack_sublayer`). Registered as `torch.ops.hf_mohd_vllm.mohd_onednn_in`."""
     m = gated.shape[0]
     out = gated.new_empty(m, width)
-    if dense_plan(m):
+    plan = plan_of(m, "in")
+    if plan == "dense":
         return onednn_mm(out, gated, handlers[0])
     shared = num_shared * block
     onednn_mm(out, gated[:, :shared], handlers[1])
-    if m < DENSE_TOKENS[0]:  # each token's picked blocks, one product each
+    if plan == "per_token":  # each token's picked blocks, one product each
         part = gated.new_empty(1, width)
         for token, picked in enumerate(ids.tolist()):
             for block_id in picked:
@@ -100,10 +105,11 @@ def project_out(
     0 or W_o h (the caller masks them). `handlers` (2 + N_r,) int64: the prepacked whole W_o^T (in, D), its shared
     columns, each routed block's columns (`pack_sublayer`). Registered as `torch.ops.hf_mohd_vllm.mohd_onednn_out`."""
     m, hidden_size, shared = hidden.shape[0], num_sub_dims * block, num_shared * block
-    if dense_plan(m):
+    plan = plan_of(m, "out")
+    if plan == "dense":
         return onednn_mm(hidden.new_empty(m, hidden_size), hidden, handlers[0])
     out = hidden.new_zeros(m, hidden_size)
-    if m < DENSE_TOKENS[0]:  # written in place: one row of a block is contiguous
+    if plan == "per_token":  # written in place: one row of a block is contiguous
         for token, picked in enumerate(ids.tolist()):
             row = hidden[token : token + 1]
             onednn_mm(out[token : token + 1, :shared], row, handlers[1])
