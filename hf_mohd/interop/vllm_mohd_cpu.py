@@ -164,22 +164,21 @@ def block_spans(geometry) -> list[tuple[int, int]]:
 
 
 class MoHDOneDNNPlan:
-    """One step's routes of a sublayer served by `MoHDOneDNNStrategy`: ids and gates (M, k); computes the sublayer's
+    """One step's routes of a sublayer served by `MoHDOneDNNStrategy`: ids (M, k) and the masked strategy's plan of
+    the same routes (`masked`: its (M, N) input gates and output mask, built once per step); computes the sublayer's
     sides through the prepacked operators (the interface `MoHDSubDimensions` calls on a plan)."""
 
     inactive = None  # no dropped-block compensation on this path
 
-    def __init__(self, strategy: "MoHDOneDNNStrategy", ids: torch.Tensor, gates: torch.Tensor):
-        self.strategy, self.ids, self.gates = strategy, ids, gates
+    def __init__(self, strategy: "MoHDOneDNNStrategy", ids: torch.Tensor, masked):
+        self.strategy, self.ids, self.masked = strategy, ids, masked
 
     def project_in(self, hidden_states: torch.Tensor, linears) -> list[torch.Tensor]:
         """(M, D) -> one (M, out) view per input projection of the fused product of the gated input (gated in the
         compiled graph, the product in `mohd_onednn_in`)."""
         s, g = self.strategy, self.strategy.geometry
         m = hidden_states.shape[0]
-        gates = self.gates.new_zeros(m, g.num_sub_dims)
-        gates[:, : g.num_shared] = 1
-        gates = gates.scatter(1, self.ids, self.gates).to(hidden_states.dtype)
+        gates = self.masked.gates.to(hidden_states.dtype)
         gated = (hidden_states.view(m, g.num_sub_dims, g.block) * gates[..., None]).view(m, -1)
         out = torch.ops.hf_mohd_vllm.mohd_onednn_in(
             gated, self.ids, s.input_handlers, g.num_shared, g.block, sum(s.input_widths)
@@ -189,14 +188,11 @@ class MoHDOneDNNPlan:
     def project_out(self, hidden_states: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         """(M, in) -> (M, N, s), zero outside the active blocks (masked in the compiled graph)."""
         g = self.strategy.geometry
-        m = hidden_states.shape[0]
         out = torch.ops.hf_mohd_vllm.mohd_onednn_out(
             hidden_states, self.ids, self.strategy.output_handlers, g.num_sub_dims, g.num_shared, g.block
         )
-        mask = hidden_states.new_zeros(m, g.num_sub_dims)
-        mask[:, : g.num_shared] = 1
-        mask = mask.scatter(1, self.ids, 1.0)
-        return out.view(m, g.num_sub_dims, g.block) * mask[..., None]
+        mask = self.masked.mask.to(out.dtype)
+        return out.view(hidden_states.shape[0], g.num_sub_dims, g.block) * mask[..., None]
 
     def project_out_mixed(self, hidden_states, linear, fusion, scale):
         return None  # the sublayer applies activation scaling and group fusion to `project_out`'s blocks
@@ -214,10 +210,12 @@ class MoHDOneDNNStrategy:
         self.input_handlers, self.output_handlers, self._packed = input_handlers, output_handlers, keep_alive
 
     def route(self, sublayer, hidden_states: torch.Tensor, projections, **kwargs) -> MoHDOneDNNPlan:
-        """(B, T, D) normed input -> the plan of its B * T tokens (the router module's ids and gates)."""
+        """(B, T, D) normed input -> the plan of its B * T tokens (the router module's ids and gates, with the
+        sublayer's masked strategy's gates and mask of them)."""
         _, gates, ids = sublayer.router(hidden_states, **kwargs)
         k = ids.shape[-1]
-        return MoHDOneDNNPlan(self, ids.reshape(-1, k), gates.reshape(-1, k))
+        ids, gates = ids.reshape(-1, k), gates.reshape(-1, k)
+        return MoHDOneDNNPlan(self, ids, sublayer.masked.plan(ids, gates))
 
 
 def packable(sub_dims, linears) -> str:
@@ -238,7 +236,7 @@ def packable(sub_dims, linears) -> str:
 def pack_sublayer(sub_dims, inputs, output) -> MoHDOneDNNStrategy:
     """The `MoHDOneDNNStrategy` of a sublayer whose input projections `inputs` (in the order its forward passes them)
     and output projection `output` are prepacked; their `nn.Linear` weights are freed (set to empty tensors)."""
-    geometry = sub_dims.masked.geometry._replace(top_k=sub_dims.router.top_k)
+    geometry = sub_dims.masked.geometry  # the sublayer's k (`with_top_k`)
     spans = block_spans(geometry)
     with torch.no_grad():
         weight_t = torch.cat([linear.weight.t() for linear in inputs], dim=1)  # (D, sum of out)
